@@ -1,0 +1,382 @@
+"""The values that flow through the agent: samples (what collectors saw) and findings (what they mean).
+
+Collectors return samples and make no decisions. `healthd.classify.classify` turns a Snapshot plus
+history into Findings. Everything here is a frozen dataclass so a tick's data cannot be changed
+after it was read, and every type renders to the stable JSON shape documented in the README.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+Attribution = Literal["hardware", "fabric", "storage", "software", "user", "unknown"]
+Source = Literal["nvml", "kernel_log", "infiniband", "host"]
+Action = Literal[
+    "none",
+    "reset-gpu-when-idle",
+    "reboot-when-idle",
+    "drain",
+    "drain-and-requeue",
+    "inspect-hardware",
+]
+ComponentKind = Literal["gpu", "port", "node", "filesystem"]
+Verdict = Literal["healthy", "degraded", "failed", "unknown"]
+Tier = Literal[1, 2, 3]
+
+ATTRIBUTIONS: tuple[str, ...] = ("hardware", "fabric", "storage", "software", "user", "unknown")
+ACTIONS: tuple[str, ...] = (
+    "none",
+    "reset-gpu-when-idle",
+    "reboot-when-idle",
+    "drain",
+    "drain-and-requeue",
+    "inspect-hardware",
+)
+# How strongly an action takes a node out of service; the verdict's would_do keeps the strongest.
+ACTION_SEVERITY: Mapping[str, int] = {a: i for i, a in enumerate(ACTIONS)}
+
+# A collector's outcome for one tick: "ok" it read data; "no_data" the source does not exist on this
+# node (no driver, no HCA) and that is not a fault; "error" the source exists but could not be read.
+Status = Literal["ok", "no_data", "error"]
+
+
+def iso(ts: float | None) -> str | None:
+    """Epoch seconds -> RFC 3339 UTC with milliseconds, the one time format of the JSON output."""
+    if ts is None:
+        return None
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def normalize_bus_id(raw: str) -> str | None:
+    """Any PCI address spelling -> NVML's `00000000:3B:00.0`, the one key GPUs are joined on.
+
+    Kernel lines print `0000:3b:00` (no function) or `PCI:0018:01:00`, NVML prints
+    `00000000:3B:00.0`, sysfs prints `0000:3b:00.0`. Returns None for text that is not an address.
+    """
+    text = raw.strip()
+    if text[:4].upper() == "PCI:":
+        text = text[4:]
+    parts = text.split(":")
+    if len(parts) == 2:
+        parts = ["0", *parts]
+    if len(parts) != 3:
+        return None
+    domain, bus, rest = parts
+    dev, _, fn = rest.partition(".")
+    fn = fn or "0"
+    try:
+        d, b, v, f = int(domain, 16), int(bus, 16), int(dev, 16), int(fn, 16)
+    except ValueError:
+        return None
+    if d > 0xFFFFFFFF or b > 0xFF or v > 0x1F or f > 0x7:
+        return None
+    return f"{d:08X}:{b:02X}:{v:02X}.{f:X}"
+
+
+@dataclass(frozen=True)
+class Component:
+    """The thing a finding is about. Unused fields stay None."""
+
+    kind: ComponentKind
+    index: int | None = None
+    """GPU index as NVML numbers it."""
+    uuid: str | None = None
+    serial: str | None = None
+    bus_id: str | None = None
+    """PCI bus id, normalised to NVML's form `00000000:3B:00.0`."""
+    device: str | None = None
+    """HCA name (`mlx5_0`) for ports, mount point for filesystems."""
+    port: int | None = None
+
+    def key(self) -> str:
+        """A short stable name used in finding ids and logs: gpu0, mlx5_0/1, node, fs:/ckpt."""
+        if self.kind == "gpu":
+            return f"gpu{self.index}" if self.index is not None else f"gpu[{self.bus_id}]"
+        if self.kind == "port":
+            return f"{self.device}/{self.port}"
+        if self.kind == "filesystem":
+            return f"fs:{self.device}"
+        return "node"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+NODE = Component(kind="node")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One verifiable fact behind a finding: a log line and its cursor, a counter delta over a window,
+    an NVML value. `text` is what a human reads; `data` is the same fact as machine-readable fields."""
+
+    kind: str
+    """log_line | counter | nvml_value | probe | state | history | config."""
+    text: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "text": self.text, **dict(self.data)}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An attributed, tiered statement about one component, with the evidence that produced it."""
+
+    id: str
+    """Stable across ticks for the same condition: `<rule>:<component key>[:xid]`."""
+    component: Component
+    source: Source
+    attribution: Attribution
+    tier: Tier
+    action: Action
+    summary: str
+    evidence: tuple[Evidence, ...]
+    xid: int | None = None
+    count: int = 1
+    first_seen: float | None = None
+    last_seen: float | None = None
+    job: str | None = None
+    """Slurm job id the finding is charged to, when known (set by the Slurm hooks' binding)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "component": self.component.to_json(),
+            "source": self.source,
+            "xid": self.xid,
+            "attribution": self.attribution,
+            "tier": self.tier,
+            "action": self.action,
+            "summary": self.summary,
+            "evidence": [e.to_json() for e in self.evidence],
+            "count": self.count,
+            "first_seen": iso(self.first_seen),
+            "last_seen": iso(self.last_seen),
+            "job": self.job,
+        }
+
+
+# --------------------------------------------------------------------------- samples: NVML
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU as NVML reported it this tick. A None field means "no data" (NotSupported, symbol
+    missing in this driver); the field names of such reads are listed in `no_data`."""
+
+    index: int
+    name: str | None = None
+    uuid: str | None = None
+    serial: str | None = None
+    bus_id: str | None = None
+    lost: bool = False
+    """NVML answered GPU_IS_LOST for this device: fell off the bus or otherwise gone."""
+    lost_detail: str | None = None
+    temperature_c: int | None = None
+    margin_c: int | None = None
+    """Distance to the nearest slowdown threshold (nvmlDeviceGetMarginTemperature)."""
+    slowdown_threshold_c: int | None = None
+    clock_event_reasons: int | None = None
+    """Bitmask of nvmlClocksEventReason* (formerly throttle reasons)."""
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    remap_corrected: int | None = None
+    remap_uncorrected: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    retired_pages_sbe: int | None = None
+    retired_pages_dbe: int | None = None
+    retired_pending: bool | None = None
+    pcie_replay: int | None = None
+    pcie_gen: int | None = None
+    pcie_gen_max: int | None = None
+    pcie_width: int | None = None
+    pcie_width_max: int | None = None
+    nvlink_errors: Mapping[str, int] = field(default_factory=dict)
+    """`link<N>.<replay|recovery|crc_flit|crc_data>` -> counter, for links NVML reports active."""
+    no_data: tuple[str, ...] = ()
+    errors: Mapping[str, str] = field(default_factory=dict)
+    """field -> NVML error text for reads that failed with something other than NotSupported."""
+
+
+@dataclass(frozen=True)
+class NvmlSample:
+    status: Status
+    detail: str = ""
+    """Why no_data or error: 'libnvidia-ml.so.1 not found', 'driver not loaded', the NVML error."""
+    error_kind: str | None = None
+    """For status=error: library_not_found | driver_not_loaded | init_failed | timeout | other."""
+    driver_version: str | None = None
+    nvml_version: str | None = None
+    count: int | None = None
+    gpus: tuple[GpuSample, ...] = ()
+
+
+# --------------------------------------------------------------------------- samples: kernel log
+
+
+@dataclass(frozen=True)
+class KernelLine:
+    """One parsed NVRM line (pure parse of the message text; no I/O)."""
+
+    kind: Literal["xid", "fallen_off_bus", "gpu_identity", "serial"]
+    bus_id: str | None
+    """Normalised to NVML's form `00000000:3B:00.0`."""
+    xid: int | None = None
+    pid: int | None = None
+    process: str | None = None
+    text: str = ""
+    """The free text after the code (or the whole message for non-Xid kinds)."""
+    subcode: int | None = None
+    """NVLink5 (Xid 144-150) subcode: bits 20-25 of the first hex word."""
+    nvlink_unit: str | None = None
+    nvlink_severity: str | None = None
+    """'Fatal' | 'Non-fatal' as printed in NVLink5 lines."""
+    gpc: int | None = None
+    tpc: int | None = None
+    sm: int | None = None
+    uuid: str | None = None
+    serial: str | None = None
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """Identical kernel lines folded together: one GPU can emit 800,000 copies of the same Xid 95
+    line, so a burst is one event with a count, the first line and cursor, and the last cursor."""
+
+    xid: int
+    bus_id: str | None
+    text: str
+    """The first line's message, as logged."""
+    count: int
+    first_ts: float
+    last_ts: float
+    first_cursor: str | None
+    last_cursor: str | None
+    pid: int | None = None
+    process: str | None = None
+    subcode: int | None = None
+    nvlink_severity: str | None = None
+    gpc: int | None = None
+    tpc: int | None = None
+    synthesized: bool = False
+    """True for "GPU has fallen off the bus" lines without an Xid, mapped to 79."""
+
+
+@dataclass(frozen=True)
+class KernelSample:
+    status: Status
+    detail: str = ""
+    events: tuple[XidEvent, ...] = ()
+    """Events read since the previous tick (the follower hands each event over exactly once)."""
+    identities: Mapping[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    """bus_id -> (uuid, serial) learned from `NVRM: GPU at PCI:...` / `GPU Board Serial Number` lines."""
+    lines_read: int = 0
+    malformed: int = 0
+    gap: bool = False
+    """The saved cursor's entry was vacuumed: lines between it and the next entry may be lost."""
+    cursor: str | None = None
+    """Position after the last line read (journal cursor, or 'kmsg:<boot_id>:<seq>'); the agent
+    persists it together with the history the events were folded into, so a restart resumes
+    exactly once."""
+
+
+# --------------------------------------------------------------------------- samples: InfiniBand
+
+
+@dataclass(frozen=True)
+class CounterDelta:
+    """A counter's change since the previous reading, over `window_s` seconds."""
+
+    value: int
+    delta: int | None
+    """None on the first reading, after a reset (value went down) or when saturated."""
+    window_s: float | None
+    saturated: bool = False
+    """The PMA counter sits at its maximum (16/8/4-bit): new errors are unknown, not zero."""
+    reset: bool = False
+
+    @property
+    def rate_per_s(self) -> float | None:
+        if self.delta is None or not self.window_s:
+            return None
+        return self.delta / self.window_s
+
+
+@dataclass(frozen=True)
+class PortSample:
+    device: str
+    port: int
+    state: str | None
+    """'ACTIVE', 'DOWN', ... (text after 'N: ')."""
+    phys_state: str | None
+    """'LinkUp', 'Disabled', 'Polling', ..."""
+    rate_gbps: float | None
+    link_layer: str | None
+    counters: Mapping[str, CounterDelta] = field(default_factory=dict)
+    """Keys are 'counters/<name>' and 'hw_counters/<name>'."""
+    unreadable: Mapping[str, str] = field(default_factory=dict)
+    """File -> error for files that exist but could not be read or parsed (EIO, EINVAL, garbage)."""
+
+    @property
+    def up(self) -> bool:
+        return self.state == "ACTIVE" and self.phys_state == "LinkUp"
+
+
+@dataclass(frozen=True)
+class InfinibandSample:
+    status: Status
+    detail: str = ""
+    ports: tuple[PortSample, ...] = ()
+    boot_id: str | None = None
+
+
+# --------------------------------------------------------------------------- samples: host
+
+
+@dataclass(frozen=True)
+class FilesystemProbe:
+    path: str
+    role: str
+    """What the operator calls it in config: checkpoint, dataset, scratch."""
+    mounted: bool
+    writable: bool | None
+    latency_s: float | None
+    """Write + fsync of a small file; None when it did not complete."""
+    timed_out: bool = False
+    error: str | None = None
+    fstype: str | None = None
+
+
+@dataclass(frozen=True)
+class HostSample:
+    status: Status
+    detail: str = ""
+    mem_available_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    psi: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """'memory'|'io'|'cpu' -> {'some_avg10': .., 'full_avg10': .., ...} from /proc/pressure."""
+    dstate_pids: tuple[tuple[int, str], ...] = ()
+    """(pid, comm) of processes in uninterruptible sleep."""
+    filesystems: tuple[FilesystemProbe, ...] = ()
+
+
+# --------------------------------------------------------------------------- one tick
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    node: str
+    time: float
+    boot_id: str | None
+    nvml: NvmlSample
+    kernel: KernelSample
+    infiniband: InfinibandSample
+    host: HostSample
+    collect_seconds: Mapping[str, float] = field(default_factory=dict)

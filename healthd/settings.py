@@ -1,0 +1,160 @@
+"""Settings: frozen dataclasses, one per config section. The YAML loader is healthd.config.
+
+Defaults are the values an administrator gets with an empty config file; thresholds cite where they
+come from (see README "Configuration").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class NvmlSettings:
+    enabled: bool = True
+    """Run the NVML collector at all."""
+    expected_gpus: int | None = None
+    """GPUs this node must have; fewer is a T1 hardware finding. None: do not check the count."""
+    call_timeout_s: float = 5.0
+    """Hard limit on one whole NVML collection; a hung driver call makes the tick report an error."""
+    margin_warn_c: int = 5
+    """Thermal margin (degrees to the nearest slowdown threshold) below which a GPU is reported hot."""
+
+
+@dataclass(frozen=True)
+class KernelLogSettings:
+    enabled: bool = True
+    """Follow the kernel log for NVRM/Xid lines."""
+    journal_dir: str | None = None
+    """Directory of journal files to read; None reads the system journal."""
+    kmsg_path: str | None = "/dev/kmsg"
+    """Fallback when no journal is readable; None disables the fallback."""
+    start_at: str = "boot"
+    """With no saved cursor: 'boot' reads this boot's kernel lines from the head, 'tail' only new ones,
+    'head' everything the journal holds."""
+
+
+@dataclass(frozen=True)
+class IbThresholds:
+    """Counter-rate thresholds; defaults from NVSentinel's NIC monitor (anchors.md 10.4)."""
+
+    symbol_error_per_hour: float = 120.0
+    """Fatal: symbol errors above this hourly rate (raw bit errors are normal on PAM4, so a rate)."""
+    symbol_error_per_s: float = 10.0
+    link_error_recovery_per_min: float = 5.0
+    port_rcv_errors_per_s: float = 10.0
+    port_xmit_discards_per_s: float = 100.0
+    local_ack_timeout_err_per_s: float = 1.0
+    roce_slow_restart_per_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class InfinibandSettings:
+    enabled: bool = True
+    """Read InfiniBand/RoCE ports from sysfs."""
+    sysfs_root: str = "/sys/class/infiniband"
+    """The class directory holding one entry per HCA."""
+    expected_ports: int | None = None
+    """Ports this node must have up; None: do not check the count."""
+    expected_rate_gbps: float | None = None
+    """Each port's expected rate (400 for NDR); a slower link is a T2 fabric finding."""
+    flap_cycles: int = 3
+    """Down-then-up cycles within flap_window_s that make a flap (gpud: 3)."""
+    flap_window_s: float = 600.0
+    drop_after_s: float = 240.0
+    """A port down longer than this is a drop (gpud: 4 min), a T1 fabric finding."""
+    sticky_s: float = 600.0
+    """A drop or flap stays reported this long after the port recovers (gpud: 10 min)."""
+    thresholds: IbThresholds = field(default_factory=IbThresholds)
+
+
+@dataclass(frozen=True)
+class FilesystemSpec:
+    path: str
+    """Mount point or directory to probe."""
+    role: str = "filesystem"
+    """What it is for: checkpoint, dataset, scratch (shows in findings)."""
+    timeout_s: float = 5.0
+    """Hard limit on the write+fsync probe; past it the filesystem is reported hung."""
+    max_latency_s: float = 1.0
+    """A probe slower than this is a T2 storage finding."""
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    enabled: bool = True
+    """Read memory, pressure, D-state processes and the configured filesystems."""
+    proc_root: str = "/proc"
+    filesystems: tuple[FilesystemSpec, ...] = ()
+    mem_available_min_pct: float = 5.0
+    """Available memory below this share of total is a T2 software finding."""
+    psi_memory_full_avg10_max: float = 20.0
+    """/proc/pressure/memory 'full avg10' above this is a T2 finding."""
+    psi_io_full_avg10_max: float = 50.0
+    dstate_min_count: int = 5
+    """This many processes in D state at once is a T3 storage finding (a hung mount shows this way)."""
+
+
+@dataclass(frozen=True)
+class XidOverride:
+    """A site's change to one catalog row; unset fields keep the catalog's value."""
+
+    attribution: str | None = None
+    tier: int | None = None
+    action: str | None = None
+    ignore: bool = False
+    """Drop findings for this Xid entirely (still counted in metrics)."""
+
+
+@dataclass(frozen=True)
+class CatalogSettings:
+    path: str | None = None
+    """Replacement catalog file; None uses the packaged healthd/data/xid_catalog.yaml."""
+    overrides: Mapping[int, XidOverride] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClassifySettings:
+    xid_repeat_window_s: float = 86400.0
+    """Window in which a repeating Xid 13/31 on one GPU makes it a hardware suspect."""
+    xid_repeat_count: int = 3
+    """Occurrences on the same GPU within the window that make Xid 13/31 hardware-suspect (T2)."""
+    sympathetic_window_s: float = 120.0
+    """Xid 45 within this many seconds after another Xid on the same GPU is sympathetic."""
+    ecc_sbe_per_hour: float = 100.0
+    """Corrected (single-bit) ECC errors per hour on one GPU that make a T2 trend."""
+    pcie_replay_per_min: float = 10.0
+    hw_slowdown_window_s: float = 600.0
+    hw_slowdown_per_min: float = 0.6
+    """HW-slowdown clock events per minute over the window (gpud: 0.6/min over 10 min)."""
+    finding_ttl_s: float = 3600.0
+    """An event-driven finding (an Xid) stays current this long after its last line."""
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    textfile: str | None = None
+    """node_exporter textfile path (e.g. /var/lib/node_exporter/textfile/healthd.prom); None: off."""
+    listen: str | None = None
+    """'127.0.0.1:9840' to serve /metrics on loopback; None: off."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    node_name: str
+    """This node's Slurm name (default: the short hostname)."""
+    state_file: str = "/run/healthd/state.json"
+    """The verdict the Slurm hooks read; written atomically."""
+    state_dir: str = "/var/lib/healthd"
+    """Where the journal cursor, counter baselines and history windows persist across restarts."""
+    interval_s: float = 10.0
+    """Period of the NVML, InfiniBand and host collectors (the kernel log is followed continuously)."""
+    log_level: str = "info"
+    nvml: NvmlSettings = field(default_factory=NvmlSettings)
+    kernel_log: KernelLogSettings = field(default_factory=KernelLogSettings)
+    infiniband: InfinibandSettings = field(default_factory=InfinibandSettings)
+    host: HostSettings = field(default_factory=HostSettings)
+    catalog: CatalogSettings = field(default_factory=CatalogSettings)
+    classify: ClassifySettings = field(default_factory=ClassifySettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
