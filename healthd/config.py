@@ -1,0 +1,192 @@
+"""Load and validate /etc/healthd/healthd.yaml into healthd.settings.Settings.
+
+The YAML is mapped onto the settings dataclasses by their type hints, so the dataclasses are the
+one schema: a key the dataclasses do not have is an error, and every error names the file, the
+dotted key, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import socket
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from healthd.settings import Settings
+
+DEFAULT_PATH = "/etc/healthd/healthd.yaml"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+START_AT = ("boot", "tail", "head")
+
+
+class ConfigError(ValueError):
+    """A config problem a person can fix: where, what was expected, what was found."""
+
+    def __init__(self, file: str, key: str, expected: str, found: Any):
+        self.file, self.key, self.expected, self.found = file, key, expected, found
+        shown = found if isinstance(found, str) and found.startswith("<") else repr(found)
+        super().__init__(f"{file}: {key or '(top level)'}: expected {expected}, found {shown}")
+
+
+def default_node_name() -> str:
+    return socket.gethostname().split(".")[0]
+
+
+def load(path: str | None = None, *, required: bool | None = None) -> Settings:
+    """Read and validate a config file. With path=None the default path is used and may be absent
+    (then every default applies); an explicitly named file must exist."""
+    file = path or DEFAULT_PATH
+    must_exist = required if required is not None else path is not None
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if must_exist:
+            raise ConfigError(file, "", "a readable YAML file", "<no such file>") from None
+        return Settings(node_name=default_node_name())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(file, "", "a readable UTF-8 YAML file", f"<{e}>") from None
+    return parse(text, file)
+
+
+def parse(text: str, file: str = "<config>") -> Settings:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1} column {mark.column + 1}" if mark else "somewhere"
+        raise ConfigError(file, "", "valid YAML", f"<a syntax error at {where}: {getattr(e, 'problem', e)}>") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(file, "", "a mapping of keys", raw)
+    raw = dict(raw)
+    raw.setdefault("node_name", default_node_name())
+    settings = _build(Settings, raw, file, "")
+    _check(settings, file)
+    return settings
+
+
+# --------------------------------------------------------------------------- the generic mapper
+
+
+def _build(cls: type, raw: Any, file: str, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(file, prefix, f"a mapping for {cls.__name__}", raw)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in raw if k not in fields)
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(file, key, f"one of the known keys ({', '.join(fields)})", f"<unknown key {unknown[0]!r}>")
+    values = {}
+    for name, value in raw.items():
+        values[name] = _convert(hints[name], value, file, f"{prefix}.{name}" if prefix else name)
+    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(file, f"{prefix}.{missing[0]}" if prefix else missing[0], "a value", "<missing>")
+    return cls(**values)
+
+
+def _convert(tp: Any, value: Any, file: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, file, key)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, file, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(file, key, "true or false", value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(file, key, "an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(file, key, "a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(file, key, "a string", value)
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(file, key, "a list", value)
+        return tuple(_convert(args[0], v, file, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (collections.abc.Mapping, dict):
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(file, key, "a mapping", value)
+        kt, vt = args
+        return {_convert(kt, k, file, f"{key}.{k}"): _convert(vt, v, file, f"{key}.{k}") for k, v in value.items()}
+    raise TypeError(f"settings type {tp!r} at {key} has no config mapping")  # a bug in settings.py
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+def _check(s: Settings, file: str) -> None:
+    """Constraints the types cannot say. Each names the key."""
+
+    def positive(key: str, value: float | None, allow_none: bool = True) -> None:
+        if value is None and allow_none:
+            return
+        if value is None or value <= 0:
+            raise ConfigError(file, key, "a number greater than 0", value)
+
+    def non_negative(key: str, value: float) -> None:
+        if value < 0:
+            raise ConfigError(file, key, "a number of 0 or more", value)
+
+    if not s.node_name or any(c.isspace() for c in s.node_name) or len(s.node_name) > 255:
+        raise ConfigError(file, "node_name", "a Slurm node name without spaces", s.node_name)
+    positive("interval_s", s.interval_s)
+    if s.log_level not in LOG_LEVELS:
+        raise ConfigError(file, "log_level", f"one of {', '.join(LOG_LEVELS)}", s.log_level)
+    for key in ("state_file", "state_dir"):
+        if not str(getattr(s, key)).startswith("/"):
+            raise ConfigError(file, key, "an absolute path", getattr(s, key))
+    positive("nvml.expected_gpus", s.nvml.expected_gpus)
+    positive("nvml.call_timeout_s", s.nvml.call_timeout_s)
+    if s.kernel_log.start_at not in START_AT:
+        raise ConfigError(file, "kernel_log.start_at", f"one of {', '.join(START_AT)}", s.kernel_log.start_at)
+    ib = s.infiniband
+    positive("infiniband.expected_ports", ib.expected_ports)
+    positive("infiniband.expected_rate_gbps", ib.expected_rate_gbps)
+    positive("infiniband.flap_cycles", ib.flap_cycles, allow_none=False)
+    for name in ("flap_window_s", "drop_after_s", "sticky_s"):
+        positive(f"infiniband.{name}", getattr(ib, name))
+    for f in dataclasses.fields(ib.thresholds):
+        non_negative(f"infiniband.thresholds.{f.name}", getattr(ib.thresholds, f.name))
+    for i, fs in enumerate(s.host.filesystems):
+        if not fs.path.startswith("/"):
+            raise ConfigError(file, f"host.filesystems[{i}].path", "an absolute path", fs.path)
+        positive(f"host.filesystems[{i}].timeout_s", fs.timeout_s)
+        positive(f"host.filesystems[{i}].max_latency_s", fs.max_latency_s)
+    for f in dataclasses.fields(s.classify):
+        non_negative(f"classify.{f.name}", getattr(s.classify, f.name))
+    if s.metrics.listen is not None:
+        host, _, port = s.metrics.listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(file, "metrics.listen", "HOST:PORT such as 127.0.0.1:9840", s.metrics.listen)
+    from healthd.model import ACTIONS, ATTRIBUTIONS  # local: model imports nothing from here
+
+    for xid, o in s.catalog.overrides.items():
+        key = f"catalog.overrides.{xid}"
+        if o.attribution is not None and o.attribution not in ATTRIBUTIONS:
+            raise ConfigError(file, f"{key}.attribution", f"one of {', '.join(ATTRIBUTIONS)}", o.attribution)
+        if o.tier is not None and o.tier not in (1, 2, 3):
+            raise ConfigError(file, f"{key}.tier", "1, 2 or 3", o.tier)
+        if o.action is not None and o.action not in ACTIONS:
+            raise ConfigError(file, f"{key}.action", f"one of {', '.join(ACTIONS)}", o.action)
