@@ -346,12 +346,16 @@ class FilesystemProbe:
     role: str
     """What the operator calls it in config: checkpoint, dataset, scratch."""
     mounted: bool
+    """The path lies on a filesystem of its own (its longest mount prefix is not `/`), or is `/`."""
     writable: bool | None
     latency_s: float | None
     """Write + fsync of a small file; None when it did not complete."""
     timed_out: bool = False
     error: str | None = None
     fstype: str | None = None
+    mount_point: str | None = None
+    """The mount holding `path` (longest prefix in /proc/mounts): `/` for a directory that is not
+    mounted; None when the mount table could not be read."""
 
 
 @dataclass(frozen=True)

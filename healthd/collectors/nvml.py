@@ -1,0 +1,458 @@
+"""NVML collector: per-GPU identity, temperatures, clock events and the leading hardware indicators
+(ECC, row remapping, retired pages, PCIe replays and link state, NVLink errors), read through
+nvidia-ml-py's `pynvml` exactly as the driver exposes them.
+
+Rules this module keeps (README "NVML"):
+- No driver library on the node is "no data", not an error: a CPU node is not sick.
+- A read the GPU or driver cannot answer (NotSupported, or a symbol this driver lacks) is a None
+  field named in `GpuSample.no_data`; any other NVML error for a read goes to `GpuSample.errors`.
+  Neither stops the other reads.
+- GPU_IS_LOST, wherever NVML answers it (handle lookup included), makes a `lost` GpuSample.
+- NVML calls can hang inside the driver (a GPU falling off the bus, a wedged RM). Every collection
+  runs in a worker thread and the caller waits at most `timeout_s`; while a worker is still stuck,
+  no second one is started, so at most one thread is ever blocked in the driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import pynvml
+
+from healthd.model import GpuSample, NvmlSample, normalize_bus_id
+
+log = logging.getLogger(__name__)
+
+LIBRARY_NAME = "libnvidia-ml.so.1"
+LIBRARY_MISSING_DETAIL = f"{LIBRARY_NAME} not found: no NVIDIA driver on this node"
+
+# Answers meaning "this GPU/driver cannot give this value": the field is no data, not a failure.
+# FunctionNotFound is what pynvml raises when the loaded driver lacks the symbol (older driver).
+_NO_DATA_ERRORS = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
+
+# Single-value reads: GpuSample field -> (pynvml function, extra arguments after the handle).
+_SCALAR_READS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("temperature_c", "nvmlDeviceGetTemperature", (pynvml.NVML_TEMPERATURE_GPU,)),
+    ("margin_c", "nvmlDeviceGetMarginTemperature", ()),
+    (
+        "slowdown_threshold_c",
+        "nvmlDeviceGetTemperatureThreshold",
+        (pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,),
+    ),
+    (
+        "ecc_corrected_volatile",
+        "nvmlDeviceGetTotalEccErrors",
+        (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
+    ),
+    (
+        "ecc_uncorrected_volatile",
+        "nvmlDeviceGetTotalEccErrors",
+        (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
+    ),
+    (
+        "ecc_corrected_aggregate",
+        "nvmlDeviceGetTotalEccErrors",
+        (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
+    ),
+    (
+        "ecc_uncorrected_aggregate",
+        "nvmlDeviceGetTotalEccErrors",
+        (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
+    ),
+    ("pcie_replay", "nvmlDeviceGetPcieReplayCounter", ()),
+    ("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration", ()),
+    ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration", ()),
+    ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth", ()),
+    ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth", ()),
+)
+
+_REMAP_FIELDS = ("remap_corrected", "remap_uncorrected", "remap_pending", "remap_failure")
+_IDENTITY_FIELDS = ("name", "uuid", "serial", "bus_id")
+
+# NVLink data-link error counters read for each active link (key suffix -> NVML counter id).
+_NVLINK_COUNTERS = (
+    ("replay", pynvml.NVML_NVLINK_ERROR_DL_REPLAY),
+    ("recovery", pynvml.NVML_NVLINK_ERROR_DL_RECOVERY),
+    ("crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+    ("crc_data", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA),
+)
+
+
+def nvml_available() -> bool:
+    """True when the NVIDIA driver's NVML library can be loaded in this process."""
+    try:
+        ctypes.CDLL(LIBRARY_NAME)
+    except OSError:
+        return False
+    return True
+
+
+class _Job:
+    """One collection running in a worker thread. `call` names the NVML call in flight, so a
+    timeout can say where the driver hung."""
+
+    def __init__(self) -> None:
+        self.call = "nvmlInit"
+        self.started = time.monotonic()
+        self.result: NvmlSample | None = None
+        self.done = threading.Event()
+
+
+class _GpuReads:
+    """The reads of one GPU in one tick: values so far, fields with no data, and read errors."""
+
+    def __init__(self, job: _Job, index: int, handle: Any) -> None:
+        self.job = job
+        self.index = index
+        self.handle = handle
+        self.current = ""
+        """The NVML function called last: where a GPU_IS_LOST came from."""
+        self.values: dict[str, Any] = {}
+        self.no_data: list[str] = []
+        self.errors: dict[str, str] = {}
+
+    def raw(self, fn_name: str, *args: Any) -> Any:
+        """One NVML call on this GPU; raises NVMLError as pynvml does."""
+        fn = getattr(pynvml, fn_name, None)
+        if fn is None:  # an older nvidia-ml-py without this wrapper: same as a missing symbol
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        self.current = fn_name
+        self.job.call = f"{fn_name} on GPU {self.index}"
+        return fn(self.handle, *args)
+
+    def read(
+        self,
+        fields: str | tuple[str, ...],
+        fn_name: str,
+        *args: Any,
+        fallback: str | None = None,
+        convert: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Call `fn_name` (or `fallback` when the driver lacks it) for `fields` and return the value
+        passed through `convert`, or None after recording the fields as no data or as errors.
+        GPU_IS_LOST propagates: the caller turns the whole GPU into a lost sample."""
+        names = (fields,) if isinstance(fields, str) else fields
+        try:
+            try:
+                value = self.raw(fn_name, *args)
+            except pynvml.NVMLError_FunctionNotFound:
+                if fallback is None:
+                    raise
+                fn_name = fallback
+                value = self.raw(fn_name, *args)
+            return value if convert is None else convert(value)
+        except pynvml.NVMLError_GpuIsLost:
+            raise
+        except _NO_DATA_ERRORS:
+            self.no_data.extend(names)
+        except pynvml.NVMLError as e:
+            self.errors.update({n: f"{fn_name}: {e}" for n in names})
+        except Exception as e:  # a malformed answer (bytes that are not text) costs one field
+            self.errors.update({n: f"{fn_name}: {type(e).__name__}: {e}" for n in names})
+        return None
+
+
+# --------------------------------------------------------------------------- one read each
+
+
+def _read_identity(r: _GpuReads) -> None:
+    r.values["name"] = r.read("name", "nvmlDeviceGetName")
+    r.values["uuid"] = r.read("uuid", "nvmlDeviceGetUUID")
+    r.values["serial"] = r.read("serial", "nvmlDeviceGetSerial")
+    raw = r.read("bus_id", "nvmlDeviceGetPciInfo_v3", convert=lambda pci: pci.busId)
+    if raw is not None:
+        # The one key GPUs are joined on across sources (kernel log, sysfs): normalise it here.
+        r.values["bus_id"] = normalize_bus_id(raw)
+        if r.values["bus_id"] is None:
+            r.errors["bus_id"] = f"nvmlDeviceGetPciInfo_v3: unparseable busId {raw!r}"
+
+
+def _read_scalars(r: _GpuReads) -> None:
+    for field, fn_name, args in _SCALAR_READS:
+        r.values[field] = r.read(field, fn_name, *args)
+
+
+def _read_clock_event_reasons(r: _GpuReads) -> None:
+    # Drivers before R535 export only the old name ("throttle reasons"); the bits are the same.
+    r.values["clock_event_reasons"] = r.read(
+        "clock_event_reasons",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        fallback="nvmlDeviceGetCurrentClocksThrottleReasons",
+    )
+
+
+def _read_remapped_rows(r: _GpuReads) -> None:
+    # Ampere and later; NotSupported on older GPUs and while MIG instances are active.
+    rows = r.read(_REMAP_FIELDS, "nvmlDeviceGetRemappedRows")
+    if rows is not None:
+        corrected, uncorrected, pending, failure = rows
+        r.values.update(
+            remap_corrected=int(corrected),
+            remap_uncorrected=int(uncorrected),
+            remap_pending=bool(pending),
+            remap_failure=bool(failure),
+        )
+
+
+def _read_retired_pages(r: _GpuReads) -> None:
+    # Dynamic page retirement is the pre-Ampere mechanism; newer GPUs answer NotSupported.
+    sbe = r.read(
+        "retired_pages_sbe",
+        "nvmlDeviceGetRetiredPages",
+        pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+    )
+    dbe = r.read(
+        "retired_pages_dbe",
+        "nvmlDeviceGetRetiredPages",
+        pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+    )
+    pending = r.read("retired_pending", "nvmlDeviceGetRetiredPagesPendingStatus")
+    r.values["retired_pages_sbe"] = None if sbe is None else len(sbe)
+    r.values["retired_pages_dbe"] = None if dbe is None else len(dbe)
+    r.values["retired_pending"] = None if pending is None else bool(pending)
+
+
+def _read_nvlink_errors(r: _GpuReads) -> dict[str, int]:
+    """`link<N>.<counter>` -> value for every link NVML reports active. A GPU without NVLink
+    answers NotSupported for every link; links past the last one answer InvalidArgument."""
+    counters: dict[str, int] = {}
+    any_link = False
+    unsupported: set[str] = set()
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            active = r.raw("nvmlDeviceGetNvLinkState", link)
+        except pynvml.NVMLError_InvalidArgument:
+            break
+        except pynvml.NVMLError_FunctionNotFound:
+            break
+        except pynvml.NVMLError_NotSupported:
+            continue
+        except pynvml.NVMLError_GpuIsLost:
+            raise
+        except pynvml.NVMLError as e:
+            r.errors[f"nvlink_errors.link{link}"] = f"nvmlDeviceGetNvLinkState: {e}"
+            continue
+        any_link = True
+        if not active:
+            continue
+        for name, counter in _NVLINK_COUNTERS:
+            try:
+                counters[f"link{link}.{name}"] = int(
+                    r.raw("nvmlDeviceGetNvLinkErrorCounter", link, counter)
+                )
+            except pynvml.NVMLError_GpuIsLost:
+                raise
+            except _NO_DATA_ERRORS:
+                unsupported.add(name)
+            except pynvml.NVMLError as e:
+                r.errors[f"nvlink_errors.link{link}.{name}"] = f"nvmlDeviceGetNvLinkErrorCounter: {e}"
+    if not any_link:
+        r.no_data.append("nvlink_errors")
+    # One entry per counter kind, not per link: a driver that dropped a counter drops it on all 18.
+    r.no_data.extend(f"nvlink_errors.{name}" for name, _ in _NVLINK_COUNTERS if name in unsupported)
+    return counters
+
+
+_GPU_READS: tuple[Callable[[_GpuReads], None], ...] = (
+    _read_identity,
+    _read_scalars,
+    _read_clock_event_reasons,
+    _read_remapped_rows,
+    _read_retired_pages,
+)
+
+
+def _lost_gpu(index: int, where: str, error: Exception, identity: dict[str, Any]) -> GpuSample:
+    return GpuSample(
+        index=index,
+        lost=True,
+        lost_detail=f"{where}: {error} (NVML_ERROR_GPU_IS_LOST)",
+        **{k: identity.get(k) for k in _IDENTITY_FIELDS},
+    )
+
+
+def _read_gpu(job: _Job, index: int, last_identity: dict[str, Any]) -> GpuSample:
+    """Every read of one GPU. `last_identity` is what an earlier tick read for this index: a GPU
+    that is lost can no longer tell its serial, and the finding needs it."""
+    job.call = f"nvmlDeviceGetHandleByIndex({index})"
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    except pynvml.NVMLError_GpuIsLost as e:
+        return _lost_gpu(index, "nvmlDeviceGetHandleByIndex", e, last_identity)
+    except pynvml.NVMLError as e:
+        return GpuSample(
+            index=index,
+            errors={"handle": f"nvmlDeviceGetHandleByIndex: {e}"},
+            **{k: last_identity.get(k) for k in _IDENTITY_FIELDS},
+        )
+    r = _GpuReads(job, index, handle)
+    try:
+        for read in _GPU_READS:
+            read(r)
+        nvlink = _read_nvlink_errors(r)
+    except pynvml.NVMLError_GpuIsLost as e:
+        # Prefer identity read this tick (before the GPU went), else the last known one.
+        known = {k: r.values.get(k) or last_identity.get(k) for k in _IDENTITY_FIELDS}
+        return _lost_gpu(index, r.current, e, known)
+    return GpuSample(
+        index=index,
+        **r.values,
+        nvlink_errors=nvlink,
+        no_data=tuple(r.no_data),
+        errors=r.errors,
+    )
+
+
+def _node_error_kind(e: pynvml.NVMLError) -> str:
+    if isinstance(e, pynvml.NVMLError_DriverNotLoaded):
+        return "driver_not_loaded"
+    if isinstance(e, pynvml.NVMLError_LibraryNotFound):
+        return "library_not_found"
+    return "other"
+
+
+# --------------------------------------------------------------------------- the collector
+
+
+class NvmlCollector:
+    """Reads all GPUs once per collect(). NVML is initialised on the first collect and kept; after
+    a failed init (or a node-wide failure such as the device count) the next collect initialises
+    again, so a driver that is loaded later, or recovers, is picked up without a restart."""
+
+    name = "nvml"
+
+    def __init__(self, timeout_s: float = 5.0, expected_gpus: int | None = None) -> None:
+        self._timeout_s = timeout_s
+        self._expected_gpus = expected_gpus
+        self._initialized = False
+        self._job: _Job | None = None
+        self._identity: dict[int, dict[str, Any]] = {}
+        """GPU index -> identity fields from the last tick that could read them."""
+
+    # ---- public
+
+    def collect(self, now: float) -> NvmlSample:
+        stuck = self._job
+        if stuck is not None and not stuck.done.is_set():
+            age = time.monotonic() - stuck.started
+            return NvmlSample(
+                status="error",
+                error_kind="timeout",
+                detail=f"NVML call {stuck.call} still stuck after {age:.1f}s; "
+                "no new collection started until it returns",
+            )
+        job = self._start(self._collect_all)
+        if job.done.wait(self._timeout_s) and job.result is not None:
+            return job.result
+        log.warning("NVML call %s did not return within %.1fs", job.call, self._timeout_s)
+        return NvmlSample(
+            status="error",
+            error_kind="timeout",
+            detail=f"NVML call {job.call} did not return within {self._timeout_s:g}s",
+        )
+
+    def close(self) -> None:
+        job = self._job
+        if job is not None and not job.done.is_set():
+            # Never call into NVML beside a thread blocked in the driver.
+            log.warning("NVML call %s still stuck at close; not shutting NVML down", job.call)
+            return
+        if self._initialized:
+            self._start(self._shutdown).done.wait(self._timeout_s)
+
+    # ---- worker side (at most one worker thread at a time)
+
+    def _start(self, body: Callable[[_Job], NvmlSample]) -> _Job:
+        job = _Job()
+        self._job = job
+
+        def run() -> None:
+            try:
+                job.result = body(job)
+            except Exception as e:  # collect() never raises: a bug here is reported as data
+                log.exception("NVML collection failed")
+                job.result = NvmlSample(
+                    status="error",
+                    error_kind="other",
+                    detail=f"NVML collection failed: {type(e).__name__}: {e}",
+                )
+            finally:
+                job.done.set()
+
+        threading.Thread(target=run, name="healthd-nvml", daemon=True).start()
+        return job
+
+    def _init(self, job: _Job) -> NvmlSample | None:
+        """Initialise NVML; None on success, else the sample that explains why not."""
+        job.call = "nvmlInit"
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError_LibraryNotFound:
+            return NvmlSample(status="no_data", detail=LIBRARY_MISSING_DETAIL)
+        except pynvml.NVMLError_DriverNotLoaded as e:
+            return NvmlSample(
+                status="error",
+                error_kind="driver_not_loaded",
+                detail=f"nvmlInit: {e}: {LIBRARY_NAME} is installed but the nvidia kernel "
+                "module is not loaded",
+            )
+        except pynvml.NVMLError as e:
+            return NvmlSample(status="error", error_kind="init_failed", detail=f"nvmlInit: {e}")
+        self._initialized = True
+        self._identity.clear()  # indices may be renumbered after a re-init
+        return None
+
+    def _shutdown(self, job: _Job) -> NvmlSample:
+        job.call = "nvmlShutdown"
+        self._initialized = False
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as e:
+            log.debug("nvmlShutdown: %s", e)
+        return NvmlSample(status="no_data", detail="NVML shut down")
+
+    def _collect_all(self, job: _Job) -> NvmlSample:
+        if not self._initialized:
+            failure = self._init(job)
+            if failure is not None:
+                return failure
+        job.call = "nvmlDeviceGetCount"
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as e:
+            self._shutdown(job)  # node-wide failure: initialise afresh next tick
+            return NvmlSample(
+                status="error", error_kind=_node_error_kind(e), detail=f"nvmlDeviceGetCount: {e}"
+            )
+        driver_version = self._system_str(job, "nvmlSystemGetDriverVersion")
+        nvml_version = self._system_str(job, "nvmlSystemGetNVMLVersion")
+        gpus = []
+        for index in range(count):
+            gpu = _read_gpu(job, index, self._identity.get(index, {}))
+            if not gpu.lost and gpu.uuid is not None:
+                self._identity[index] = {k: getattr(gpu, k) for k in _IDENTITY_FIELDS}
+            gpus.append(gpu)
+        detail = ""
+        if self._expected_gpus is not None and count < self._expected_gpus:
+            detail = f"{count} of {self._expected_gpus} expected GPUs visible to NVML"
+        return NvmlSample(
+            status="ok",
+            detail=detail,
+            driver_version=driver_version,
+            nvml_version=nvml_version,
+            count=count,
+            gpus=tuple(gpus),
+        )
+
+    @staticmethod
+    def _system_str(job: _Job, fn_name: str) -> str | None:
+        job.call = fn_name
+        try:
+            return getattr(pynvml, fn_name)()
+        except pynvml.NVMLError as e:
+            log.debug("%s: %s", fn_name, e)
+            return None
