@@ -173,13 +173,7 @@ def test_burst_of_100k_identical_lines_is_one_event_in_flat_memory(burst_dir: Pa
     assert peak < 256 * 1024, peak
     assert peak < peak_small * 2 + 16 * 1024, (peak_small, peak)
 
-    f = follower(burst_dir)
-    start = time.perf_counter()
-    s = f.read(0)
-    elapsed = time.perf_counter() - start
-    print(f"\njournal read+parse+fold: 100,002 entries in {elapsed:.3f} s = {100_002 / elapsed:,.0f} lines/s")
-    assert s.events[1].count == 100_000
-    assert elapsed < 2.0
+    # Throughput is measured by bench/kernel_lines.py, not asserted here.
 
 
 def test_max_lines_per_read_splits_a_burst_without_loss(burst_dir: Path) -> None:
