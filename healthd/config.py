@@ -13,7 +13,7 @@ import socket
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 

@@ -120,6 +120,9 @@ class ClassifySettings:
     """Window in which a repeating Xid 13/31 on one GPU makes it a hardware suspect."""
     xid_repeat_count: int = 3
     """Occurrences on the same GPU within the window that make Xid 13/31 hardware-suspect (T2)."""
+    xid_burst_window_s: float = 180.0
+    """Lines of one Xid on one GPU this close together are one occurrence when counting repeats (one
+    crash prints a line per SM; NVSentinel's 3-minute burst window)."""
     sympathetic_window_s: float = 120.0
     """Xid 45 within this many seconds after another Xid on the same GPU is sympathetic."""
     ecc_sbe_per_hour: float = 100.0

@@ -1,0 +1,108 @@
+"""`healthd` command line.
+
+    healthd --dry-run --once [--format table|json]   what this node has and would do; touches nothing
+    healthd --dry-run                                 the same, continuously (prints on every change)
+    healthd run [--once]                              the daemon (systemd starts this)
+    healthd check-config                              validate the config file and exit
+
+Exit codes follow Nagios: 0 healthy, 1 degraded, 2 failed, 3 could not check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from healthd import __version__
+
+EXIT_UNKNOWN = 3
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+
+
+def setup_logging(level: str, daemon: bool) -> None:
+    root = logging.getLogger()
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    handler: logging.Handler
+    if daemon and os.path.exists(JOURNAL_SOCKET):
+        from systemd.journal import JournalHandler
+
+        handler = JournalHandler(SYSLOG_IDENTIFIER="healthd")
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("healthd: %(levelname)s %(message)s"))
+    root.handlers[:] = [handler]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="healthd", description="GPU node health agent for Slurm clusters.")
+    p.add_argument("command", nargs="?", choices=["run", "check-config"], help="run: the daemon; check-config: validate and exit")
+    p.add_argument("--config", "-c", help="config file (default /etc/healthd/healthd.yaml)")
+    p.add_argument("--dry-run", action="store_true", help="read everything, write nothing, print what it would do")
+    p.add_argument("--once", action="store_true", help="one pass, then exit with the verdict's Nagios code")
+    p.add_argument("--format", choices=["table", "json"], default="table", help="dry-run output format")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="overrides the config's log_level")
+    p.add_argument("--version", action="version", version=f"healthd {__version__}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command is None and not (args.dry_run or args.once):
+        parser().print_help(sys.stderr)
+        return EXIT_UNKNOWN
+    daemon = args.command == "run" and not args.dry_run
+    setup_logging(args.log_level or "warning" if not daemon else args.log_level or "info", daemon)
+
+    from healthd import agent as agent_mod
+    from healthd.catalog import CatalogError
+    from healthd.config import ConfigError
+    from healthd.render import render_text
+
+    try:
+        agent = agent_mod.build_agent(args.config, dry_run=args.dry_run)
+    except (ConfigError, CatalogError) as e:
+        logging.getLogger("healthd").error("%s", e)
+        print(f"healthd: cannot check: {e}", file=sys.stderr)
+        return EXIT_UNKNOWN
+    if args.command == "check-config":
+        agent.sources.close()
+        print(f"{args.config or '/etc/healthd/healthd.yaml'}: ok (node {agent.settings.node_name})")
+        return 0
+    if args.log_level is None and daemon:
+        logging.getLogger().setLevel(agent.settings.log_level.upper())
+
+    def emit(a: agent_mod.Agent) -> None:
+        if not a.dry_run:
+            a.publish()
+        if a.dry_run or args.once:
+            doc = a.document()
+            if args.format == "json":
+                print(json.dumps(doc, indent=2), flush=True)
+            else:
+                print(render_text(doc), flush=True)
+
+    if args.once:
+        try:
+            agent.tick_all()
+            emit(agent)
+        finally:
+            agent.sources.close()
+        return agent_mod.EXIT_CODES[agent.result.verdict]
+    last: list[str] = []
+
+    def on_tick(a: agent_mod.Agent) -> None:
+        if a.dry_run:
+            key = json.dumps([a.result.verdict, [f.to_json() for f in a.result.findings]], default=str)
+            if last and last[0] == key:
+                return
+            last[:] = [key]
+        emit(a)
+
+    return agent_mod.run_loop(agent, args.config, on_tick)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
