@@ -34,7 +34,7 @@ test: deps
 	$(PY) -m pytest -q
 
 demo: deps
-	$(PY) -m healthd.demo
+	$(PY) demo/node_drill.py
 
 bench: deps
 	$(PY) bench/agent_tick.py

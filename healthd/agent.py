@@ -325,9 +325,12 @@ class Agent:
     def _log_changes(self, before: Classification | None, after: Classification) -> None:
         old = {f.id: f for f in before.findings} if before else {}
         new = {f.id: f for f in after.findings}
+        # the dry-run report already shows every finding; the daemon's log is where they are news
+        level = logging.INFO if self.dry_run else logging.WARNING
         for fid, f in new.items():
             if fid not in old or old[fid].tier != f.tier:
-                log.warning(
+                log.log(
+                    level,
                     "finding %s: T%d %s %s: %s",
                     fid,
                     f.tier,

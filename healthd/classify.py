@@ -242,7 +242,7 @@ class _Tick:
         self.bus_map: dict[str, Component] = {}
         if snap.nvml.status == "ok":
             for g in snap.nvml.gpus:
-                c = _gpu_component(g)
+                c = self.gpu_component(g)
                 if c.bus_id:
                     self.bus_map[c.bus_id] = c
                     self.gpu_ids.pop(c.bus_id, None)
@@ -419,8 +419,20 @@ class _Tick:
         for g in n.gpus:
             self.gpu(g)
 
-    def gpu(self, g: GpuSample) -> None:
+    def gpu_component(self, g: GpuSample) -> Component:
+        """A GPU lost at handle lookup has no bus id, UUID or serial this tick: take them from the
+        GPU last seen at its index, so the finding names the serial to RMA and its Xids join it."""
         c = _gpu_component(g)
+        if not g.lost or (c.bus_id and c.uuid and c.serial) or c.index is None:
+            return c
+        known = next((k for k in reversed(list(self.gpu_ids.values())) if k.index == c.index), None)
+        if known is None:
+            return c
+        return Component(kind="gpu", index=c.index, uuid=c.uuid or known.uuid,
+                         serial=c.serial or known.serial, bus_id=c.bus_id or known.bus_id)
+
+    def gpu(self, g: GpuSample) -> None:
+        c = self.gpu_component(g)
         key = c.key()
         ident = f"gpu/{g.uuid or c.bus_id or f'index{g.index}'}"
         cs = self.s.classify

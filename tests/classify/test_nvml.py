@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.classify.builders import NOW, get, gpu, ids, nvml, run, settings, snap, texts
+from tests.classify.builders import NOW, get, gpu, ids, kernel, nvml, run, settings, snap, texts, xid
 
 
 def tick(t, *gpus, **kw):
@@ -38,6 +38,20 @@ def test_no_nvml_on_a_node_expected_to_have_gpus():
 def test_lost_gpu_is_t1_hardware():
     f = get(run(tick(NOW, gpu(0), gpu(1, lost=True, lost_detail="NVML_ERROR_GPU_IS_LOST")))[0], "nvml.lost:gpu1")
     assert (f.tier, f.attribution, f.action) == (1, "hardware", "drain-and-requeue") and "GPU_IS_LOST" in texts(f)
+
+
+def test_gpu_lost_at_handle_lookup_keeps_its_identity_and_joins_its_xid_79():
+    from healthd.model import GpuSample
+
+    seen = gpu(3)
+    lost = GpuSample(index=3, lost=True, lost_detail="nvmlDeviceGetHandleByIndex: GPU is lost")
+    bus = seen.bus_id.lower()[4:].rsplit(".", 1)[0]
+    res = run(tick(NOW, gpu(0), seen),
+              snap(NOW + 10, nv=nvml(gpu(0), lost), k=kernel(xid(79, None, NOW + 9, bus_id=bus))))[1]
+    f = get(res, "nvml.lost:gpu3")
+    assert (f.component.uuid, f.component.serial, f.component.bus_id) == (seen.uuid, seen.serial, seen.bus_id)
+    x = get(res, "xid:gpu3:79")
+    assert x.component.index == 3 and x.component.serial == seen.serial
 
 
 def test_fewer_gpus_than_expected_names_the_missing_bus():

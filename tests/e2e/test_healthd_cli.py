@@ -235,3 +235,44 @@ def wait_for(read, ok, timeout: float = 20.0):
             return value
         time.sleep(0.1)
     raise AssertionError(f"condition not met within {timeout}s; last value: {json.dumps(value)[:2000]}")
+
+
+def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopback(node):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node.write_config(metrics={"listen": f"127.0.0.1:{port}"})
+    proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=node.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: read_state(node.state_file), lambda d: d["verdict"] == "healthy")
+        body = wait_for(lambda: scrape(f"http://127.0.0.1:{port}/metrics"), lambda t: "healthd_verdict" in t)
+        assert 'healthd_verdict{verdict="healthy"} 1.0' in body
+        assert 'healthd_ib_port_up{device="mlx5_0",port="1"} 1.0' in body
+
+        node.config.write_text("interval_s: soon\n")
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.5)
+        assert proc.poll() is None, "a bad config on reload must not stop the agent"
+        # still running on the old config: a new Xid is still detected and published
+        node.xid("0000:18:00", 48, "pid=9, name=python3, DBE")
+        state = wait_for(lambda: read_state(node.state_file), lambda d: any(f["xid"] == 48 for f in d["findings"]))
+        assert state["verdict"] == "failed"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+    assert f"reload refused, keeping the running configuration: {node.config}: interval_s: expected a number" in err
+
+
+def scrape(url: str) -> str | None:
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+    try:
+        with opener.open(url, timeout=2) as r:
+            return r.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None

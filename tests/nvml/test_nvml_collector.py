@@ -390,13 +390,26 @@ def test_no_library_is_no_data(tmp_path: Path, collect_in_subprocess):
     assert sample["gpus"] == []
 
 
+def _nvml_include_dir() -> str | None:
+    """NVML_INCLUDE_DIR, else the header the test extra `nvidia-nvml-dev-cu12` installs."""
+    if os.environ.get("NVML_INCLUDE_DIR"):
+        return os.environ["NVML_INCLUDE_DIR"]
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(root) / "nvml_dev/include/nvml.h").is_file():
+            return str(Path(root) / "nvml_dev/include")
+    return None
+
+
 def test_fake_matches_nvidia_header_when_available(tmp_path: Path):
     """Type-check the fake against NVIDIA's nvml.h (pynvml sets no argtypes, so a wrong signature
-    would corrupt memory silently). Point NVML_INCLUDE_DIR at the include directory of
-    `pip download --no-deps nvidia-nvml-dev-cu12` to run it."""
-    include = os.environ.get("NVML_INCLUDE_DIR")
+    would corrupt memory silently). `make test` installs the header package (x86_64 and aarch64);
+    elsewhere point NVML_INCLUDE_DIR at an include directory holding nvml.h."""
+    include = _nvml_include_dir()
     if not include or not (Path(include) / "nvml.h").is_file():
-        pytest.skip("NVML_INCLUDE_DIR with nvml.h not set")
+        pytest.skip("no nvml.h: install nvidia-nvml-dev-cu12 or set NVML_INCLUDE_DIR")
     assert (build_fake_nvml(tmp_path, nvml_include=Path(include)) / "libnvidia-ml.so.1").is_file()
 
 
