@@ -209,6 +209,8 @@ class Agent:
             "host": _disabled(HostSample),
         }
         self.timings: dict[str, float] = {}
+        self.kernel_status = KernelSample(status="ok")
+        """Status and detail of the follower's latest read, for ticks without new kernel lines."""
         self.result: Classification | None = None
         self.snapshot: Snapshot | None = None
 
@@ -223,15 +225,17 @@ class Agent:
         }
 
     def read_kernel(self, timeout_s: float = 0.0) -> KernelSample:
-        if self.sources.kernel is None:
-            return _disabled(KernelSample)
         start = time.perf_counter()
-        try:
-            sample = self.sources.kernel.read(timeout_s)
-        except Exception as e:
-            log.exception("kernel log follower raised")
-            sample = KernelSample(status="error", detail=f"follower crashed: {type(e).__name__}: {e}")
+        if self.sources.kernel is None:
+            sample = _disabled(KernelSample)
+        else:
+            try:
+                sample = self.sources.kernel.read(timeout_s)
+            except Exception as e:
+                log.exception("kernel log follower raised")
+                sample = KernelSample(status="error", detail=f"follower crashed: {type(e).__name__}: {e}")
         self.timings["kernel_log"] = time.perf_counter() - start
+        self.kernel_status = KernelSample(status=sample.status, detail=sample.detail)
         return sample
 
     def classify(self, kernel: KernelSample) -> Classification:
@@ -376,17 +380,21 @@ def _gpu_json(g: GpuSample) -> dict[str, Any]:
 
 
 class KernelThread(threading.Thread):
-    """Follows the kernel log continuously and hands each read to the main loop."""
+    """Follows the kernel log continuously and hands the main loop every read that carries news:
+    events, identities, a gap, or a change of the source's status."""
 
     def __init__(self, agent: Agent, out: "queue.Queue[KernelSample]", stop: threading.Event):
         super().__init__(name="kernel-log", daemon=True)
         self.agent, self.out, self.stop = agent, out, stop
 
     def run(self) -> None:
+        last = (self.agent.kernel_status.status, self.agent.kernel_status.detail)
         while not self.stop.is_set():
             sample = self.agent.read_kernel(timeout_s=1.0)
-            if sample.events or sample.identities or sample.status != "ok" or sample.gap:
+            status = (sample.status, sample.detail)
+            if sample.events or sample.identities or sample.gap or status != last:
                 self.out.put(sample)
+                last = status
             if sample.status == "no_data":
                 self.stop.wait(30.0)  # nothing to follow on this node; look again later
 
@@ -439,7 +447,7 @@ def run_loop(agent: Agent, config_path: str | None, on_tick: Callable[[Agent], N
                 agent.collect_periodic()
                 next_periodic = time.monotonic() + agent.settings.interval_s
             if pending or periodic:
-                agent.classify(merge_kernel(pending))
+                agent.classify(merge_kernel(pending) if pending else agent.kernel_status)
                 on_tick(agent)
     finally:
         stop.set()

@@ -40,13 +40,20 @@ class IbThresholds:
     """Counter-rate thresholds; defaults from NVSentinel's NIC monitor (anchors.md 10.4)."""
 
     symbol_error_per_hour: float = 120.0
-    """Fatal: symbol errors above this hourly rate (raw bit errors are normal on PAM4, so a rate)."""
+    """Symbol errors over the trailing hour (NVSentinel's fatal line; raw bit errors are normal on
+    PAM4 links, so a rate, never "> 0")."""
     symbol_error_per_s: float = 10.0
+    """Non-fatal: symbol errors per second in one tick."""
     link_error_recovery_per_min: float = 5.0
+    """Link error recoveries per minute over the trailing minute."""
     port_rcv_errors_per_s: float = 10.0
+    """Received packets with errors per second."""
     port_xmit_discards_per_s: float = 100.0
+    """Outbound packets discarded per second (congestion or a down peer)."""
     local_ack_timeout_err_per_s: float = 1.0
+    """hw_counters: RC QP ack timeouts per second (retransmits)."""
     roce_slow_restart_per_s: float = 10.0
+    """hw_counters (RoCE): slow restarts per second."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class InfinibandSettings:
     flap_cycles: int = 3
     """Down-then-up cycles within flap_window_s that make a flap (gpud: 3)."""
     flap_window_s: float = 600.0
+    """Lookback for counting flap cycles (gpud: 10 min)."""
     drop_after_s: float = 240.0
     """A port down longer than this is a drop (gpud: 4 min), a T1 fabric finding."""
     sticky_s: float = 600.0
@@ -86,12 +94,15 @@ class HostSettings:
     enabled: bool = True
     """Read memory, pressure, D-state processes and the configured filesystems."""
     proc_root: str = "/proc"
+    """Where meminfo, pressure/, mounts and the per-process stat files are read."""
     filesystems: tuple[FilesystemSpec, ...] = ()
+    """Filesystems jobs depend on, each probed every tick (see the filesystems table)."""
     mem_available_min_pct: float = 5.0
     """Available memory below this share of total is a T2 software finding."""
     psi_memory_full_avg10_max: float = 20.0
-    """/proc/pressure/memory 'full avg10' above this is a T2 finding."""
+    """/proc/pressure/memory 'full avg10' above this is a T3 software finding."""
     psi_io_full_avg10_max: float = 50.0
+    """/proc/pressure/io 'full avg10' above this is a T3 storage finding."""
     dstate_min_count: int = 5
     """This many processes in D state at once is a T3 storage finding (a hung mount shows this way)."""
 
@@ -101,8 +112,11 @@ class XidOverride:
     """A site's change to one catalog row; unset fields keep the catalog's value."""
 
     attribution: str | None = None
+    """hardware | fabric | storage | software | user | unknown."""
     tier: int | None = None
+    """1, 2 or 3."""
     action: str | None = None
+    """none | reset-gpu-when-idle | reboot-when-idle | drain | drain-and-requeue | inspect-hardware."""
     ignore: bool = False
     """Drop findings for this Xid entirely (still counted in metrics)."""
 
@@ -112,6 +126,7 @@ class CatalogSettings:
     path: str | None = None
     """Replacement catalog file; None uses the packaged healthd/data/xid_catalog.yaml."""
     overrides: Mapping[int, XidOverride] = field(default_factory=dict)
+    """Xid -> site changes to its catalog row (see the overrides table)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +143,9 @@ class ClassifySettings:
     ecc_sbe_per_hour: float = 100.0
     """Corrected (single-bit) ECC errors per hour on one GPU that make a T2 trend."""
     pcie_replay_per_min: float = 10.0
+    """PCIe replays per minute on one GPU that make a T2 finding (a marginal link or riser)."""
     hw_slowdown_window_s: float = 600.0
+    """Window over which the HW-slowdown rate is measured."""
     hw_slowdown_per_min: float = 0.6
     """HW-slowdown clock events per minute over the window (gpud: 0.6/min over 10 min)."""
     finding_ttl_s: float = 3600.0
@@ -154,6 +171,7 @@ class Settings:
     interval_s: float = 10.0
     """Period of the NVML, InfiniBand and host collectors (the kernel log is followed continuously)."""
     log_level: str = "info"
+    """debug | info | warning | error (the daemon's log; `--log-level` overrides)."""
     nvml: NvmlSettings = field(default_factory=NvmlSettings)
     kernel_log: KernelLogSettings = field(default_factory=KernelLogSettings)
     infiniband: InfinibandSettings = field(default_factory=InfinibandSettings)

@@ -276,3 +276,19 @@ def scrape(url: str) -> str | None:
             return r.read().decode()
     except (urllib.error.URLError, OSError):
         return None
+
+
+def test_daemon_keeps_reporting_the_kernel_sources_status_between_kernel_reads(node):
+    node.write_config(kernel_log={"journal_dir": str(node.root / "no-such-journal"), "kmsg_path": None})
+    proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=node.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = wait_for(lambda: read_state(node.state_file), lambda d: True)
+        later = wait_for(lambda: read_state(node.state_file), lambda d: d["generated_at"] != first["generated_at"])
+        for doc in (first, later):
+            assert doc["sources"]["kernel_log"]["status"] == "no_data"
+            assert "no-such-journal" in doc["sources"]["kernel_log"]["detail"]
+        assert later["verdict"] == "healthy"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=15)
