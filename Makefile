@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PYTHON ?= python3
-APT_PACKAGES := gcc pkg-config libsystemd-dev systemd-journal-remote systemd
+# python3-venv/python3-dev: a vanilla Debian python3 needs them for the venv and systemd-python's build
+APT_PACKAGES := gcc pkg-config libsystemd-dev systemd-journal-remote systemd python3-venv python3-dev
 STAMP_APT := $(VENV)/.apt-stamp
 STAMP_PIP := $(VENV)/.pip-stamp
 
@@ -30,8 +31,11 @@ $(STAMP_PIP): $(STAMP_APT) pyproject.toml
 
 deps: $(STAMP_PIP)
 
-test: deps
+test: deps lint
 	$(PY) -m pytest -q
+
+lint: deps
+	$(PY) -m ruff check healthd tests bench demo
 
 demo: deps
 	$(PY) demo/node_drill.py

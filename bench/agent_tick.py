@@ -89,9 +89,22 @@ def main() -> None:
 
         agent = build_agent(str(cfg), dry_run=False)
 
+        stages: dict[str, list[float]] = {"collect": [], "classify": [], "publish": []}
+        rss_trace: list[tuple[int, float]] = []
+
         def tick() -> None:
-            agent.tick(kernel_timeout_s=0.0)
+            t0 = time.process_time()
+            agent.collect_periodic()
+            kernel = agent.read_kernel(0.0)
+            t1 = time.process_time()
+            agent.classify(kernel)
+            t2 = time.process_time()
             agent.publish()
+            t3 = time.process_time()
+            for name, a, b in (("collect", t0, t1), ("classify", t1, t2), ("publish", t2, t3)):
+                stages[name].append(b - a)
+            if len(stages["collect"]) % 1000 == 0:
+                rss_trace.append((len(stages["collect"]), round(rss_bytes() / 2**20, 2)))
 
         tick()
         assert agent.result is not None and agent.result.verdict == "healthy", agent.document()["findings"]
@@ -111,6 +124,8 @@ def main() -> None:
             "tick_wall_ms": {k: round(v * 1e3, 3) if k != "n" else v for k, v in w.items()},
             "tick_cpu_ms": {k: round(v * 1e3, 3) if k != "n" else v for k, v in c.items()},
             "last_tick_collector_ms": parts,
+            "stage_cpu_ms_median": {k: round(summary(v[warm:])["median"] * 1e3, 3) for k, v in stages.items()},
+            "rss_mb_every_1000_ticks": rss_trace,
             "cpu_share_of_one_core_at_interval_pct": round(100 * c["median"] / interval, 4),
             "interval_s": interval,
             "rss_mb_after_ticks": round(rss_end / 2**20, 1),

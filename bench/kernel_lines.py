@@ -43,7 +43,7 @@ def mixed_lines(n: int, seed: int = 1) -> list[str]:
     """80% an identical Xid 95 burst, 10% other Xid variants (some distinct by pid), 10% noise."""
     rnd = random.Random(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         r = rnd.random()
         if r < 0.8:
             out.append(XID_LINES[0])

@@ -468,8 +468,10 @@ def _reload(agent: Agent, config_path: str | None) -> None:
     except ValueError as e:  # ConfigError and CatalogError are ValueErrors
         log.error("reload refused, keeping the running configuration: %s", e)
         return
-    roots = lambda s: (s.nvml.enabled, s.infiniband.sysfs_root, s.host.proc_root, s.host.filesystems,
-                       s.kernel_log, s.state_file, s.state_dir, s.metrics)
+    def roots(s: Settings) -> tuple:
+        return (s.nvml.enabled, s.infiniband.sysfs_root, s.host.proc_root, s.host.filesystems,
+                s.kernel_log, s.state_file, s.state_dir, s.metrics)
+
     if roots(settings) != roots(agent.settings):
         log.warning("reload: collector roots, state paths or metrics changed; they take effect at restart")
     agent.settings, agent.catalog = settings, catalog

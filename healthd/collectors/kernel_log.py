@@ -251,7 +251,7 @@ class _JournalSource:
         try:
             from systemd import journal
         except ImportError as e:  # pragma: no cover - a dependency of the package
-            raise _Unavailable("error", f"systemd-python is not installed ({e}); pip install systemd-python")
+            raise _Unavailable("error", f"systemd-python is not installed ({e}); pip install systemd-python") from None
         d = self.journal_dir
         if d is not None:
             try:
@@ -277,7 +277,7 @@ class _JournalSource:
             reader = journal.Reader(path=d) if d is not None else journal.Reader()
         except OSError as e:
             status = "error" if e.errno in (errno.EACCES, errno.EPERM) else "no_data"
-            raise _Unavailable(status, f"cannot open the journal at {d or 'system journal'}: {e}")
+            raise _Unavailable(status, f"cannot open the journal at {d or 'system journal'}: {e}") from None
         try:
             if d is None:
                 # Kernel lines live in system*.journal; without the right group libsystemd silently opens
@@ -297,7 +297,7 @@ class _JournalSource:
             reader.fileno()  # start inotify now, so files rotated in before the first wait() are seen
         except OSError as e:
             reader.close()
-            raise _Unavailable("error", f"cannot read the journal at {d or 'system journal'}: {e}")
+            raise _Unavailable("error", f"cannot read the journal at {d or 'system journal'}: {e}") from None
         return reader
 
     # ---------------------------------------------------------------- positioning
@@ -478,9 +478,9 @@ class _KmsgSource:
                 self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except PermissionError as e:
                 raise _Unavailable("error", f"cannot read {path}: {e.strerror} (needs root or CAP_SYSLOG when "
-                                   "kernel.dmesg_restrict=1)")
+                                   "kernel.dmesg_restrict=1)") from None
             except OSError as e:
-                raise _Unavailable("error", f"cannot open {path}: {e.strerror}")
+                raise _Unavailable("error", f"cannot open {path}: {e.strerror}") from None
         else:
             self.fd = path
             os.set_blocking(path, False)

@@ -164,7 +164,7 @@ def test_parse_meminfo():
 
 
 def test_parse_meminfo_without_memavailable_estimates_like_psutil():
-    text = "\n".join(l for l in MEMINFO.splitlines() if not l.startswith("MemAvailable"))
+    text = "\n".join(line for line in MEMINFO.splitlines() if not line.startswith("MemAvailable"))
     assert parse_meminfo(text) == ((101234567 + 400000000 + 300000000 + 50000000) * 1024, 2113290240 * 1024)
 
 
