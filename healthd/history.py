@@ -195,33 +195,20 @@ class History:
         if version != HISTORY_VERSION:
             raise HistoryError(f"history.version: expected {HISTORY_VERSION}, found {_show(version)}")
         r = _Reader()
+
+        def section(name: str, read: Any) -> dict[str, Any]:
+            where = f"history.{name}"
+            return {r.str_(k, f"{where} key"): read(v, f"{where}[{k!r}]") for k, v in r.obj(d.get(name, {}), where).items()}
+
         hist = cls(
             boot_id=r.opt_str(d.get("boot_id"), "history.boot_id"),
             time=r.opt_time(d.get("time"), "history.time"),
-            gpu_ids={
-                r.str_(bus, "history.gpu_ids key"): r.component(c, f"history.gpu_ids[{bus!r}]")
-                for bus, c in r.obj(d.get("gpu_ids", {}), "history.gpu_ids").items()
-            },
-            baselines={
-                r.str_(k, "history.baselines key"): r.pair(v, f"history.baselines[{k!r}]")
-                for k, v in r.obj(d.get("baselines", {}), "history.baselines").items()
-            },
-            series={
-                r.str_(k, "history.series key"): r.points(v, f"history.series[{k!r}]")
-                for k, v in r.obj(d.get("series", {}), "history.series").items()
-            },
-            xids={
-                r.str_(k, "history.xids key"): r.xid(v, f"history.xids[{k!r}]")
-                for k, v in r.obj(d.get("xids", {}), "history.xids").items()
-            },
-            ports={
-                r.str_(k, "history.ports key"): r.port(v, f"history.ports[{k!r}]")
-                for k, v in r.obj(d.get("ports", {}), "history.ports").items()
-            },
-            latches={
-                r.str_(k, "history.latches key"): r.latch(v, f"history.latches[{k!r}]")
-                for k, v in r.obj(d.get("latches", {}), "history.latches").items()
-            },
+            gpu_ids=section("gpu_ids", r.component),
+            baselines=section("baselines", r.pair),
+            series=section("series", r.points),
+            xids=section("xids", r.xid),
+            ports=section("ports", r.port),
+            latches=section("latches", r.latch),
         )
         return hist.capped()
 
