@@ -14,6 +14,7 @@ call, so the NVML share here is an upper bound on what the real driver's calls c
 from __future__ import annotations
 
 import argparse
+from array import array
 import ctypes
 import gc
 import os
@@ -67,13 +68,15 @@ def floor_tick(ib: Path, pynvml) -> None:
 
 
 def measure(fn, n: int) -> tuple[list[float], list[float]]:
-    wall, cpu = [], []
-    for _ in range(n):
+    # Preallocated arrays of doubles: storing a float per tick in a list would itself grow the RSS
+    # being measured (32 bytes a sample).
+    wall, cpu = array("d", bytes(8 * n)), array("d", bytes(8 * n))
+    for i in range(n):
         w, c = time.perf_counter(), time.process_time()
         fn()
-        cpu.append(time.process_time() - c)
-        wall.append(time.perf_counter() - w)
-    return wall, cpu
+        cpu[i] = time.process_time() - c
+        wall[i] = time.perf_counter() - w
+    return list(wall), list(cpu)
 
 
 def main() -> None:
@@ -89,8 +92,9 @@ def main() -> None:
 
         agent = build_agent(str(cfg), dry_run=False)
 
-        stages: dict[str, list[float]] = {"collect": [], "classify": [], "publish": []}
+        stages = {name: array("d", bytes(8 * args.ticks)) for name in ("collect", "classify", "publish")}
         rss_trace: list[tuple[int, float]] = []
+        done = [0]
 
         def tick() -> None:
             t0 = time.process_time()
@@ -101,10 +105,12 @@ def main() -> None:
             t2 = time.process_time()
             agent.publish()
             t3 = time.process_time()
-            for name, a, b in (("collect", t0, t1), ("classify", t1, t2), ("publish", t2, t3)):
-                stages[name].append(b - a)
-            if len(stages["collect"]) % 1000 == 0:
-                rss_trace.append((len(stages["collect"]), round(rss_bytes() / 2**20, 2)))
+            i = done[0]
+            if i < args.ticks:
+                stages["collect"][i], stages["classify"][i], stages["publish"][i] = t1 - t0, t2 - t1, t3 - t2
+            done[0] = i + 1
+            if done[0] % 1000 == 0:
+                rss_trace.append((done[0], round(rss_bytes() / 2**20, 2)))
 
         tick()
         assert agent.result is not None and agent.result.verdict == "healthy", agent.document()["findings"]
@@ -124,7 +130,7 @@ def main() -> None:
             "tick_wall_ms": {k: round(v * 1e3, 3) if k != "n" else v for k, v in w.items()},
             "tick_cpu_ms": {k: round(v * 1e3, 3) if k != "n" else v for k, v in c.items()},
             "last_tick_collector_ms": parts,
-            "stage_cpu_ms_median": {k: round(summary(v[warm:])["median"] * 1e3, 3) for k, v in stages.items()},
+            "stage_cpu_ms_median": {k: round(summary(list(v)[warm:])["median"] * 1e3, 3) for k, v in stages.items()},
             "rss_mb_every_1000_ticks": rss_trace,
             "cpu_share_of_one_core_at_interval_pct": round(100 * c["median"] / interval, 4),
             "interval_s": interval,
