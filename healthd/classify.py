@@ -4,7 +4,7 @@
 remembered (counter baselines, Xid occurrences, port states, sticky findings) into a *new* History
 and returns it with the findings. The history it was given is never changed. Every finding carries
 evidence a human can check: the kernel line with its journal cursor and count, the counter delta and
-its window, the NVML value. The rules, their tiers and why are listed in the README ("Rules"); the
+its window, the NVML value. The rules and their tiers are summarised in the README ("Tiers, attribution and actions"); the
 Xid rows are data in healthd/data/xid_catalog.yaml.
 
 Ids are stable for the same condition across ticks (`xid:gpu3:79`, `nvml.remap_pending:gpu2`,
