@@ -25,6 +25,7 @@ from healthd import __version__
 from healthd.catalog import Catalog, load_catalog
 from healthd.classify import Classification, classify
 from healthd.history import History, HistoryError
+from healthd.hooks.agent_side import HookFiles
 from healthd.model import (
     GpuSample,
     HostSample,
@@ -213,6 +214,8 @@ class Agent:
         """Status and detail of the follower's latest read, for ticks without new kernel lines."""
         self.result: Classification | None = None
         self.snapshot: Snapshot | None = None
+        self.hook_files = HookFiles()
+        """Quick-check results and job bindings the Slurm hooks leave in hooks.run_dir (read only)."""
 
     # ------------------------------------------------------------------ one pass
 
@@ -251,6 +254,7 @@ class Agent:
         )
         before = self.result
         result = classify(snap, self.memory.history, self.catalog, self.settings)
+        result = self.hook_files.apply(result, snap.time, self.settings)
         self.snapshot, self.result = snap, result
         self.memory.history = result.history
         if kernel.cursor:

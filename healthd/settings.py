@@ -161,6 +161,39 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True)
+class HookSettings:
+    """The Slurm hooks (healthd-healthcheck, healthd-prolog, healthd-epilog) and the agent's side of
+    their files. slurmd starts the hooks with almost no environment, so every path is here."""
+
+    gating: str = "off"
+    """off: the prolog only logs 'would refuse job J'; local: the prolog refuses a job (exit 1) whose
+    GPU has a current T1 hardware finding, and the hooks drain / reboot-ASAP the node."""
+    stale_after_s: float = 60.0
+    """An agent state file older than this (or missing, truncated, or whose agent pid is gone) means
+    'agent unknown': the job runs and the hook says why."""
+    timeout_s: float = 5.0
+    """Hard internal limit on one hook run; past it the hook exits with its safe code (prolog 0)."""
+    run_dir: str = "/run/healthd"
+    """Where the hooks keep job bindings (jobs/JOBID.json, jobs/done/), quick-check results
+    (checks.json) and reset/reboot requests for the controller (requests/)."""
+    slurm_conf: str = "/etc/slurm/slurm.conf"
+    """SLURM_CONF for every Slurm client a hook runs (HealthCheckProgram gets no SLURM_CONF)."""
+    path: str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    """PATH for the Slurm clients and dcgmi the hooks run (HealthCheckProgram gets no PATH)."""
+    gpu_devices: str = "/dev/nvidia[0-9]*"
+    """Glob of GPU device files; the quick check compares their count with nvml.expected_gpus."""
+    dcgmi: str | None = "dcgmi"
+    """dcgmi path or name; `dcgmi diag -r 1` runs on an idle node when it is installed. None: never."""
+    dcgmi_timeout_s: float = 45.0
+    """Hard limit on one `dcgmi diag -r 1` run, added to timeout_s for that health-check run (the sum
+    stays under the 60 s after which slurmd kills a HealthCheckProgram)."""
+    dcgmi_interval_s: float = 3600.0
+    """Run `dcgmi diag -r 1` at most this often (the health check runs every HealthCheckInterval)."""
+    charges_file: str = "/var/lib/healthd/charges.jsonl"
+    """One JSON line per user-attributed finding charged to a job and its user by the epilog."""
+
+
+@dataclass(frozen=True)
 class Settings:
     node_name: str
     """This node's Slurm name (default: the short hostname)."""
@@ -179,3 +212,4 @@ class Settings:
     catalog: CatalogSettings = field(default_factory=CatalogSettings)
     classify: ClassifySettings = field(default_factory=ClassifySettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    hooks: HookSettings = field(default_factory=HookSettings)

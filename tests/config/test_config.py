@@ -83,7 +83,7 @@ def test_absent_default_file_is_defaults_but_named_file_must_exist(tmp_path):
         ("metrics: {listen: '0.0.0.0'}", "f.yaml: metrics.listen: expected HOST:PORT"),
         ("node_name: 'gpu 01'", "f.yaml: node_name: expected a Slurm node name without spaces"),
         ("[1, 2]", r"f.yaml: \(top level\): expected a mapping of keys"),
-        ("a: [", r"f.yaml: \(top level\): expected valid YAML, found <a syntax error at line 1"),
+        ("a: [", r"f.yaml: \(top level\): expected valid YAML, found <a syntax error at line [12]"),
     ],
 )
 def test_errors_name_file_key_expected_found(text, message):

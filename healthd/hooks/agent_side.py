@@ -1,0 +1,81 @@
+"""The agent's side of the hooks' files, applied to each classification before it is published:
+
+- quick-check results (`<run_dir>/checks.json`, re-read only when its mtime or size changed) become
+  findings (healthd.hooks.checks) merged into the classification, verdict and would_do recomputed;
+- job bindings (`<run_dir>/jobs/*.json`, `jobs/done/*.json`) set `Finding.job` on GPU findings.
+
+Only reads: the agent never writes the hooks' files (and in dry-run writes nothing at all).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from healthd.hooks.bindings import BindingReader, attach_jobs
+from healthd.hooks.checks import CHECKS_FILE, findings_from_checks, merge
+from healthd.hooks.common import SMALL_MAX_BYTES, clean, read_json
+
+log = logging.getLogger("healthd")
+
+
+class HookFiles:
+    def __init__(self) -> None:
+        self.bindings = BindingReader()
+        self._checks_key: tuple[str, int, int] | None = None
+        self._checks_doc: Any = None
+        self._warned: set[str] = set()
+
+    def _warn_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            if len(self._warned) > 1000:
+                self._warned.clear()
+            self._warned.add(msg)
+            log.warning("%s", msg)
+
+    def checks_doc(self, run_dir: str) -> Any:
+        """The checks document, re-read only when the file changed; None when absent or unusable."""
+        path = os.path.join(run_dir, CHECKS_FILE)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            self._checks_key, self._checks_doc = None, None
+            return None
+        except OSError as e:
+            log.warning("quick-check results %s unreadable (%s); ignored", path, e.strerror or e)
+            return None
+        key = (path, st.st_mtime_ns, st.st_size)
+        if key == self._checks_key:
+            return self._checks_doc
+        self._checks_key = key
+        try:
+            self._checks_doc = read_json(path, SMALL_MAX_BYTES)
+        except FileNotFoundError:
+            self._checks_doc = None
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            log.warning("quick-check results %s unreadable (%s); ignored", path, clean(e, 160))
+            self._checks_doc = None
+        return self._checks_doc
+
+    def apply(self, classification: Any, now: float, settings: Any) -> Any:
+        try:
+            return self._apply(classification, now, settings)
+        except Exception:  # noqa: BLE001 - the hooks' files must never stop the agent publishing
+            log.exception("applying the hooks' files failed; publishing the classification without them")
+            return classification
+
+    def _apply(self, classification: Any, now: float, settings: Any) -> Any:
+        run_dir = settings.hooks.run_dir
+        doc = self.checks_doc(run_dir)
+        if doc is not None:
+            extra, problem = findings_from_checks(doc, settings.node_name, now, settings.classify.finding_ttl_s)
+            if problem:
+                self._warn_once(f"quick-check results ignored: {problem}")
+            classification = merge(classification, extra)
+        bindings = self.bindings.read(run_dir, settings.node_name, self._warn_once)
+        if bindings:
+            from dataclasses import replace
+
+            classification = replace(classification, findings=attach_jobs(classification.findings, bindings))
+        return classification

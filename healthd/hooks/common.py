@@ -1,0 +1,572 @@
+"""What the three hooks share: the hard deadline, the log, slurmd's environment, bounded reads and
+atomic writes, and the judgement of the agent's state file.
+
+Module-level imports are the standard library only; healthd.config (YAML) is imported once per run
+to read the settings, the Slurm backend only when a hook has to ask or tell Slurm something.
+
+`judge(doc, now, settings)` is the one rule every hook applies to the state file: missing,
+unparsable (truncated), for another node, older than `hooks.stale_after_s` or written by an agent
+whose pid is gone means **agent unknown** -- never a silent pass and never a drain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+STATE_MAX_BYTES = 8 << 20
+"""A state document larger than this is refused (a real one is tens of KiB)."""
+SMALL_MAX_BYTES = 64 << 10
+"""Bindings, requests and the checks file are small; anything larger is ignored."""
+WATCHDOG_GRACE_S = 1.0
+"""After the deadline, SIGALRM unwinds the hook; this much later the watchdog thread exits the
+process outright (a thread stuck in a syscall that ignores signals)."""
+
+_JOB_ID = re.compile(r"[0-9]{1,20}")
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}\$?")
+_UID = re.compile(r"[0-9]{1,10}")
+_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+class HookTimeout(BaseException):
+    """Raised by SIGALRM at the deadline. A BaseException so that no `except Exception` in the hook
+    or a library it calls can swallow it."""
+
+
+# --------------------------------------------------------------------------- text and time
+
+
+def clean(value: Any, limit: int = 200) -> str:
+    """One printable line of at most `limit` characters: safe in a log line and a Slurm reason."""
+    text = _UNPRINTABLE.sub("?", str(value))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def iso(ts: float) -> str:
+    """Epoch seconds -> RFC 3339 UTC with milliseconds: healthd.model.iso, without importing the
+    model's dataclasses (~10 ms) on the hooks' path."""
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def parse_time(value: Any) -> float | None:
+    """RFC 3339 text -> epoch seconds; None for anything else (no time zone is not a time)."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if t.tzinfo is None:
+        return None
+    return t.timestamp()
+
+
+# --------------------------------------------------------------------------- the log
+
+
+class Log:
+    """One line per event to stderr and syslog (LOG_DAEMON, ident = the hook's name). slurmd keeps
+    a hook's output only on failure, so syslog (journald on systemd nodes) is the record."""
+
+    PRIORITIES = {"info": 6, "warning": 4, "error": 3}
+
+    def __init__(self, hook: str):
+        self.hook = hook
+        self.node = "?"
+        self._syslog: Any = None
+
+    def _emit(self, level: str, msg: str) -> None:
+        line = clean(msg, 1000)
+        try:
+            sys.stderr.write(f"{self.hook}[{self.node}]: {level}: {line}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            if self._syslog is None:
+                import syslog
+
+                syslog.openlog(self.hook, syslog.LOG_PID, syslog.LOG_DAEMON)
+                self._syslog = syslog
+            self._syslog.syslog(self.PRIORITIES[level], f"[{self.node}] {line}")
+        except OSError:
+            pass
+
+    def info(self, msg: str) -> None:
+        self._emit("info", msg)
+
+    def warning(self, msg: str) -> None:
+        self._emit("warning", msg)
+
+    def error(self, msg: str) -> None:
+        self._emit("error", msg)
+
+    def last_words(self, msg: str) -> None:
+        """From the watchdog thread, right before os._exit: no locks that a stuck thread may hold."""
+        try:
+            os.write(2, f"{self.hook}[{self.node}]: error: {clean(msg, 1000)}\n".encode())
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------- the deadline
+
+
+class Deadline:
+    """A hard limit on the whole hook run. At `seconds`, SIGALRM raises HookTimeout in the main
+    thread, which unwinds the hook to its safe exit code; if the main thread is stuck where a signal
+    cannot reach it, a watchdog thread exits the process with the safe code WATCHDOG_GRACE_S later.
+    Slurm clients get a timeout inside the deadline (Context.backend), so they are killed first."""
+
+    def __init__(self, seconds: float, safe_code: int, log: Log):
+        self.safe_code = safe_code
+        self.log = log
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self._done = False
+        self._cond = threading.Condition()
+        self._old = signal.signal(signal.SIGALRM, self._alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        self._thread = threading.Thread(target=self._watch, name="healthd-hook-watchdog", daemon=True)
+        self._thread.start()
+
+    def _alarm(self, signum: int, frame: Any) -> None:
+        raise HookTimeout(self.seconds)
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._done:
+                left = self.at + WATCHDOG_GRACE_S - time.monotonic()
+                if left <= 0:
+                    self.log.last_words(f"hard timeout: still running {WATCHDOG_GRACE_S:g}s after the "
+                                        f"{self.seconds:g}s deadline; exiting {self.safe_code}")
+                    os._exit(self.safe_code)
+                self._cond.wait(left)
+
+    def extend_to(self, seconds: float) -> None:
+        """Make the limit `seconds`, counted from the start of the run."""
+        with self._cond:
+            self.at = self.at - self.seconds + seconds
+            self.seconds = seconds
+            self._cond.notify()
+        signal.setitimer(signal.ITIMER_REAL, max(0.001, self.at - time.monotonic()))
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def cancel(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        with self._cond:
+            self._done = True
+            self._cond.notify()
+        signal.signal(signal.SIGALRM, self._old)
+
+
+# --------------------------------------------------------------------------- slurmd's environment
+
+
+def env_node(env: dict[str, str], default: str) -> str:
+    """SLURMD_NODENAME when it is a valid node name, else the configured node_name."""
+    value = env.get("SLURMD_NODENAME", "")
+    return value if _NODE.fullmatch(value) else default
+
+
+def env_job_id(env: dict[str, str]) -> tuple[str | None, str]:
+    """(job id, '') or (None, why): a job id is 1-20 digits; it names a file, so nothing else passes."""
+    raw = env.get("SLURM_JOB_ID")
+    if raw is None:
+        return None, "SLURM_JOB_ID is not set"
+    if _JOB_ID.fullmatch(raw):
+        return raw, ""
+    return None, f"SLURM_JOB_ID {clean(repr(raw), 80)} is not a job id"
+
+
+def env_user(env: dict[str, str]) -> tuple[str | None, int | None, list[str]]:
+    """(user, uid, problems): a value that is not a plausible user name / uid is dropped."""
+    problems = []
+    user = env.get("SLURM_JOB_USER")
+    if user is not None and not _USER.fullmatch(user):
+        problems.append(f"SLURM_JOB_USER {clean(repr(user), 80)} rejected")
+        user = None
+    raw_uid = env.get("SLURM_JOB_UID")
+    uid = None
+    if raw_uid is not None:
+        if _UID.fullmatch(raw_uid):
+            uid = int(raw_uid)
+        else:
+            problems.append(f"SLURM_JOB_UID {clean(repr(raw_uid), 80)} rejected")
+    return user, uid, problems
+
+
+def env_gpus(env: dict[str, str]) -> tuple[list[int] | None, str]:
+    """The job's GPU indices on this node, from SLURM_JOB_GPUS, else CUDA_VISIBLE_DEVICES; (None,
+    why) when neither is a plain list of indices (unset, UUIDs, MIG, 'NoDevFiles'). An empty value
+    means no GPUs."""
+    for name in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
+        raw = env.get(name)
+        if raw is None:
+            continue
+        raw = raw.strip()
+        if not raw:
+            return [], ""
+        parts = raw.split(",")
+        if len(parts) > 1024 or not all(p.strip().isdigit() and len(p.strip()) <= 4 for p in parts):
+            return None, f"{name}={clean(repr(raw), 80)} is not a list of GPU indices"
+        return sorted({int(p) for p in parts}), ""
+    return None, "neither SLURM_JOB_GPUS nor CUDA_VISIBLE_DEVICES is set"
+
+
+# --------------------------------------------------------------------------- files
+
+
+class TooLarge(OSError):
+    pass
+
+
+def read_bounded(path: str, limit: int) -> bytes:
+    """A regular file's bytes, at most `limit`. Opened non-blocking, so a FIFO planted at the path
+    cannot hang the hook; anything that is not a regular file is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise TooLarge(f"{path} is {st.st_size} bytes (limit {limit})")
+        data = os.read(fd, st.st_size + 1 if st.st_size else limit + 1)
+        while len(data) <= limit:
+            more = os.read(fd, limit + 1 - len(data))
+            if not more:
+                break
+            data += more
+        if len(data) > limit:
+            raise TooLarge(f"{path} is larger than {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str, limit: int = SMALL_MAX_BYTES) -> dict[str, Any]:
+    """A small JSON object. OSError (including TooLarge) or ValueError with a reason."""
+    doc = json.loads(read_bounded(path, limit))
+    if not isinstance(doc, dict):
+        raise ValueError(f"top level is {type(doc).__name__}, not an object")
+    return doc
+
+
+def write_json(path: str, doc: Any, mode: int = 0o644) -> None:
+    """Atomic (write, fsync, rename), creating the directory: readers see the old file or the new.
+    healthd.persist.write_json_atomic does the same for the agent; this one avoids importing
+    tempfile and logging on the prolog's path (about 7 ms of a ~50 ms run)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}")
+    data = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# --------------------------------------------------------------------------- the agent's state
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_state(path: str) -> tuple[dict[str, Any] | None, str]:
+    """(document, '') or (None, why it could not be read)."""
+    try:
+        return read_json(path, STATE_MAX_BYTES), ""
+    except FileNotFoundError:
+        return None, f"state file {path} is missing (is healthd running?)"
+    except TooLarge as e:
+        return None, f"state file refused: {e}"
+    except OSError as e:
+        return None, f"cannot read state file {path}: {e.strerror or e}"
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"state file {path} is unparsable (truncated?): {clean(e, 120)}"
+
+
+@dataclass(frozen=True)
+class Judgement:
+    known: bool
+    """True only for a fresh document from a live agent on this node."""
+    reason: str
+    """Why the agent is unknown, or a one-line summary of what it says."""
+    doc: dict[str, Any] | None = None
+    age_s: float | None = None
+
+    @property
+    def findings(self) -> list[dict[str, Any]]:
+        if not self.known or self.doc is None:
+            return []
+        return [f for f in self.doc.get("findings", []) if isinstance(f, dict)]
+
+
+def judge(
+    doc: dict[str, Any] | None,
+    now: float,
+    settings: Any,
+    *,
+    node: str | None = None,
+    error: str = "",
+    pid_alive: Callable[[int], bool] = pid_alive,
+) -> Judgement:
+    """Is the agent's state document usable right now? Pure given `pid_alive`. `node` (default
+    settings.node_name) is the node the hook runs for; `error` says why `doc` is None."""
+    stale_after_s = settings.hooks.stale_after_s
+    node = node or settings.node_name
+
+    def unknown(why: str) -> Judgement:
+        return Judgement(False, f"agent unknown: {why}", doc)
+
+    if doc is None:
+        return unknown(error or "no state document")
+    t = parse_time(doc.get("generated_at"))
+    if t is None:
+        return unknown(f"generated_at {clean(repr(doc.get('generated_at')), 60)} is not an RFC 3339 time")
+    age = now - t
+    if age > stale_after_s:
+        return unknown(f"state is {age:.0f}s old (hooks.stale_after_s {stale_after_s:g}): the agent is stopped or stuck")
+    if age < -stale_after_s:
+        return unknown(f"state is dated {-age:.0f}s in the future: the clock moved")
+    if doc.get("node") != node:
+        return unknown(f"state file is for node {clean(repr(doc.get('node')), 80)}, not {node}")
+    agent = doc.get("agent")
+    pid = agent.get("pid") if isinstance(agent, dict) else None
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return unknown("state has no agent pid")
+    if not pid_alive(pid):
+        return unknown(f"agent pid {pid} is not running")
+    findings = doc.get("findings")
+    if not isinstance(findings, list):
+        return unknown("state has no findings list")
+    verdict = doc.get("verdict")
+    return Judgement(True, f"agent alive (pid {pid}, verdict {clean(verdict, 20)}, {len(findings)} finding(s), "
+                           f"state {max(age, 0.0):.1f}s old)", doc, age)
+
+
+# --------------------------------------------------------------------------- findings in a document
+
+
+def f_tier(f: dict[str, Any]) -> int | None:
+    t = f.get("tier")
+    return t if isinstance(t, int) and not isinstance(t, bool) else None
+
+
+def f_gpu(f: dict[str, Any]) -> int | None:
+    """The GPU index a finding is about (NVML numbering = Slurm/CUDA numbering on a node whose
+    gres.conf lists the devices in order), or None for anything that is not an indexed GPU."""
+    c = f.get("component")
+    if not isinstance(c, dict) or c.get("kind") != "gpu":
+        return None
+    i = c.get("index")
+    return i if isinstance(i, int) and not isinstance(i, bool) and i >= 0 else None
+
+
+def is_t1_hardware(f: dict[str, Any]) -> bool:
+    return f_tier(f) == 1 and f.get("attribution") == "hardware"
+
+
+def summary(f: dict[str, Any], limit: int = 150) -> str:
+    return clean(f.get("summary") or f.get("id") or "unnamed finding", limit)
+
+
+def healthd_reason(text: str, suffix: str = "") -> str:
+    """`healthd: <text> <suffix>`, one printable line shorter than 200 characters."""
+    room = 199 - len("healthd: ") - (len(suffix) + 1 if suffix else 0)
+    body = clean(text, max(20, room))
+    return f"healthd: {body} {suffix}" if suffix else f"healthd: {body}"
+
+
+# --------------------------------------------------------------------------- Slurm
+
+
+def is_drained(info: Any) -> bool:
+    states = [str(getattr(info, "state", "") or "")] + [str(f) for f in (getattr(info, "flags", ()) or ())]
+    return any(s.upper().startswith("DRAIN") for s in states)
+
+
+def is_healthd_reason(reason: Any) -> bool:
+    return isinstance(reason, str) and reason.startswith("healthd:")
+
+
+def slurm_error() -> type[Exception]:
+    """healthd.slurm's base error, imported only when a hook talks to Slurm."""
+    from healthd.slurm.backend import SlurmError
+
+    return SlurmError
+
+
+def take_node(ctx: "Context", reason: str) -> bool:
+    """Make sure the node is drained before a hook exits non-zero, so that Slurm keeps a reason a
+    person can read instead of writing 'Prolog error' / 'Epilog error' (Slurm keeps an existing drain
+    reason). Re-reads the node first: a reason someone else wrote is never overwritten, and the first
+    'healthd:' reason wins. Returns True when the node is drained now (by anyone); False when it is
+    not and could not be (Slurm unreachable or refusing, or a foreign reason on an undrained node)."""
+    log, node = ctx.log, ctx.node
+    SlurmError = slurm_error()
+    try:
+        backend = ctx.backend()
+        info = backend.node(node)
+    except SlurmError as e:
+        log.warning(f"cannot read node {node} from Slurm: {clean(e, 200)}")
+        return False
+    current = getattr(info, "reason", None) or ""
+    drained = is_drained(info)
+    if current and not is_healthd_reason(current):
+        if drained:
+            log.info(f"node {node} is already drained by someone else ({clean(current, 120)}); their reason stays")
+            return True
+        log.warning(f"node {node} carries a reason healthd did not write ({clean(current, 120)}); not touching it")
+        return False
+    if drained and current:
+        log.info(f"node {node} is already drained by healthd ({clean(current, 120)}); the first reason stays")
+        return True
+    try:
+        backend.drain([node], current or reason)
+    except SlurmError as e:
+        log.warning(f"cannot drain node {node}: {clean(e, 200)}")
+        return False
+    log.warning(f"drained node {node}: {current or reason}")
+    return True
+
+
+# --------------------------------------------------------------------------- running a hook
+
+
+@dataclass
+class Context:
+    """One hook run: what the hook may use. Built by `run_hook`; tests build their own."""
+
+    hook: str
+    settings: Any
+    node: str
+    env: dict[str, str]
+    log: Log
+    deadline: Deadline | None
+    now: float
+    backend_factory: Callable[["Context"], Any] | None = None
+
+    def backend(self) -> Any:
+        """The Slurm backend, with SLURM_CONF and PATH from the config and a timeout inside the
+        hook's deadline."""
+        if self.backend_factory is not None:
+            return self.backend_factory(self)
+        h = self.settings.hooks
+        os.environ["SLURM_CONF"] = h.slurm_conf
+        os.environ["PATH"] = h.path
+        from healthd.slurm.scontrol import ScontrolBackend
+
+        left = self.deadline.remaining() if self.deadline is not None else h.timeout_s
+        return ScontrolBackend(slurm_conf=h.slurm_conf, timeout_s=max(0.2, left - 0.3))
+
+    def state(self) -> Judgement:
+        doc, error = load_state(self.settings.state_file)
+        return judge(doc, self.now, self.settings, node=self.node, error=error)
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.settings.hooks.run_dir, *parts)
+
+
+class UsageError(ValueError):
+    pass
+
+
+def parse_args(argv: list[str], hook: str) -> str | None:
+    """`--config FILE` / `--config=FILE` / `-c FILE`; slurmd passes no arguments at all."""
+    config = None
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--config", "-c") and i + 1 < len(argv):
+            config = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        else:
+            raise UsageError(f"unknown argument {clean(repr(a), 80)}; usage: {hook} [--config FILE] "
+                             "(or HEALTHD_CONFIG=FILE; slurmd runs it without arguments)")
+        i += 1
+    return config
+
+
+def run_hook(
+    hook: str,
+    argv: list[str] | None,
+    safe_code: int,
+    body: Callable[[Context], int],
+    *,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Load the config, arm the deadline, run `body`; a timeout, a config or usage error, or a bug
+    ends with `safe_code` and one log line saying why. Never raises (the console script's exit code
+    is what slurmd acts on: a traceback would be exit 1, a refused job and a drained node)."""
+    env = dict(os.environ if env is None else env)
+    log = Log(hook)
+    deadline = None
+    try:
+        deadline = Deadline(5.0, safe_code, log)  # until the config says otherwise: a hung config read
+        path = parse_args(list(sys.argv[1:] if argv is None else argv), hook) or env.get("HEALTHD_CONFIG") or None
+        from healthd import config as config_mod
+
+        try:
+            settings = config_mod.load(path)
+        except config_mod.ConfigError as e:
+            log.error(f"cannot use the configuration: {e}; exiting {safe_code}")
+            return safe_code
+        deadline.extend_to(settings.hooks.timeout_s)
+        node = env_node(env, settings.node_name)
+        log.node = node
+        ctx = Context(hook, settings, node, env, log, deadline, time.time())
+        return body(ctx)
+    except HookTimeout:
+        seconds = deadline.seconds if deadline is not None else 0
+        log.error(f"timed out after {seconds:g}s (hooks.timeout_s); exiting {safe_code}")
+        return safe_code
+    except UsageError as e:
+        _disarm()
+        log.error(f"{e}; exiting {safe_code}")
+        return safe_code
+    except BaseException as e:  # noqa: BLE001 - a bug must never refuse a job or hang slurmd
+        _disarm()
+        log.error(f"internal error {type(e).__name__}: {clean(e, 300)}; exiting {safe_code}")
+        return safe_code
+    finally:
+        if deadline is not None:
+            deadline.cancel()
+
+
+def _disarm() -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0)

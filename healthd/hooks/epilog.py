@@ -1,0 +1,209 @@
+"""healthd-epilog: slurmd's Epilog (runs as root after every job on this node).
+
+1. Closes the job's binding: `<run_dir>/jobs/<id>.json` moves to `jobs/done/<id>.json` with its end
+   time and the findings charged to it.
+2. Attribution: user-attributed findings on the job's GPUs whose last_seen lies within the job's
+   [start, end] are charged to the job and its user: one JSON line each appended to
+   `hooks.charges_file` {job, user, node, gpu, serial, xid, finding, summary, time, ...}, and logged.
+3. Post-job checks: all expected GPU device files still present (written to checks.json for the
+   agent); findings asking for a reset or reboot when idle (pending row remap, Xid 63/92, GSP errors)
+   leave a request `<run_dir>/requests/<finding-id>.json` for the controller and, with
+   `hooks.gating: local`, `scontrol reboot ASAP` -- unless the node is drained (a drain is the
+   controller's to resolve, and a reboot's next state RESUME would undo it) or carries a reason
+   healthd did not write.
+
+Exit codes: 0, except 1 when the fresh agent state has a current T1 hardware finding, gating is
+`local` and the node is confirmed drained with a healthd reason (or someone else's). The non-zero
+exit is deliberate: it is Slurm's own way to keep the node from taking the next job in the window
+before the controller acts, and since the node is already drained Slurm keeps healthd's reason
+instead of writing "Epilog error". The job itself stays COMPLETED. With gating `off` the epilog only
+logs "would fail the epilog". Every doubtful case exits 0 with a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from healthd.hooks.bindings import binding_path, charges, close_binding, parse_binding
+from healthd.hooks.checks import CHECKS_FILE, gpu_count_result, merged_doc
+from healthd.hooks.common import (
+    Context,
+    Judgement,
+    clean,
+    env_job_id,
+    healthd_reason,
+    is_drained,
+    is_healthd_reason,
+    is_t1_hardware,
+    iso,
+    read_json,
+    run_hook,
+    slurm_error,
+    summary,
+    take_node,
+    write_json,
+)
+
+HOOK = "healthd-epilog"
+OK, DRAIN = 0, 1
+WHEN_IDLE = ("reboot-when-idle", "reset-gpu-when-idle")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+
+
+def request_name(finding_id: Any) -> str:
+    """A finding id as a file name in requests/: no '/', no leading dot, bounded."""
+    name = _UNSAFE.sub("_", str(finding_id))[:150] or "finding"
+    return f"_{name}.json" if name.startswith(".") else f"{name}.json"
+
+
+def when_idle(judgement: Judgement) -> list[dict[str, Any]]:
+    """Findings whose remedy is a reset or reboot once the node is idle, reboot first, most certain first."""
+    fs = [f for f in judgement.findings if f.get("action") in WHEN_IDLE]
+    return sorted(fs, key=lambda f: (WHEN_IDLE.index(f["action"]), f.get("tier") or 9, str(f.get("id"))))
+
+
+def append_charges(path: str, lines: list[dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+    try:
+        os.write(fd, data)  # one O_APPEND write: concurrent epilogs never interleave lines
+    finally:
+        os.close(fd)
+
+
+def epilog(ctx: Context) -> int:
+    log, h = ctx.log, ctx.settings.hooks
+    end = ctx.now
+    judgement = ctx.state()
+    if not judgement.known:
+        log.warning(f"{judgement.reason}: findings are not attributed to this job and nothing is requested")
+
+    job, why = env_job_id(ctx.env)
+    if job is None:
+        log.warning(f"{why}; no binding to close")
+    else:
+        close_job(ctx, job, judgement, end)
+
+    post_job_checks(ctx, end)
+    if judgement.known:
+        request_when_idle(ctx, judgement, job)
+
+    t1 = sorted((f for f in judgement.findings if is_t1_hardware(f)), key=lambda f: str(f.get("id")))
+    if not t1:
+        return OK
+    reason = healthd_reason(summary(t1[0]), f"[job {job}]" if job else "")
+    if h.gating != "local":
+        log.warning(f"would fail the epilog (drain the node): {reason} (hooks.gating off)")
+        return OK
+    if take_node(ctx, reason):
+        log.error(f"epilog exits 1 (node drained): {reason}")
+        return DRAIN
+    log.warning(f"epilog exits 0 although {summary(t1[0])}: the node could not be drained first")
+    return OK
+
+
+def close_job(ctx: Context, job: str, judgement: Judgement, end: float) -> None:
+    log, h = ctx.log, ctx.settings.hooks
+    try:
+        binding = parse_binding(read_json(binding_path(h.run_dir, job)))
+    except FileNotFoundError:
+        log.warning(f"job {job}: no binding (the prolog did not run, or {h.run_dir} was cleared); nothing charged")
+        return
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        log.warning(f"job {job}: binding unusable ({clean(e, 120)}); nothing charged")
+        binding = None
+    if binding is not None and (binding.job != job or binding.node != ctx.node):
+        log.warning(f"job {job}: binding names job {binding.job} on {binding.node}; nothing charged")
+        binding = None
+    if binding is None:
+        try:
+            os.unlink(binding_path(h.run_dir, job))
+        except OSError:
+            pass
+        return
+    lines = charges(judgement.findings, binding, end, ctx.node) if judgement.known else []
+    if lines:
+        try:
+            append_charges(h.charges_file, lines)
+        except OSError as e:
+            log.error(f"job {job}: cannot append to {h.charges_file}: {e}")
+        for c in lines:
+            log.warning(f"charged to job {job} (user {c['user'] or '?'}): gpu{c['gpu']} "
+                        f"{'xid ' + str(c['xid']) + ' ' if c['xid'] is not None else ''}{c['finding']}: {c['summary']}")
+    try:
+        close_binding(h.run_dir, binding, end, charged=[c["finding"] for c in lines])
+    except OSError as e:
+        log.warning(f"job {job}: cannot close the binding: {e}")
+        return
+    gl = ",".join(map(str, binding.gpus)) if binding.gpus is not None else "unknown"
+    log.info(f"job {job} ended (GPUs {gl}, {end - binding.start:.0f}s, {len(lines)} finding(s) charged)")
+
+
+def post_job_checks(ctx: Context, now: float) -> None:
+    r = gpu_count_result(ctx.settings.hooks.gpu_devices, ctx.settings.nvml.expected_gpus, now, "epilog")
+    if r is None:
+        return
+    if not r["ok"]:
+        ctx.log.warning(f"post-job check gpu_count failed: {r['detail']}")
+    path = ctx.path(CHECKS_FILE)
+    try:
+        old = read_json(path)
+    except (OSError, ValueError, UnicodeDecodeError):
+        old = None
+    try:
+        write_json(path, merged_doc(old, ctx.node, now, [r]))
+    except OSError as e:
+        ctx.log.warning(f"cannot write {path}: {e}")
+
+
+def request_when_idle(ctx: Context, judgement: Judgement, job: str | None) -> None:
+    log, h = ctx.log, ctx.settings.hooks
+    wanted = when_idle(judgement)
+    if not wanted:
+        return
+    for f in wanted:
+        path = ctx.path("requests", request_name(f.get("id")))
+        if os.path.exists(path):
+            continue
+        try:
+            write_json(path, {"finding": f.get("id"), "action": f.get("action"), "node": ctx.node,
+                              "tier": f.get("tier"), "summary": summary(f, 300), "requested_at": iso(ctx.now),
+                              "by": HOOK, "job": job})
+            log.warning(f"requested {f.get('action')} for {summary(f)} ({path})")
+        except OSError as e:
+            log.warning(f"cannot write request {path}: {e}")
+    if h.gating != "local":
+        return
+    if any(is_t1_hardware(f) for f in judgement.findings):
+        return  # the node is being drained; a reboot with next state RESUME would undo that
+    SlurmError = slurm_error()
+    first = wanted[0]
+    reason = healthd_reason(summary(first))
+    try:
+        backend = ctx.backend()
+        info = backend.node(ctx.node)
+        flags = {str(x).upper() for x in (getattr(info, "flags", ()) or ())}
+        current = getattr(info, "reason", None) or ""
+        if current and not is_healthd_reason(current):
+            log.info(f"no reboot requested: node {ctx.node} carries someone else's reason ({clean(current, 120)})")
+        elif is_drained(info):
+            log.info(f"no reboot requested: node {ctx.node} is drained ({clean(current, 120)}); the controller decides")
+        elif flags & {"REBOOT_REQUESTED", "REBOOT_ISSUED", "REBOOT"}:
+            log.info(f"reboot already requested for node {ctx.node}")
+        else:
+            backend.reboot_asap([ctx.node], reason=reason)
+            log.warning(f"requested reboot ASAP of node {ctx.node}: {reason}")
+    except SlurmError as e:
+        log.warning(f"cannot request a reboot of node {ctx.node}: {clean(e, 200)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_hook(HOOK, argv, OK, epilog)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

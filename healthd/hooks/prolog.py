@@ -1,0 +1,111 @@
+"""healthd-prolog: slurmd's Prolog (runs as root at every job launch on this node, before the job).
+
+1. Records the job's binding `<run_dir>/jobs/<SLURM_JOB_ID>.json` = {job, user, uid, node, gpus,
+   start} atomically (GPU indices from SLURM_JOB_GPUS, else CUDA_VISIBLE_DEVICES).
+2. Gating (`hooks.gating`): a job is refusable only when one of its GPUs has a current T1 hardware
+   finding in a FRESH agent state (`gate`, a pure function).
+   - `off` (default): logs "would refuse job J: <reason>" and exits 0;
+   - `local`: drains the node with `healthd: <finding> [job J]` first -- unless someone else's reason
+     is there, and the first healthd reason wins -- then exits 1: slurmd fails the launch, a batch
+     job is requeued, and Slurm keeps the existing drain reason instead of writing "Prolog error".
+
+Exit codes: 0 the job runs; 1 the job is refused (only with gating local, a fresh T1 hardware
+finding on an allocated GPU, and the node confirmed drained). Every doubtful case -- state missing,
+stale or truncated, GPU list unknown, a finding that is not T1 or not hardware, Slurm unreachable or
+refusing, a timeout, a bug -- exits 0 and the log says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from healthd.hooks.bindings import Binding, binding_path
+from healthd.hooks.common import (
+    Context,
+    Judgement,
+    env_gpus,
+    env_job_id,
+    env_user,
+    f_gpu,
+    f_tier,
+    healthd_reason,
+    is_t1_hardware,
+    run_hook,
+    summary,
+    take_node,
+    write_json,
+)
+
+HOOK = "healthd-prolog"
+RUN, REFUSE = 0, 1
+
+
+@dataclass(frozen=True)
+class Gate:
+    refuse: bool
+    """One of the job's GPUs has a current T1 hardware finding in a fresh state."""
+    why: str
+    finding: dict[str, Any] | None = None
+
+
+def gate(judgement: Judgement, gpus: list[int] | None, gpus_why: str = "") -> Gate:
+    """Would healthd refuse a job holding `gpus`? Pure; the gating mode is applied by the caller."""
+    if not judgement.known:
+        return Gate(False, f"{judgement.reason}")
+    if gpus is None:
+        return Gate(False, f"GPU list unknown ({gpus_why})")
+    if not gpus:
+        return Gate(False, "the job holds no GPU")
+    mine = [f for f in judgement.findings if f_gpu(f) in gpus]
+    blocking = sorted((f for f in mine if is_t1_hardware(f)), key=lambda f: (f_gpu(f), str(f.get("id"))))
+    if blocking:
+        return Gate(True, summary(blocking[0]), blocking[0])
+    gl = ",".join(map(str, gpus))
+    if mine:
+        notes = "; ".join(f"{summary(f, 60)} (T{f_tier(f)} {f.get('attribution')})" for f in mine[:3])
+        return Gate(False, f"no T1 hardware finding on GPUs {gl}, only {notes}: not a reason to refuse")
+    return Gate(False, f"no finding on GPUs {gl}")
+
+
+def prolog(ctx: Context) -> int:
+    log = ctx.log
+    job, why = env_job_id(ctx.env)
+    if job is None:
+        log.warning(f"{why}; nothing recorded, the job runs")
+        return RUN
+    user, uid, problems = env_user(ctx.env)
+    for p in problems:
+        log.warning(f"job {job}: {p}")
+    gpus, gpus_why = env_gpus(ctx.env)
+    binding = Binding(job=job, node=ctx.node, gpus=tuple(gpus) if gpus is not None else None,
+                      start=ctx.now, user=user, uid=uid)
+    try:
+        write_json(binding_path(ctx.settings.hooks.run_dir, job), binding.to_json())
+    except OSError as e:
+        log.warning(f"job {job}: cannot record the GPU binding: {e}")
+
+    judgement = ctx.state()
+    g = gate(judgement, gpus, gpus_why)
+    if not g.refuse:
+        level = log.info if judgement.known else log.warning
+        level(f"job {job} runs: {g.why}")
+        return RUN
+    reason = healthd_reason(g.why, f"[job {job}]")
+    if ctx.settings.hooks.gating != "local":
+        log.warning(f"would refuse job {job}: {reason} (hooks.gating off)")
+        return RUN
+    if not take_node(ctx, reason):
+        log.warning(f"job {job} runs although {g.why}: the node could not be drained first, and refusing "
+                    "would leave a 'Prolog error' drain nobody owns")
+        return RUN
+    log.error(f"refused job {job}: {reason}")
+    return REFUSE
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_hook(HOOK, argv, RUN, prolog)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""healthd's Slurm backends: the SlurmBackend Protocol and NodeInfo (backend), the scontrol/sinfo
+implementation for every Slurm version (scontrol), the pyslurm one for sites whose Slurm matches
+pyslurm 25.11 (pyslurm_backend), and default_backend() to choose between them."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+
+from healthd.slurm.backend import (
+    NodeInfo,
+    SlurmBackend,
+    SlurmError,
+    SlurmOutputError,
+    SlurmRefused,
+    SlurmUnavailable,
+)
+from healthd.slurm.scontrol import ScontrolBackend, parse_version
+
+__all__ = [
+    "NodeInfo",
+    "SlurmBackend",
+    "SlurmError",
+    "SlurmOutputError",
+    "SlurmRefused",
+    "SlurmUnavailable",
+    "ScontrolBackend",
+    "default_backend",
+]
+
+_log = logging.getLogger(__name__)
+
+
+def _import_pyslurm(slurm_conf: str):
+    """Import pyslurm without its auto-init (which would read slurm.conf from wherever libslurm
+    looks, possibly configless DNS), then initialise it with our slurm.conf explicitly."""
+    prev = os.environ.get("PYSLURM_DISABLE_AUTO_INIT")
+    os.environ["PYSLURM_DISABLE_AUTO_INIT"] = "1"
+    try:
+        module = importlib.import_module("pyslurm")
+    finally:
+        if prev is None:
+            os.environ.pop("PYSLURM_DISABLE_AUTO_INIT", None)
+        else:
+            os.environ["PYSLURM_DISABLE_AUTO_INIT"] = prev
+    module.slurm_init(slurm_conf)
+    return module
+
+
+def default_backend(
+    slurm_conf: str | None = None,
+    log: logging.Logger | None = None,
+    *,
+    timeout_s: float = 10.0,
+    dry_run: bool = False,
+    prefer_pyslurm: bool = True,
+    scontrol: ScontrolBackend | None = None,
+    pyslurm_module=None,
+) -> SlurmBackend:
+    """PyslurmBackend when pyslurm imports AND its Slurm major.minor (pyslurm's own version is
+    SLURM_MAJOR.SLURM_MINOR.PATCH) equals the installed Slurm's (`scontrol --version`);
+    otherwise ScontrolBackend. Logs the choice and why. Raises SlurmUnavailable when there is no
+    slurm.conf (slurm_conf or SLURM_CONF): no client runs without one.
+
+    `scontrol` and `pyslurm_module` let tests hand in a ScontrolBackend with a fake runner and an
+    already imported (stand-in) pyslurm; production code leaves them None."""
+    log = log or _log
+    if scontrol is None:
+        scontrol = ScontrolBackend(slurm_conf, timeout_s=timeout_s, dry_run=dry_run, logger=log)
+    if not prefer_pyslurm:
+        log.info("Slurm backend: scontrol (pyslurm not wanted)")
+        return scontrol
+    try:
+        slurm_version = scontrol.version()
+        slurm_mm = parse_version(slurm_version)
+    except SlurmError as exc:
+        log.warning("Slurm backend: scontrol (cannot read the Slurm version to check pyslurm: %s)", exc)
+        return scontrol
+    try:
+        ps_version = (
+            str(pyslurm_module.__version__) if pyslurm_module is not None else importlib.metadata.version("pyslurm")
+        )
+    except (importlib.metadata.PackageNotFoundError, AttributeError):
+        log.info("Slurm backend: scontrol (pyslurm is not installed; Slurm %s)", slurm_version)
+        return scontrol
+    try:
+        ps_mm = parse_version(ps_version)
+    except SlurmError:
+        log.info("Slurm backend: scontrol (pyslurm version %r not understood)", ps_version)
+        return scontrol
+    if ps_mm != slurm_mm:
+        log.info(
+            "Slurm backend: scontrol (pyslurm %s is built for Slurm %d.%02d, this is Slurm %s)",
+            ps_version,
+            *ps_mm,
+            slurm_version,
+        )
+        return scontrol
+    try:
+        module = pyslurm_module if pyslurm_module is not None else _import_pyslurm(scontrol.slurm_conf)
+    except Exception as exc:  # noqa: BLE001 - any import failure means: use scontrol
+        log.warning("Slurm backend: scontrol (pyslurm %s does not load: %s)", ps_version, exc)
+        return scontrol
+    from healthd.slurm.pyslurm_backend import PyslurmBackend
+
+    log.info("Slurm backend: pyslurm %s (matches Slurm %s); reboot via scontrol", ps_version, slurm_version)
+    return PyslurmBackend(module, fallback=scontrol, timeout_s=timeout_s, dry_run=dry_run, logger=log)

@@ -1,0 +1,390 @@
+"""The Slurm seam: what healthd reads from and writes to Slurm, as values and one Protocol.
+
+`NodeInfo` is one node as Slurm reports it, normalised across the three ways we read it
+(`sinfo --json` of 22.05, the data_parser JSON of 23.02+, `scontrol show node -o`, pyslurm).
+`SlurmBackend` is the Protocol the controller talks to; `ScontrolBackend` (healthd.slurm.scontrol)
+and `PyslurmBackend` (healthd.slurm.pyslurm_backend) implement it, and the contract suite in
+tests/slurm/contract.py holds both to the same behaviour.
+
+Everything a caller hands to a write is validated here, before any client runs: node names are
+Slurm hostnames or hostlists, reasons are one line of printable text. A reason travels as ONE argv
+element (`Reason=<text>`), never through a shell, so spaces, `=`, quotes and `;|&$()` in it are
+data, not syntax; what is refused is only what Slurm itself cannot store on one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import unicodedata
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from ClusterShell.NodeSet import NodeSet, NodeSetException
+from ClusterShell.RangeSet import RangeSetException
+
+MAX_NODES_CHARS = 256
+MAX_REASON_CHARS = 1000
+# A hostlist such as n[0-999999999] is 256 characters but a billion names: refuse it before
+# ClusterShell expands it.
+MAX_NODES_EXPANDED = 65536
+# one argv element may hold at most 128 KiB on Linux (MAX_ARG_STRLEN)
+MAX_HOSTLIST_CHARS = 100_000
+
+_NODES_RE = re.compile(r"[A-Za-z0-9._\-\[\],]+")
+_RANGE_RE = re.compile(r"(\d+)-(\d+)")
+_DIGIT_BRACKET_RE = re.compile(r"\d\[([^\]]*)\]")
+_JOB_ID_RE = re.compile(r"[1-9][0-9]{0,9}(_[0-9]{1,10})?")
+_RESV_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,63}")
+_USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,31}\$?")
+
+# Node states a RESUME can act on. RESUME on anything else is refused by slurmctld
+# ("Invalid node state specified"), so resume() skips nodes that are none of these.
+RESUMABLE_FLAGS = frozenset({"DRAIN", "FAIL", "REBOOT_REQUESTED", "REBOOT_ISSUED"})
+RESUMABLE_STATES = frozenset({"down"})
+# slurmctld's answer to a state change the node's current state does not allow (slurm_strerror of
+# ESLURM_INVALID_NODE_STATE): RESUME of an idle node, cancel_reboot with no reboot pending.
+INVALID_STATE_MARKER = "Invalid node state specified"
+NEXT_STATES = ("RESUME", "DOWN")
+RESERVATION_FLAGS = frozenset(
+    {"MAINT", "IGNORE_JOBS", "FLEX", "OVERLAP", "MAGNETIC", "ANY_NODES", "STATIC", "PART_NODES", "PURGE_COMP"}
+)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One Slurm node. `state` is the base state in lowercase (idle, mixed, allocated, down,
+    future, unknown, error); every other bit is an uppercase flag (DRAIN, NOT_RESPONDING,
+    COMPLETING, REBOOT_REQUESTED, ...). `reason` is '' when the node has none; `reason_user` and
+    `reason_time` (epoch seconds) are None when Slurm does not say or the reason is empty.
+    `next_state` is the state after a requested reboot (e.g. 'RESUME', 'DOWN'), else None."""
+
+    name: str
+    state: str
+    flags: frozenset[str] = field(default_factory=frozenset)
+    reason: str = ""
+    reason_user: str | None = None
+    reason_time: float | None = None
+    partitions: tuple[str, ...] = ()
+    gres: str | None = None
+    next_state: str | None = None
+
+    @property
+    def drain_requested(self) -> bool:
+        return "DRAIN" in self.flags
+
+    @property
+    def draining(self) -> bool:
+        """DRAIN is set and jobs still run (sinfo's `draining`)."""
+        return self.drain_requested and (self.state in ("allocated", "mixed") or "COMPLETING" in self.flags)
+
+    @property
+    def drained(self) -> bool:
+        """DRAIN is set and no job runs any more (sinfo's `drained`)."""
+        return self.drain_requested and not self.draining
+
+    @property
+    def reboot_requested(self) -> bool:
+        return bool(self.flags & {"REBOOT_REQUESTED", "REBOOT_ISSUED"})
+
+    @property
+    def responding(self) -> bool:
+        return "NOT_RESPONDING" not in self.flags
+
+    @property
+    def resumable(self) -> bool:
+        """A RESUME would be accepted (the node is drained, down, failed or awaiting a reboot)."""
+        return self.state in RESUMABLE_STATES or bool(self.flags & RESUMABLE_FLAGS)
+
+
+class SlurmError(RuntimeError):
+    """A Slurm call failed. `argv` is the command (or pyslurm call) that was attempted,
+    `returncode` its exit status (None when it never finished), `stderr` what Slurm said."""
+
+    def __init__(self, message: str, argv: Sequence[str] = (), returncode: int | None = None, stderr: str = ""):
+        super().__init__(message)
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+class SlurmUnavailable(SlurmError):
+    """slurmctld could not be reached in time (down, overloaded, network), or no Slurm client
+    can be run safely here. Retry later; nothing was changed."""
+
+
+class SlurmRefused(SlurmError):
+    """slurmctld answered and said no (invalid node state transition, unknown node, permission)."""
+
+
+class SlurmOutputError(SlurmError):
+    """Slurm answered with output this module does not understand (a new JSON shape, a truncated
+    line). The message names the Slurm version and the path inside the document."""
+
+
+@runtime_checkable
+class SlurmBackend(Protocol):
+    """What healthd needs from Slurm. Every write validates its arguments (ValueError) before any
+    call; `describe()` returns the exact call a write would make; with `dry_run=True` a backend
+    records writes in `planned` instead of making them (reads still happen)."""
+
+    dry_run: bool
+    planned: list[list[str]]
+
+    def nodes(self, names: Iterable[str] | None = None) -> list[NodeInfo]: ...
+
+    def node(self, name: str) -> NodeInfo: ...
+
+    def drain(self, nodes: str | Sequence[str], reason: str) -> None: ...
+
+    def resume(self, nodes: str | Sequence[str]) -> None: ...
+
+    def reboot_asap(self, nodes: str | Sequence[str], reason: str, next_state: str = "RESUME") -> None: ...
+
+    def cancel_reboot(self, nodes: str | Sequence[str]) -> None: ...
+
+    def requeue(self, job_id: int | str) -> None: ...
+
+    def create_reservation(
+        self,
+        name: str,
+        nodes: str | Sequence[str],
+        duration_min: int,
+        users: Sequence[str] = ("root",),
+        flags: Sequence[str] = ("MAINT", "IGNORE_JOBS"),
+    ) -> None: ...
+
+    def delete_reservation(self, name: str) -> None: ...
+
+    def version(self) -> str: ...
+
+    def describe(self, action: str, **kw) -> list[str]: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (pure)
+
+
+def _has_forbidden_char(text: str) -> str | None:
+    for ch in text:
+        cat = unicodedata.category(ch)
+        if cat in ("Cc", "Cs", "Zl", "Zp"):  # controls (incl. NUL, CR, LF, TAB), surrogates, line breaks
+            return ch
+    return None
+
+
+def validate_nodes(nodes: str | Sequence[str]) -> NodeSet:
+    """Return the nodes as a ClusterShell NodeSet, or raise ValueError saying what is wrong.
+
+    Accepts one hostname, one hostlist expression (`gpu[001-128]`) or a sequence of either.
+    Allowed characters are letters, digits and `-_.[],`; anything else (spaces, `=`, quotes,
+    newlines, shell metacharacters) is refused, as is an expression over 256 characters or one
+    that expands to more than 65536 names."""
+    items = [nodes] if isinstance(nodes, str) else list(nodes)
+    if not items:
+        raise ValueError("no node given: expected a node name or hostlist such as gpu[001-004]")
+    out = NodeSet()
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"node name must be a string, got {type(item).__name__}: {item!r}")
+        if not item:
+            raise ValueError("empty node name")
+        if len(item) > MAX_NODES_CHARS:
+            raise ValueError(f"node list is {len(item)} characters, more than {MAX_NODES_CHARS}: {item[:40]!r}...")
+        if not _NODES_RE.fullmatch(item):
+            bad = next((c for c in item if not _NODES_RE.fullmatch(c)), "?")
+            raise ValueError(
+                f"invalid node name {item!r}: character {bad!r} is not allowed "
+                "(a Slurm node name or hostlist has only letters, digits and -_.[],)"
+            )
+        # ClusterShell 1.9 merges digits before a bracket into the range: n1[9,10] becomes
+        # n[19-110] (92 names) where Slurm means n19,n110. Equal-width numbers are read the same
+        # by both (n1[01-16] = n101..n116); anything else is refused as ambiguous.
+        for inside in _DIGIT_BRACKET_RE.findall(item):
+            if len({len(num) for num in re.findall(r"\d+", inside)}) > 1:
+                raise ValueError(
+                    f"ambiguous hostlist {item!r}: digits right before [ with numbers of different widths "
+                    "are expanded differently by ClusterShell and Slurm; move the digits into the brackets "
+                    "(write n1[9,10] as n[19,110])"
+                )
+        expanded = 0
+        for lo, hi in _RANGE_RE.findall(item):
+            expanded += max(int(hi) - int(lo) + 1, 1)
+            if expanded > MAX_NODES_EXPANDED:
+                raise ValueError(f"hostlist {item!r} expands to more than {MAX_NODES_EXPANDED} nodes")
+        try:
+            parsed = NodeSet(item)
+        except (NodeSetException, RangeSetException, ValueError, IndexError, TypeError) as exc:
+            raise ValueError(f"invalid hostlist {item!r}: {exc}") from None
+        if len(parsed) == 0:
+            raise ValueError(f"hostlist {item!r} names no node")
+        for name in parsed:
+            if name.startswith(("-", ".")):
+                raise ValueError(f"invalid node name {name!r} in {item!r}: may not start with {name[0]!r}")
+        out.update(parsed)
+    if len(out) > MAX_NODES_EXPANDED:
+        raise ValueError(f"{len(out)} nodes given, more than {MAX_NODES_EXPANDED}")
+    return out
+
+
+def slurm_hostlist(nodes: str | Sequence[str] | NodeSet) -> str:
+    """The nodes as a hostlist string Slurm reads back as exactly these nodes.
+
+    ClusterShell's default n-D folding can write text after a bracket (`rack[1-3]-node01`,
+    `gpu[1-2]-ib`), which Slurm 22.05 rejects ("Invalid hostlist"; checked with `scontrol show
+    hostnames`). So names that end in a digit are folded on their last numeric axis only
+    (`rack1-node[01-02],rack2-node01`), and names that end in anything else are listed as they
+    are. tests/slurm/test_parsers.py checks the result against Slurm's own expansion."""
+    ns = nodes if isinstance(nodes, NodeSet) else validate_nodes(nodes)
+    ends_in_digit = [n for n in ns if n[-1:].isdigit()]
+    others = [n for n in ns if not n[-1:].isdigit()]
+    parts = []
+    if ends_in_digit:
+        parts.append(str(NodeSet(",".join(ends_in_digit), fold_axis=[-1])))
+    parts.extend(others)
+    text = ",".join(parts)
+    if len(text) > MAX_HOSTLIST_CHARS:
+        raise ValueError(f"{len(ns)} nodes make a {len(text)}-character hostlist; split them into smaller calls")
+    return text
+
+
+def validate_reason(reason: str) -> str:
+    """Return the reason unchanged, or raise ValueError. A reason is one line of at most 1000
+    characters with no control characters; it must not be empty or only spaces."""
+    if not isinstance(reason, str):
+        raise ValueError(f"reason must be a string, got {type(reason).__name__}")
+    if not reason.strip():
+        raise ValueError("reason is empty: Slurm requires a reason to drain or reboot a node")
+    if len(reason) > MAX_REASON_CHARS:
+        raise ValueError(f"reason is {len(reason)} characters, more than {MAX_REASON_CHARS}")
+    bad = _has_forbidden_char(reason)
+    if bad is not None:
+        raise ValueError(
+            f"reason contains control character {bad!r} (U+{ord(bad):04X}); a Slurm reason is one line "
+            "of printable text"
+        )
+    return reason
+
+
+def validate_job_id(job_id: int | str) -> str:
+    if isinstance(job_id, bool):
+        raise ValueError(f"invalid job id {job_id!r}")
+    text = str(job_id) if isinstance(job_id, int) else job_id
+    if not isinstance(text, str) or not _JOB_ID_RE.fullmatch(text):
+        raise ValueError(f"invalid job id {job_id!r}: expected a positive integer or ARRAYID_TASKID")
+    return text
+
+
+def validate_reservation_name(name: str) -> str:
+    if not isinstance(name, str) or not _RESV_NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid reservation name {name!r}: 1-64 characters, letters, digits and ._- , starting alphanumeric"
+        )
+    return name
+
+
+def validate_users(users: Sequence[str]) -> list[str]:
+    items = [users] if isinstance(users, str) else list(users)
+    if not items:
+        raise ValueError("a reservation needs at least one user")
+    for u in items:
+        if not isinstance(u, str) or not _USER_RE.fullmatch(u):
+            raise ValueError(f"invalid user name {u!r}")
+    return items
+
+
+def validate_reservation_flags(flags: Sequence[str]) -> list[str]:
+    items = [flags] if isinstance(flags, str) else list(flags)
+    for f in items:
+        if f not in RESERVATION_FLAGS:
+            raise ValueError(f"unsupported reservation flag {f!r}; supported: {', '.join(sorted(RESERVATION_FLAGS))}")
+    return items
+
+
+def validate_duration(duration_min: int) -> int:
+    if isinstance(duration_min, bool) or not isinstance(duration_min, int) or not 0 < duration_min <= 525600:
+        raise ValueError(f"invalid duration {duration_min!r}: minutes, an integer from 1 to 525600 (one year)")
+    return duration_min
+
+
+def validate_next_state(next_state: str) -> str:
+    if next_state not in NEXT_STATES:
+        raise ValueError(f"invalid next state {next_state!r}: one of {', '.join(NEXT_STATES)}")
+    return next_state
+
+
+# ---------------------------------------------------------------------------------------------
+# state strings shared by the scontrol and pyslurm readers
+
+BASE_STATES = frozenset({"idle", "mixed", "allocated", "down", "future", "unknown", "error", "completing"})
+
+
+def parse_state_string(text: str) -> tuple[str, frozenset[str]]:
+    """`IDLE+DRAIN+NOT_RESPONDING` (scontrol State=, pyslurm Node.state) -> ('idle', {...}).
+    A trailing `*` (sinfo's short form for not responding) becomes NOT_RESPONDING. The first
+    element is the base state; an unknown base state is kept as-is in lowercase."""
+    text = text.strip()
+    if not text:
+        raise ValueError("empty node state")
+    parts = [p for p in text.split("+") if p]
+    if not parts:
+        raise ValueError(f"node state {text!r} has no base state")
+    flags: set[str] = set()
+    base = parts[0]
+    if base.endswith("*"):
+        base = base.rstrip("*")
+        flags.add("NOT_RESPONDING")
+    for p in parts[1:]:
+        p = p.rstrip("*")
+        if p:
+            flags.add(p.upper())
+    base = base.lower()
+    if not base:
+        raise ValueError(f"node state {text!r} has no base state")
+    # slurmctld reports "COMPLETING" as a flag on 22.05+, but older sinfo forms use it as the base
+    if base == "completing":
+        flags.add("COMPLETING")
+        base = "allocated"
+    return base, frozenset(flags)
+
+
+def filter_nodes(infos: Iterable[NodeInfo], names: Iterable[str] | None) -> list[NodeInfo]:
+    """Keep the nodes named (names may be hostlists), in Slurm's order; all when names is None."""
+    infos = list(infos)
+    if names is None:
+        return infos
+    wanted = set(validate_nodes(list(names)) if not isinstance(names, str) else validate_nodes(names))
+    return [n for n in infos if n.name in wanted]
+
+
+def guarded_state_write(
+    read: Callable[[list[str]], list[NodeInfo]],
+    nodes: str | Sequence[str],
+    needs: Callable[[NodeInfo], bool],
+    write: Callable[[list[str]], None],
+    what: str,
+    log: logging.Logger,
+) -> list[str]:
+    """A node state change that Slurm refuses when it is not needed (RESUME, CANCEL_REBOOT), made
+    idempotent: read the nodes, write only those that `needs` it, and when slurmctld still answers
+    "Invalid node state specified", re-read: if no node needs it any more someone else did it
+    (tolerated), otherwise the refusal stands. Returns the nodes written to."""
+    wanted = list(validate_nodes(nodes))
+    current = {n.name: n for n in read(wanted)}
+    missing = [n for n in wanted if n not in current]
+    if missing:
+        raise SlurmRefused(f"{what}: Slurm has no node named {', '.join(missing[:5])}", argv=[what])
+    todo = [n for n in wanted if needs(current[n])]
+    if not todo:
+        log.info("%s %s: nothing to do", what, ",".join(wanted))
+        return []
+    try:
+        write(todo)
+    except SlurmRefused as exc:
+        if INVALID_STATE_MARKER not in (exc.stderr + str(exc)):
+            raise
+        if any(needs(n) for n in read(todo)):
+            raise
+        log.info("%s %s: already done by someone else (%s)", what, ",".join(todo), INVALID_STATE_MARKER)
+    return todo

@@ -1,0 +1,97 @@
+"""Fixtures for tests against a real local Slurm (tests/support/slurm_cluster.py).
+
+- `slurm_cluster`: one cluster for the whole session (node01..node04, gpu:4 each, no hooks), up
+  before the first test that asks for it and always stopped at the end. Tests that change it (drain,
+  stop slurmctld) put it back as they found it.
+- `make_slurm_cluster(**kwargs)`: a cluster of your own (hooks, fewer nodes, extra_conf...), up when
+  returned; each gets its own free port range (picked by up() under a machine-wide lock), so it runs
+  next to `slurm_cluster` and next to clusters of another test session on the machine. All are stopped at the
+  end of the session; call `.down()` yourself to stop one earlier.
+- SLURM_CONF is set in os.environ for the whole session (to the session cluster's slurm.conf, written
+  at once even if the cluster is never started): a Slurm client run without it would make a DNS SRV
+  query off the machine (testbed P1).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from tests.support.slurm_cluster import SlurmCluster, ensure_installed
+
+
+def _searchable(path: Path, stop: Path) -> None:
+    """a+x (search, not read) on `path` and its parents up to `stop`: pytest makes /tmp/pytest-of-root
+    0700, but munged wants every directory above its socket searchable by all (testbed P4) and
+    slurmctld, which drops to SlurmUser=slurm, must reach its state dir and that socket."""
+    for directory in [path, *path.parents]:
+        mode = directory.stat().st_mode
+        if mode & 0o111 != 0o111:
+            directory.chmod(stat.S_IMODE(mode) | 0o111)
+        if directory == stop:
+            break
+
+
+def _new_root(factory: pytest.TempPathFactory, name: str) -> Path:
+    root = factory.mktemp(name)
+    _searchable(root, factory.getbasetemp().parent)
+    return root
+
+
+@pytest.fixture(scope="session")
+def slurm_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _new_root(tmp_path_factory, "slurm")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def slurm_conf_env(slurm_root: Path) -> Iterator[Path]:
+    """SLURM_CONF in os.environ for the session, pointing at a real file (P1 defence); slurm_cluster's
+    up() rewrites it with the ports it picks."""
+    ensure_installed()
+    conf = SlurmCluster(slurm_root).write_config()
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)
+    yield conf
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(slurm_root: Path, slurm_conf_env: Path) -> Iterator[SlurmCluster]:
+    cluster = SlurmCluster(slurm_root)  # ports: the first free block, picked by up()
+    try:
+        cluster.up()  # stops whatever it started if it fails
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
+def make_slurm_cluster(
+    tmp_path_factory: pytest.TempPathFactory, slurm_conf_env: Path
+) -> Iterator[Callable[..., SlurmCluster]]:
+    made: list[SlurmCluster] = []
+
+    def make(**kwargs: Any) -> SlurmCluster:
+        cluster = SlurmCluster(_new_root(tmp_path_factory, f"slurm-{len(made) + 1}"), **kwargs)
+        made.append(cluster)
+        cluster.up()
+        return cluster
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for cluster in made:
+            try:
+                cluster.down()
+            except Exception as exc:  # stop the others anyway
+                errors.append(f"{cluster.root}: {exc}")
+        if errors:
+            raise RuntimeError("; ".join(errors))

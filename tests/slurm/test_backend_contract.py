@@ -1,0 +1,317 @@
+"""The SlurmBackend contract (tests/slurm/contract.py) against
+- ScontrolBackend on a real Slurm (a local cluster from tests/support/slurm_cluster.py), and
+- PyslurmBackend on the pyslurm 25.11 stand-in (tests/slurm/pyslurm_standin).
+
+The real cluster is this module's own (make_slurm_cluster), not the session's `slurm_cluster`:
+`scontrol reboot` is refused outright without a RebootProgram ("RebootProgram isn't defined"), so
+this one has RebootProgram=/bin/true. The reboot checks use a busy node, so the reboot stays
+requested and is cancelled before it is ever issued; /bin/true never runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from healthd.slurm.backend import SlurmUnavailable
+from healthd.slurm.pyslurm_backend import PyslurmBackend
+from healthd.slurm.scontrol import CommandResult, ScontrolBackend, run_command
+from tests.slurm import contract
+
+STANDIN_DIR = Path(__file__).parent / "pyslurm_standin"
+
+
+# ----------------------------------------------------------------------------- the real cluster
+
+
+class CountingRunner:
+    """run_command, counting the client processes started."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, argv, env, timeout_s):
+        self.count += 1
+        return run_command(argv, env, timeout_s)
+
+
+class RealCtl:
+    def __init__(self, cluster, runner: CountingRunner):
+        self.cluster = cluster
+        self.runner = runner
+        self.nodes = list(cluster.nodes)
+
+    def _out(self, argv, timeout=15) -> str:
+        return self.cluster.run(argv, timeout=timeout, check=True).stdout
+
+    def reset(self) -> None:
+        self.cluster.run(["scancel", "--user=root"], timeout=15)
+        self.cluster.wait_for(
+            lambda: not self._out(["squeue", "-h", "-o", "%i"]).strip(), 30, what="all jobs to end"
+        )
+        for line in self.cluster.run(["scontrol", "show", "reservation", "-o"], timeout=10).stdout.splitlines():
+            if line.startswith("ReservationName=healthd-"):
+                name = line.split()[0].split("=", 1)[1]
+                self.cluster.run(["scontrol", "delete", f"ReservationName={name}"], timeout=10)
+        for node in self.nodes:
+            state = self.cluster.node_state(node)["State"]
+            if "REBOOT_REQUESTED" in state:
+                self.cluster.run(["scontrol", "cancel_reboot", node], timeout=10)
+                state = self.cluster.node_state(node)["State"]
+            if any(flag in state for flag in ("DRAIN", "DOWN", "FAIL", "REBOOT")):
+                self.cluster.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=10, check=True)
+        self.cluster.wait_idle(30)
+
+    def submit_running_job(self, node: str) -> int:
+        out = self._out(["sbatch", "--parsable", "-w", node, "-o", "/dev/null", "--wrap", "sleep 300"])
+        job = int(out.strip().split(";")[0])
+        self.cluster.wait_for(lambda: self.job_state(job) == "RUNNING", 30, what=f"job {job} to run on {node}")
+        return job
+
+    def job_state(self, job_id: int) -> str:
+        res = self.cluster.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout=10)
+        return res.stdout.strip() if res.returncode == 0 else ""
+
+    def reservation_exists(self, name: str) -> bool:
+        res = self.cluster.run(["scontrol", "show", "reservation", "-o", name], timeout=10)
+        return res.returncode == 0 and f"ReservationName={name} " in res.stdout
+
+    def stop_ctld(self) -> None:
+        self.cluster.stop_ctld()
+
+    def start_ctld(self) -> None:
+        self.cluster.start_ctld()
+
+    def calls(self) -> int:
+        return self.runner.count
+
+    def settle(self, node: str) -> None:
+        self.cluster.wait_for(
+            lambda: not self.cluster.sinfo_states().get(node, "*").endswith("*"), 15, what=f"{node} to respond"
+        )
+
+
+@pytest.fixture(scope="module")
+def contract_cluster(make_slurm_cluster):
+    cluster = make_slurm_cluster(extra_conf="RebootProgram=/bin/true")
+    yield cluster
+    cluster.down()
+
+
+@pytest.fixture
+def scontrol_env(contract_cluster):
+    runner = CountingRunner()
+    backend = ScontrolBackend(str(contract_cluster.conf_path), timeout_s=10, runner=runner)
+    ctl = RealCtl(contract_cluster, runner)
+    ctl.reset()
+    yield backend, ctl
+    ctl.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", contract.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_scontrol_backend_on_real_slurm(check, scontrol_env):
+    backend, ctl = scontrol_env
+    check(backend, ctl)
+
+
+def test_scontrol_json_and_oneliner_reads_agree(scontrol_env):
+    """The same drained node read through `sinfo --json` and through `scontrol show node -o`."""
+    backend, ctl = scontrol_env
+    backend.drain("node02", contract.HOSTILE_REASON)
+    as_json = backend.nodes()
+    oneliner = ScontrolBackend(backend.slurm_conf, read_mode="oneliner").nodes()
+    assert as_json == oneliner
+    assert {n.name: n for n in oneliner}["node02"].reason == contract.HOSTILE_REASON
+
+
+# ----------------------------------------------------------------------------- the pyslurm stand-in
+
+
+@pytest.fixture
+def standin():
+    """The stand-in imported as `pyslurm` for this test only: its directory goes first on
+    sys.path, and afterwards sys.path and sys.modules are put back as they were."""
+    saved = {k: v for k, v in sys.modules.items() if k == "pyslurm" or k.startswith("pyslurm.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, str(STANDIN_DIR))
+    try:
+        module = importlib.import_module("pyslurm")
+        assert Path(module.__file__).is_relative_to(STANDIN_DIR), module.__file__
+        module._standin_reset()
+        yield module
+    finally:
+        sys.path.remove(str(STANDIN_DIR))
+        for k in [k for k in sys.modules if k == "pyslurm" or k.startswith("pyslurm.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+class StandinScontrol:
+    """What the stand-in cluster answers to the scontrol calls PyslurmBackend's fallback makes
+    (reboot and array-task requeue: pyslurm 25.11 has no call for them)."""
+
+    def __init__(self, ps):
+        self.ps = ps
+        self.count = 0
+
+    def __call__(self, argv, env, timeout_s):
+        self.count += 1
+        assert env.get("SLURM_CONF"), "a Slurm client ran without SLURM_CONF"
+        if argv[1:3] == ["reboot", "ASAP"]:
+            opts = dict(a.split("=", 1) for a in argv[3:-1])
+            try:
+                self.ps._standin_reboot(argv[-1], opts["reason"], opts["nextstate"])
+            except self.ps.RPCError as exc:
+                return CommandResult(1, "", f"scontrol_reboot_nodes error: {exc.msg}\n")
+            return CommandResult(0, "", "")
+        return CommandResult(1, "", f"stand-in scontrol cannot do {argv[1:]}\n")
+
+
+class StandinCtl:
+    def __init__(self, ps, fallback_runner: StandinScontrol):
+        self.ps = ps
+        self.fallback_runner = fallback_runner
+        self.nodes = list(contract.NODES)
+
+    @property
+    def cluster(self):
+        return self.ps._standin_cluster()
+
+    def reset(self) -> None:
+        self.ps._standin_reset(self.nodes)
+
+    def submit_running_job(self, node: str) -> int:
+        return self.ps._standin_submit(node)
+
+    def job_state(self, job_id: int) -> str:
+        job = self.cluster.jobs.get(job_id)
+        return job["state"] if job else ""
+
+    def reservation_exists(self, name: str) -> bool:
+        return name in self.cluster.reservations
+
+    def stop_ctld(self) -> None:
+        self.cluster.ctld_up = False
+
+    def start_ctld(self) -> None:
+        self.cluster.ctld_up = True
+
+    def calls(self) -> int:
+        return len(self.cluster.calls) + self.fallback_runner.count
+
+    def settle(self, node: str) -> None:
+        pass
+
+
+@pytest.fixture
+def pyslurm_env(standin):
+    runner = StandinScontrol(standin)
+    fallback = ScontrolBackend("/standin/slurm.conf", runner=runner)
+    backend = PyslurmBackend(standin, fallback=fallback, timeout_s=10)
+    ctl = StandinCtl(standin, runner)
+    ctl.reset()
+    return backend, ctl
+
+
+@pytest.mark.parametrize("check", contract.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_pyslurm_backend_on_standin(check, pyslurm_env):
+    backend, ctl = pyslurm_env
+    check(backend, ctl)
+
+
+def test_pyslurm_slow_slurmctld_times_out_and_later_calls_fail_fast(pyslurm_env):
+    backend, ctl = pyslurm_env
+    backend.timeout_s = 0.3
+    ctl.cluster.hang_s = 1.0
+    started = time.monotonic()
+    with pytest.raises(SlurmUnavailable, match="did not return within"):
+        backend.nodes()
+    with pytest.raises(SlurmUnavailable, match="still waiting"):
+        backend.drain("node01", "healthd: x")
+    assert time.monotonic() - started < 0.9
+    time.sleep(1.0)  # the stuck call returns; the backend is usable again
+    ctl.cluster.hang_s = 0.0
+    assert len(backend.nodes()) == 4
+
+
+def test_pyslurm_describe_is_the_call_made(pyslurm_env):
+    backend, _ = pyslurm_env
+    assert backend.describe("drain", nodes=["node02", "node01"], reason="healthd: x 'y' [#1]") == [
+        "pyslurm.Node('node[01-02]').modify(pyslurm.Node(state='DRAIN', reason=\"healthd: x 'y' [#1]\"))"
+    ]
+    assert backend.describe("requeue", job_id=7) == ["pyslurm.Job(7).requeue()"]
+    assert backend.describe("create_reservation", name="healthd-v1", nodes="node03", duration_min=30) == [
+        "pyslurm.Reservation(name='healthd-v1', nodes='node03', users=['root'], duration=30, "
+        "flags=pyslurm.ReservationFlags.MAINTENANCE | pyslurm.ReservationFlags.IGNORE_RUNNING_JOBS).create()"
+    ]
+    # what pyslurm 25.11 cannot do goes through scontrol, and says so
+    assert backend.describe("reboot_asap", nodes="node03", reason="healthd: r")[1:] == [
+        "reboot", "ASAP", "nextstate=RESUME", "reason=healthd: r", "node03"
+    ]
+
+
+# ----------------------------------------------------------------------------- default_backend
+
+
+def _fake_scontrol(version: str) -> ScontrolBackend:
+    def runner(argv, env, timeout_s):
+        assert argv[1:] == ["--version"] and env["SLURM_CONF"]
+        return CommandResult(0, f"slurm {version}\n", "")
+
+    return ScontrolBackend("/etc/slurm/slurm.conf", runner=runner)
+
+
+def test_default_backend_needs_a_slurm_conf(monkeypatch):
+    from healthd.slurm import default_backend
+
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    with pytest.raises(SlurmUnavailable, match="no slurm.conf"):
+        default_backend()
+
+
+def test_default_backend_takes_pyslurm_only_when_its_slurm_version_matches(standin, caplog):
+    from healthd.slurm import default_backend
+
+    caplog.set_level("INFO")
+    chosen = default_backend(scontrol=_fake_scontrol("22.05.8"), pyslurm_module=standin)
+    assert isinstance(chosen, ScontrolBackend)
+    assert "pyslurm 25.11.2 is built for Slurm 25.11, this is Slurm 22.05.8" in caplog.text
+    caplog.clear()
+    chosen = default_backend(scontrol=_fake_scontrol("25.11.1"), pyslurm_module=standin)
+    assert isinstance(chosen, PyslurmBackend) and isinstance(chosen.fallback, ScontrolBackend)
+    assert "Slurm backend: pyslurm 25.11.2 (matches Slurm 25.11.1)" in caplog.text
+    caplog.clear()
+    chosen = default_backend(scontrol=_fake_scontrol("25.11.1"), prefer_pyslurm=False)
+    assert isinstance(chosen, ScontrolBackend) and "not wanted" in caplog.text
+
+
+def test_default_backend_without_pyslurm_installed(caplog):
+    import importlib.metadata
+
+    from healthd.slurm import default_backend
+
+    try:
+        importlib.metadata.version("pyslurm")
+        pytest.skip("pyslurm is installed here")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    caplog.set_level("INFO")
+    assert isinstance(default_backend(scontrol=_fake_scontrol("22.05.8")), ScontrolBackend)
+    assert "pyslurm is not installed" in caplog.text
+
+
+def test_pyslurm_is_imported_without_auto_init_and_initialised_with_our_slurm_conf(standin, monkeypatch):
+    import os
+
+    from healthd.slurm import _import_pyslurm
+
+    monkeypatch.delenv("PYSLURM_DISABLE_AUTO_INIT", raising=False)
+    module = _import_pyslurm("/etc/slurm/site.conf")
+    assert module is standin and module._standin_cluster().init_path == "/etc/slurm/site.conf"
+    assert "PYSLURM_DISABLE_AUTO_INIT" not in os.environ

@@ -1,0 +1,603 @@
+"""The pure Slurm parsers and validators: real 22.05 output captured from the local test cluster
+(tests/slurm/captured/), data_parser v0.0.42 (Slurm 24.11) documents built from Slurm's schema,
+the argv every write makes, and property tests that no input crashes a parser."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from healthd.slurm.backend import (
+    NodeInfo,
+    SlurmOutputError,
+    SlurmRefused,
+    SlurmUnavailable,
+    parse_state_string,
+    slurm_hostlist,
+    validate_nodes,
+    validate_reason,
+)
+from healthd.slurm.scontrol import (
+    CommandResult,
+    CommandTimeout,
+    ScontrolBackend,
+    parse_scontrol_node_line,
+    parse_scontrol_show_node,
+    parse_sinfo_json,
+    parse_sinfo_json_text,
+    parse_version,
+    run_command,
+)
+from tests.slurm.contract import BAD_NODE_NAMES, BAD_REASONS, HOSTILE_REASON
+
+CAPTURED = Path(__file__).parent / "captured"
+
+
+@pytest.fixture
+def utc(monkeypatch):
+    """scontrol prints local time; the captures were taken on a UTC machine."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def _captured_json(name: str):
+    return json.loads((CAPTURED / name).read_text())
+
+
+# ----------------------------------------------------------------------------- 22.05, captured
+
+
+def test_sinfo_json_2205_drained_reboot_draining():
+    nodes = {n.name: n for n in parse_sinfo_json(_captured_json("sinfo-22.05-drained-reboot-draining.json"))}
+    assert list(nodes) == ["node01", "node02", "node03", "node04"]
+    assert nodes["node01"] == NodeInfo("node01", "idle", frozenset(), "", None, None, ("debug",), "gpu:4", None)
+    n2 = nodes["node02"]
+    assert n2.reason == HOSTILE_REASON and n2.reason_user == "root" and n2.reason_time == 1795949831.0
+    assert n2.drained and not n2.draining and n2.flags == {"DRAIN"}
+    n3 = nodes["node03"]  # reboot ASAP nextstate=RESUME on a busy node
+    assert (n3.state, n3.flags, n3.next_state) == ("mixed", {"DRAIN", "REBOOT_REQUESTED"}, "RESUME")
+    assert n3.reboot_requested and n3.draining and n3.resumable
+    n4 = nodes["node04"]  # drained while a job runs
+    assert n4.draining and not n4.drained and n4.reason == "healthd: drain while busy [#4]"
+
+
+def test_sinfo_json_2205_down_not_responding_next_state_down():
+    nodes = {n.name: n for n in parse_sinfo_json(_captured_json("sinfo-22.05-down-notresponding-nextdown.json"))}
+    assert nodes["node01"].state == "down" and nodes["node01"].resumable and not nodes["node01"].drain_requested
+    # just resumed: idle* for about a second; the stale reason_set_by_user is not reported
+    assert nodes["node02"].flags == {"NOT_RESPONDING"} and not nodes["node02"].responding
+    assert nodes["node02"].reason_user is None and not nodes["node02"].resumable
+    assert nodes["node04"].next_state == "DOWN"
+
+
+@pytest.mark.parametrize("name", ["drained-reboot-draining", "down-notresponding-nextdown"])
+def test_scontrol_oneliner_2205_reads_the_same_as_sinfo_json(name, utc):
+    as_json = parse_sinfo_json(_captured_json(f"sinfo-22.05-{name}.json"))
+    oneliner = parse_scontrol_show_node((CAPTURED / f"scontrol-22.05-{name}.txt").read_text())
+    assert oneliner == as_json
+
+
+def test_sinfo_json_2205_slurmctld_down_is_an_error_not_an_empty_cluster():
+    # sinfo exits 0 here; an empty node list must not read as "no nodes"
+    with pytest.raises(SlurmOutputError, match=r"from Slurm 22\.05\.8: Slurm reported errors: Unspecified error"):
+        parse_sinfo_json(_captured_json("sinfo-22.05-slurmctld-down.json"))
+
+
+def test_version_strings():
+    assert parse_version((CAPTURED / "scontrol-version-22.05.txt").read_text()) == (22, 5)
+    assert parse_version("slurm 24.11.1") == (24, 11)
+    with pytest.raises(SlurmOutputError):
+        parse_version("no version here")
+
+
+# ----------------------------------------------------------------------------- 24.11, built from the schema
+
+# Built from SchedMD/slurm src/plugins/data_parser/v0.0.42/parsers.c (PARSER_ARRAY(NODE),
+# PARSER_FLAG_ARRAY(NODE_STATES)): `state` and `next_state_after_reboot` are NODE_STATES flag
+# arrays (one base state then flags; "INVALID" when unset), `reason_changed_at` is
+# TIMESTAMP_NO_VAL ({"set", "infinite", "number"}), `partitions` a CSV_STRING list. The meta
+# block follows a real 25.11 `scontrol show node --json` (data_parser v0.0.44), same layout.
+META_2411 = {
+    "plugin": {"type": "", "name": "", "data_parser": "data_parser/v0.0.42", "accounting_storage": ""},
+    "client": {"source": "/dev/pts/0", "user": "root", "group": "root"},
+    "command": ["show", "nodes"],
+    "slurm": {"version": {"major": "24", "micro": "1", "minor": "11"}, "release": "24.11.1", "cluster": "lab"},
+}
+
+
+def _ts(n, set_=True, infinite=False):
+    return {"set": set_, "infinite": infinite, "number": n}
+
+
+def _node_2411(name, state, reason="", when=0, user="", next_state=("INVALID",)):
+    return {
+        "architecture": "x86_64", "boards": 1, "boot_time": _ts(1795940000), "cluster_name": "", "cores": 1,
+        "cpus": 4, "effective_cpus": 4, "free_mem": _ts(23000), "gres": "gpu:4", "gres_drained": "N/A",
+        "gres_used": "gpu:0", "features": [], "active_features": [], "name": name,
+        "next_state_after_reboot": list(next_state), "address": "127.0.0.1", "hostname": "localhost",
+        "state": list(state), "operating_system": "Linux", "owner": "", "partitions": ["debug", "gpu"],
+        "port": 17001, "real_memory": 1000, "comment": "", "reason": reason, "reason_changed_at": _ts(when),
+        "reason_set_by_user": user, "resume_after": _ts(0), "reservation": "", "alloc_memory": 0,
+        "alloc_cpus": 0, "alloc_idle_cpus": 4, "tres_used": "", "tres_weighted": 0.0,
+        "slurmd_start_time": _ts(1795940000), "sockets": 4, "threads": 1, "temporary_disk": 0, "weight": 1,
+        "tres": "cpu=4,mem=1000M,billing=4", "version": "24.11.1",
+    }
+
+
+SCONTROL_NODES_2411 = {
+    "nodes": [
+        _node_2411("node01", ["IDLE"]),
+        _node_2411("node02", ["IDLE", "DRAIN"], HOSTILE_REASON, 1795949831, "root"),
+        _node_2411(
+            "node03", ["MIXED", "DRAIN", "REBOOT_REQUESTED"], "healthd: pending row remap gpu1 [#9]",
+            1795949832, "root", next_state=("UNKNOWN", "RESUME"),
+        ),
+        _node_2411("node04", ["DOWN", "NOT_RESPONDING"], "Not responding", 1795949833, "slurm"),
+        _node_2411("node05", ["IDLE", "NOT_RESPONDING"], "", 0, "root"),
+    ],
+    "last_update": _ts(1795949900),
+    "meta": META_2411,
+    "errors": [],
+    "warnings": [],
+}
+
+
+def test_scontrol_nodes_json_2411_data_parser_shape():
+    nodes = {n.name: n for n in parse_sinfo_json(SCONTROL_NODES_2411)}
+    assert nodes["node01"] == NodeInfo("node01", "idle", frozenset(), "", None, None, ("debug", "gpu"), "gpu:4", None)
+    assert nodes["node02"].reason == HOSTILE_REASON and nodes["node02"].drained
+    assert (nodes["node02"].reason_user, nodes["node02"].reason_time) == ("root", 1795949831.0)
+    n3 = nodes["node03"]
+    assert (n3.state, n3.flags, n3.next_state, n3.draining) == ("mixed", {"DRAIN", "REBOOT_REQUESTED"}, "RESUME", True)
+    assert nodes["node04"].state == "down" and nodes["node04"].reason_user == "slurm"
+    assert nodes["node05"].reason_user is None and nodes["node05"].reason_time is None  # stale user, no reason
+
+
+def test_2411_wrapped_numbers_unset_and_infinite_are_none():
+    doc = json.loads(json.dumps(SCONTROL_NODES_2411))
+    doc["nodes"][1]["reason_changed_at"] = _ts(0, set_=False)
+    doc["nodes"][2]["reason_changed_at"] = _ts(0, infinite=True)
+    nodes = parse_sinfo_json(doc)
+    assert nodes[1].reason_time is None and nodes[2].reason_time is None
+
+
+def test_a_real_2511_scontrol_json_node_parses():
+    # data_parser v0.0.44 as printed by a Slurm 25.11.0 `scontrol show node --json` (a capture in the
+    # unit-test constants of Canonical's `slurm-ops` package), trimmed to the fields NodeInfo reads
+    doc = {
+        "nodes": [{
+            "name": "compute-0", "next_state_after_reboot": ["INVALID"], "state": ["DOWN", "DYNAMIC_NORM"],
+            "partitions": ["compute"], "gres": "", "reason": "Not responding",
+            "reason_changed_at": {"set": True, "infinite": False, "number": 1769096589},
+            "reason_set_by_user": "slurm",
+        }],
+        "meta": {"slurm": {"release": "25.11.0"}}, "errors": [], "warnings": [],
+    }
+    (node,) = parse_sinfo_json(doc)
+    assert node == NodeInfo(
+        "compute-0", "down", frozenset({"DYNAMIC_NORM"}), "Not responding", "slurm", 1769096589.0, ("compute",), None, None
+    )
+
+
+SINFO_2411 = {
+    # data_parser v0.0.42 PARSER_ARRAY(SINFO_DATA): one entry per group of alike nodes per partition
+    "sinfo": [
+        {
+            "port": 17001, "node": {"state": ["IDLE"]},
+            "nodes": {"allocated": 0, "idle": 2, "other": 0, "total": 2, "hostnames": [], "addresses": [],
+                      "nodes": ["node01", "node03"]},
+            "cpus": {"allocated": 0, "idle": 8, "other": 0, "total": 8},
+            "gres": {"total": "gpu:4", "used": "gpu:0"},
+            "reason": {"description": "", "time": 0, "user": ""},
+            "partition": {"name": "debug"},
+        },
+        {
+            "port": 17002, "node": {"state": ["IDLE", "DRAIN"]},
+            "nodes": {"nodes": ["node02"]},
+            "gres": {"total": "gpu:4", "used": "gpu:0"},
+            "reason": {"description": "healthd: xid 79 [#7]", "time": 1795949831, "user": "root"},
+            "partition": {"name": "debug"},
+        },
+        {
+            "node": {"state": ["IDLE", "DRAIN"]}, "nodes": {"nodes": ["node02"]},
+            "gres": {"total": "gpu:4"},
+            "reason": {"description": "healthd: xid 79 [#7]", "time": 1795949831, "user": "root"},
+            "partition": {"name": "gpu"},
+        },
+    ],
+    "meta": META_2411,
+    "errors": [],
+    "warnings": [],
+}
+
+
+def test_sinfo_json_2411_grouped_entries_are_expanded_and_merged():
+    nodes = {n.name: n for n in parse_sinfo_json(SINFO_2411)}
+    assert sorted(nodes) == ["node01", "node02", "node03"]
+    assert nodes["node02"].partitions == ("debug", "gpu") and nodes["node02"].drained
+    assert nodes["node02"].reason_time == 1795949831.0 and nodes["node02"].reason_user == "root"
+    assert nodes["node03"].state == "idle" and nodes["node03"].reason_user is None
+
+
+@pytest.mark.parametrize(
+    "doc, where",
+    [
+        ([], "document is list"),
+        ({"meta": META_2411}, "no 'nodes' or 'sinfo' list"),
+        ({"nodes": [{"state": ["IDLE"]}], "meta": META_2411}, r"nodes\[0\]\.name is missing"),
+        ({"nodes": [{"name": "n1", "state": 3}], "meta": META_2411}, r"nodes\[0\]\.state is int"),
+        ({"nodes": [{"name": "n1", "state": ["DRAIN"]}], "meta": META_2411}, "has no base state"),
+        ({"nodes": [{"name": "n1", "state": ["IDLE"], "reason_changed_at": {"number": "x"}}], "meta": META_2411},
+         r"reason_changed_at\.number is str"),
+        ({"nodes": [{"name": "n1", "state": ["IDLE"], "partitions": [1]}], "meta": META_2411}, r"partitions\[0\]"),
+        ({"sinfo": [{"node": {"state": ["IDLE"]}}], "meta": META_2411}, r"sinfo\[0\]\.nodes is missing"),
+    ],
+)
+def test_unexpected_json_is_a_clear_error(doc, where):
+    with pytest.raises(SlurmOutputError, match="unexpected sinfo --json shape from Slurm") as info:
+        parse_sinfo_json(doc)
+    assert __import__("re").search(where, str(info.value)), str(info.value)
+    if isinstance(doc, dict):
+        assert "24.11.1" in str(info.value)
+
+
+def test_json_text_that_does_not_parse():
+    with pytest.raises(SlurmOutputError, match="does not parse"):
+        parse_sinfo_json_text('{"nodes": [')
+
+
+# ----------------------------------------------------------------------------- scontrol show node -o
+
+
+LINE = (
+    "NodeName=node03 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=4 CPUTot=4 CPULoad=0.97 "
+    "AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:4 NodeAddr=127.0.0.1 NodeHostName=localhost "
+    "Version=22.05.8 OS=Linux 6.18.44-fc-v669 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=1000 AllocMem=0 "
+    "State=IDLE+DRAIN ThreadsPerCore=1 Partitions=debug,gpu  BootTime=2026-11-29T09:57:05 "
+    "CurrentWatts=0 AveWatts=0 Reason={reason}"
+)
+
+
+def test_oneliner_reason_with_fake_suffix_and_fields(utc):
+    node = parse_scontrol_node_line(LINE.format(reason=HOSTILE_REASON + " [root@2026-11-29T10:57:11]"))
+    assert node.reason == HOSTILE_REASON
+    assert (node.reason_user, node.reason_time) == ("root", 1795949831.0)
+    assert node.partitions == ("debug", "gpu") and node.gres == "gpu:4"
+    assert (node.state, node.flags) == ("idle", {"DRAIN"})
+
+
+def test_oneliner_fields_after_the_reason(utc):
+    line = LINE.format(reason="healthd: x [slurm@2026-11-29T10:57:11] Comment=rack 7 ReservationName=maint")
+    node = parse_scontrol_node_line(line)
+    assert (node.reason, node.reason_user) == ("healthd: x", "slurm")
+    no_suffix = parse_scontrol_node_line(LINE.format(reason="old reason Comment=c"))
+    assert (no_suffix.reason, no_suffix.reason_user, no_suffix.reason_time) == ("old reason", None, None)
+
+
+def test_oneliner_without_reason_and_with_next_state():
+    line = LINE.format(reason="x").replace(" Reason=x", "").replace("State=IDLE+DRAIN", "State=MIXED+DRAIN+REBOOT_REQUESTED")
+    node = parse_scontrol_node_line(line.replace("Partitions=", "NextState=RESUME Partitions="))
+    assert node.reason == "" and node.reason_user is None and node.next_state == "RESUME"
+    assert node.flags == {"DRAIN", "REBOOT_REQUESTED"} and node.draining
+
+
+@pytest.mark.parametrize("line", ["", "garbage", "State=IDLE", "NodeName= State=IDLE", "NodeName=n1 Arch=x", "NodeName=n1 State=+"])
+def test_oneliner_garbage_is_a_clear_error(line):
+    with pytest.raises(SlurmOutputError):
+        parse_scontrol_node_line(line)
+
+
+def test_state_strings():
+    assert parse_state_string("IDLE+DRAIN+NOT_RESPONDING") == ("idle", {"DRAIN", "NOT_RESPONDING"})
+    assert parse_state_string("idle*") == ("idle", {"NOT_RESPONDING"})
+    assert parse_state_string("DOWN+DRAIN+REBOOT_ISSUED") == ("down", {"DRAIN", "REBOOT_ISSUED"})
+    assert parse_state_string("completing") == ("allocated", {"COMPLETING"})
+
+
+# ----------------------------------------------------------------------------- property tests
+
+_LINE_PIECES = st.sampled_from(
+    ["NodeName=", "node01", " ", "State=", "IDLE", "+DRAIN", "*", " Reason=", " [root@2026-11-29T10:57:11]",
+     " [x@0000-99-99T99:99:99]", " Comment=", "=", "[", "]", "@", "Partitions=", ",", "NextState=", "\n", "ü"]
+)
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=300), st.lists(_LINE_PIECES, max_size=30).map("".join)))
+def test_no_string_crashes_the_oneliner_parser(line):
+    try:
+        node = parse_scontrol_node_line(line)
+    except SlurmOutputError:
+        return
+    assert isinstance(node, NodeInfo) and node.name and node.state
+
+
+_json = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+        st.sampled_from(["IDLE", "DRAIN", "MIXED", "idle", "INVALID", "RESUME", "node01", "node[01-02]"]),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(
+            st.one_of(
+                st.sampled_from(["nodes", "sinfo", "name", "state", "state_flags", "reason", "reason_changed_at",
+                                 "reason_set_by_user", "partitions", "gres", "next_state_after_reboot",
+                                 "next_state_after_reboot_flags", "node", "partition", "time", "user",
+                                 "description", "set", "infinite", "number", "errors", "meta", "total"]),
+                st.text(max_size=6),
+            ),
+            children,
+            max_size=6,
+        ),
+    ),
+    max_leaves=30,
+)
+
+
+@hsettings(max_examples=400, deadline=None)
+@given(_json)
+def test_no_json_value_crashes_the_json_parser(doc):
+    try:
+        nodes = parse_sinfo_json(doc)
+    except SlurmOutputError as exc:
+        assert "unexpected sinfo --json shape from Slurm" in str(exc)
+        return
+    assert all(isinstance(n, NodeInfo) and n.name for n in nodes)
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9\-_.]{0,20}(\[[0-9]{1,3}(-[0-9]{1,3})?(,[0-9]{1,3})*\])?", fullmatch=True))
+def test_valid_hostnames_and_hostlists_are_accepted(name):
+    try:
+        assert len(validate_nodes(name)) >= 1
+    except ValueError as exc:  # a reversed range (n[5-2]), mixed padding, or the ClusterShell/Slurm ambiguity
+        assert "invalid hostlist" in str(exc) or "ambiguous hostlist" in str(exc)
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=50))
+def test_node_names_with_anything_outside_the_alphabet_are_refused(text):
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.[],")
+    if set(text) <= allowed:
+        return
+    with pytest.raises(ValueError):
+        validate_nodes(text)
+
+
+@pytest.mark.parametrize("bad", BAD_NODE_NAMES)
+def test_bad_node_names(bad):
+    with pytest.raises(ValueError):
+        validate_nodes(bad)
+
+
+@pytest.mark.parametrize("bad", BAD_REASONS)
+def test_bad_reasons(bad):
+    with pytest.raises(ValueError):
+        validate_reason(bad)
+
+
+def test_hostlists_clustershell_and_slurm_read_differently_are_refused():
+    # ClusterShell 1.9 reads n1[9,10] as n[19-110] (92 names); Slurm reads n19,n110
+    for ambiguous in ("n1[9,10]", "gpu1[1-16]", "70[0-100]"):
+        with pytest.raises(ValueError, match="ambiguous hostlist"):
+            validate_nodes(ambiguous)
+    assert len(validate_nodes("gpu1[01-16]")) == 16  # equal widths mean the same to both
+
+
+def test_hostlists_fold_through_clustershell():
+    assert str(validate_nodes(["node03", "node01", "node02"])) == "node[01-03]"
+    assert str(validate_nodes("gpu[001-128]")) == "gpu[001-128]" and len(validate_nodes("gpu[001-128]")) == 128
+
+
+# ----------------------------------------------------------------------------- ScontrolBackend with a fake runner
+
+
+class FakeRunner:
+    """Records every argv and answers from a script of CommandResults (or raises CommandTimeout)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.calls: list[tuple[list[str], dict]] = []
+
+    def __call__(self, argv, env, timeout_s):
+        self.calls.append((list(argv), dict(env)))
+        answer = self.answers.pop(0) if self.answers else CommandResult(0, "", "")
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def _backend(*answers, **kw):
+    runner = FakeRunner(*answers)
+    return ScontrolBackend("/etc/slurm/test.conf", runner=runner, **kw), runner
+
+
+def test_no_client_without_slurm_conf(monkeypatch):
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    with pytest.raises(SlurmUnavailable, match="DNS SRV"):
+        ScontrolBackend()
+    with pytest.raises(SlurmUnavailable, match="does not exist"):
+        ScontrolBackend("/nonexistent/slurm.conf")
+    monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
+    with pytest.raises(SlurmUnavailable, match="does not exist"):
+        ScontrolBackend()
+
+
+def test_every_client_gets_slurm_conf_and_a_clean_environment(monkeypatch):
+    monkeypatch.setenv("SINFO_PARTITION", "other")
+    monkeypatch.setenv("SLURM_TIME_FORMAT", "relative")
+    backend, runner = _backend()
+    backend.drain("node01", "healthd: x")
+    (argv, env), = runner.calls
+    assert env["SLURM_CONF"] == "/etc/slurm/test.conf" and env["SLURM_TIME_FORMAT"] == "standard"
+    assert "SINFO_PARTITION" not in env
+
+
+def test_reason_is_one_argv_element_exactly():
+    backend, runner = _backend()
+    backend.drain(["node02", "node01"], HOSTILE_REASON)
+    assert runner.calls[0][0] == ["scontrol", "update", "NodeName=node[01-02]", "State=DRAIN", f"Reason={HOSTILE_REASON}"]
+    assert backend.describe("drain", nodes="node[01-02]", reason=HOSTILE_REASON) == runner.calls[0][0]
+
+
+def test_write_argv():
+    backend, runner = _backend(bin_dir="/opt/slurm/bin")
+    backend.reboot_asap("gpu[001-004]", "healthd: remap [#9]", next_state="DOWN")
+    backend.requeue(1234)
+    backend.requeue("1234_7")
+    backend.create_reservation("healthd-val-9", ["gpu001"], 45, users=["root", "slurm"], flags=["MAINT"])
+    backend.delete_reservation("healthd-val-9")
+    assert [a for a, _ in runner.calls] == [
+        ["/opt/slurm/bin/scontrol", "reboot", "ASAP", "nextstate=DOWN", "reason=healthd: remap [#9]", "gpu[001-004]"],
+        ["/opt/slurm/bin/scontrol", "requeue", "1234"],
+        ["/opt/slurm/bin/scontrol", "requeue", "1234_7"],
+        ["/opt/slurm/bin/scontrol", "create", "reservation", "ReservationName=healthd-val-9", "Nodes=gpu001",
+         "StartTime=now", "Duration=45", "Users=root,slurm", "Flags=MAINT"],
+        ["/opt/slurm/bin/scontrol", "delete", "ReservationName=healthd-val-9"],
+    ]
+
+
+def test_dry_run_records_and_runs_nothing():
+    backend, runner = _backend(dry_run=True)
+    backend.drain("node01", "healthd: x")
+    backend.reboot_asap("node01", "healthd: y")
+    assert runner.calls == []
+    assert backend.planned == [
+        ["scontrol", "update", "NodeName=node01", "State=DRAIN", "Reason=healthd: x"],
+        ["scontrol", "reboot", "ASAP", "nextstate=RESUME", "reason=healthd: y", "node01"],
+    ]
+
+
+def test_timeout_is_unavailable_with_command_and_hint():
+    backend, _ = _backend(CommandTimeout("x"), timeout_s=2)
+    with pytest.raises(SlurmUnavailable, match=r"scontrol update NodeName=node01 .*timed out after 2 s.*scontrol ping") as info:
+        backend.drain("node01", "healthd: x")
+    assert info.value.argv[:2] == ["scontrol", "update"] and info.value.returncode is None
+
+
+def test_unreachable_controller_is_unavailable_and_refusal_is_refused():
+    backend, _ = _backend(
+        CommandResult(1, "", "slurm_update error: Unable to contact slurm controller (connect failure)\n"),
+        CommandResult(1, "", "slurm_update error: Invalid node name specified\n"),
+    )
+    with pytest.raises(SlurmUnavailable, match="unreachable"):
+        backend.drain("node01", "healthd: x")
+    with pytest.raises(SlurmRefused, match="Invalid node name specified") as info:
+        backend.drain("node99", "healthd: x")
+    assert info.value.returncode == 1 and "Invalid node name" in info.value.stderr
+
+
+def _sinfo_answer(doc):
+    return CommandResult(0, json.dumps(doc), "")
+
+
+def test_reads_by_version_and_json_errors_mean_unavailable():
+    v2205 = CommandResult(0, "slurm-wlm 22.05.8\n", "")
+    backend, runner = _backend(v2205, _sinfo_answer(_captured_json("sinfo-22.05-slurmctld-down.json")))
+    with pytest.raises(SlurmUnavailable, match="Unspecified error"):
+        backend.nodes()
+    assert [a for a, _ in runner.calls] == [["scontrol", "--version"], ["sinfo", "--json"]]
+    backend, runner = _backend(CommandResult(0, "slurm 24.11.1\n", ""), _sinfo_answer(SCONTROL_NODES_2411))
+    assert [n.name for n in backend.nodes(["node0[2-3]"])] == ["node02", "node03"]
+    assert runner.calls[1][0] == ["scontrol", "show", "nodes", "--json"]
+
+
+def test_unusable_json_falls_back_to_the_oneliner(utc):
+    backend, runner = _backend(
+        CommandResult(0, "slurm-wlm 22.05.8\n", ""),
+        CommandResult(0, '{"surprise": true}', ""),
+        CommandResult(0, LINE.format(reason="healthd: x [root@2026-11-29T10:57:11]") + "\n", ""),
+    )
+    (node,) = backend.nodes()
+    assert node.reason == "healthd: x"
+    assert runner.calls[2][0] == ["scontrol", "show", "node", "-o"]
+    assert backend._effective_read_mode == "oneliner"
+
+
+def test_resume_skips_nodes_that_need_none_and_tolerates_a_race():
+    doc = _captured_json("sinfo-22.05-drained-reboot-draining.json")
+    undrained = json.loads(json.dumps(doc))
+    for n in undrained["nodes"]:
+        n["state_flags"], n["reason"] = [], ""
+    backend, runner = _backend(
+        CommandResult(0, "slurm-wlm 22.05.8\n", ""),
+        _sinfo_answer(doc),
+        CommandResult(1, "", "slurm_update error: Invalid node state specified\n"),
+        _sinfo_answer(undrained),
+    )
+    backend.resume("node[01-02]")  # node01 is idle: only node02 is resumed; the refusal was a race
+    assert [a for a, _ in runner.calls][2] == ["scontrol", "update", "NodeName=node02", "State=RESUME"]
+    backend2, runner2 = _backend(CommandResult(0, "slurm-wlm 22.05.8\n", ""), _sinfo_answer(undrained))
+    backend2.resume("node01")
+    assert len(runner2.calls) == 2  # version + read, no write
+
+
+def test_run_command_kills_the_process_group_on_timeout(tmp_path):
+    script = tmp_path / "hang.sh"
+    script.write_text("#!/bin/sh\nsleep 30 &\nsleep 30\n")
+    script.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(CommandTimeout):
+        run_command([str(script)], {"PATH": os.defpath}, 0.5)
+    assert time.monotonic() - started < 4
+    with pytest.raises(FileNotFoundError):
+        run_command(["surely-not-a-slurm-client"], {"PATH": str(tmp_path)}, 1)
+    assert run_command(["echo", "ünï"], {"PATH": os.defpath}, 5).stdout == "ünï\n"
+
+
+# ----------------------------------------------------------------------------- ClusterShell vs Slurm hostlists
+
+_number = st.integers(0, 120).flatmap(lambda n: st.sampled_from([str(n), f"{n:02d}", f"{n:03d}"]))
+_bracket = st.lists(
+    st.one_of(_number, st.tuples(_number, _number).map(lambda t: f"{t[0]}-{t[1]}")), min_size=1, max_size=3
+).map(lambda parts: "[" + ",".join(parts) + "]")
+_hostlist_item = st.tuples(
+    st.sampled_from(["n", "gpu", "node", "n1", "rack2-n", "a.b", "x_"]),
+    st.one_of(st.just(""), _number, _bracket),
+    st.sampled_from(["", "-ib", "x"]),
+).map("".join)
+_hostlists = st.lists(_hostlist_item, min_size=1, max_size=3).map(",".join)
+
+
+def _slurm_hostnames(hostlist: str) -> list[str] | None:
+    """Slurm's own expansion (`scontrol show hostnames` parses locally, no slurmctld needed);
+    None when Slurm rejects the expression (22.05 prints "Invalid hostlist: ..." and exits 0)."""
+    res = run_command(["scontrol", "show", "hostnames", hostlist], {"PATH": os.defpath, "SLURM_CONF": os.environ["SLURM_CONF"]}, 10)
+    if res.returncode != 0 or "Invalid hostlist" in res.stdout + res.stderr:
+        return None
+    return res.stdout.split()
+
+
+@pytest.mark.skipif(not any(Path(p, "scontrol").exists() for p in os.defpath.split(":") + ["/usr/bin"]), reason="no scontrol")
+@hsettings(max_examples=150, deadline=None)
+@given(_hostlists)
+def test_accepted_hostlists_mean_the_same_nodes_to_clustershell_and_slurm(hostlist):
+    """The hostlist healthd hands to Slurm names exactly the nodes validate_nodes accepted, and
+    where Slurm itself accepts the caller's expression it means the same nodes too."""
+    try:
+        accepted = set(validate_nodes(hostlist))
+    except ValueError:
+        return
+    rendered = slurm_hostlist(hostlist)
+    assert set(_slurm_hostnames(rendered) or ()) == accepted, (hostlist, rendered)
+    slurm_reads = _slurm_hostnames(hostlist)
+    if slurm_reads is not None:
+        assert set(slurm_reads) == accepted, hostlist
+
+
+def test_hostlists_slurm_rejects_are_rendered_so_it_accepts_them():
+    assert slurm_hostlist("rack[1-3]-node01") == "rack1-node01,rack2-node01,rack3-node01"
+    assert slurm_hostlist("gpu[1-2]-ib") == "gpu1-ib,gpu2-ib"
+    assert slurm_hostlist("rack[1-2]-node[01-02]") == "rack1-node[01-02],rack2-node[01-02]"
+    assert slurm_hostlist(["node03", "node01", "node02"]) == "node[01-03]"
