@@ -40,6 +40,7 @@ BIN = Path(sys.executable).parent
 SH_SCONTROL = """#!/bin/sh
 case "$1" in
   --version) echo "slurm 22.05.8" ;;
+  show) cat {nodeline} ;;
   update|reboot) exit 0 ;;
   *) exit 2 ;;
 esac
@@ -88,7 +89,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="healthd-bench-hooks-"))
     node = Node(tmp, gpus=8)
     nodes_json = tmp / "sinfo.json"
-    for prog, text in (("scontrol", SH_SCONTROL), ("sinfo", SH_SINFO.format(nodes=nodes_json))):
+    node_line = tmp / "node.line"
+    for prog, text in (("scontrol", SH_SCONTROL.format(nodeline=node_line)), ("sinfo", SH_SINFO.format(nodes=nodes_json))):
         (node.fakebin / prog).write_text(text)
     node.write_config()
     cfg = str(node.config)
@@ -110,6 +112,7 @@ def main() -> None:
 
     # health check: busy (bindings present, Slurm asked recently) and idle (Slurm asked every run)
     nodes_json.write_text(sinfo_json(node.name, "mixed"))
+    node_line.write_text(f"NodeName={node.name} Gres=gpu:8 State=MIXED Partitions=debug\n")
     timed(hook["healthd-prolog"], node.prolog_env(job="5000", gpus="0"))
     timed(hook["healthd-healthcheck"], hc_env)
     for _ in range(n):
@@ -117,6 +120,7 @@ def main() -> None:
         results["healthcheck_busy"].append(timed(hook["healthd-healthcheck"], hc_env))
     timed(hook["healthd-epilog"], node.epilog_env(job="5000", gpus="0"))
     nodes_json.write_text(sinfo_json(node.name, "idle"))
+    node_line.write_text(f"NodeName={node.name} Gres=gpu:8 State=IDLE Partitions=debug\n")
     for _ in range(n):
         node.write_state(realistic_state(node.name))
         results["healthcheck_idle"].append(timed(hook["healthd-healthcheck"], hc_env))

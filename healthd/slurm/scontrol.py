@@ -712,9 +712,17 @@ class ScontrolBackend:
         ns = validate_nodes(name)
         if len(ns) != 1:
             raise ValueError(f"node() takes one node name, got {name!r} ({len(ns)} nodes)")
-        found = self.nodes([name])
+        # One node, one RPC, one process: the hooks call this on every node at every health check,
+        # so it must not list the whole cluster (sinfo --json) nor ask for the client version first.
+        argv = [self._bin("scontrol"), "show", "node", "-o", name]
+        try:
+            found = filter_nodes(parse_scontrol_show_node(self._run(argv)), [name])
+        except SlurmRefused as exc:
+            if "invalid node name" in (exc.stderr or str(exc)).lower():
+                raise SlurmRefused(f"Slurm has no node named {name!r}", argv=argv) from None
+            raise
         if not found:
-            raise SlurmRefused(f"Slurm has no node named {name!r}", argv=[self._bin("scontrol"), "show", "node", name])
+            raise SlurmRefused(f"Slurm has no node named {name!r}", argv=argv)
         return found[0]
 
     # -- writes ---------------------------------------------------------------------------

@@ -56,6 +56,18 @@ if prog == "sinfo" and args == ["--json"]:
     print(json.dumps({{"meta": {{"plugin": {{"type": "openapi/v0.0.38"}}, "Slurm": {{"release": "22.05.8"}}}},
                       "errors": [], "nodes": out}}))
     sys.exit(0)
+if prog == "scontrol" and args[:3] == ["show", "node", "-o"]:
+    name = args[3]
+    if name not in nodes:
+        print(f"Node {{name}} not found", file=sys.stderr)
+        sys.exit(1)
+    n = nodes[name]
+    st = "+".join([n["state"].upper(), *n.get("flags", [])])
+    line = f"NodeName={{name}} Arch=x86_64 CPUTot=4 Gres=gpu:4 State={{st}} Partitions=debug"
+    if n.get("reason"):
+        line += f" Reason={{n['reason']}} [{{n.get('user') or 'root'}}@2026-11-29T10:00:00]"
+    print(line)
+    sys.exit(0)
 if prog == "scontrol" and args[:1] == ["update"]:
     kv = dict(a.split("=", 1) for a in args[1:])
     n = nodes[kv["NodeName"]]

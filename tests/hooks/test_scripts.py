@@ -313,7 +313,8 @@ def test_healthcheck_on_an_idle_node_runs_the_quick_checks(node):
     assert {r["name"]: r["ok"] for r in doc["results"]} == {"gpu_count": True, "dcgmi_diag": True}
     assert dcgmi_log.read_text().split() == ["diag", "-r", "1"]
     calls = node.calls()
-    assert [c["prog"] for c in calls] == ["scontrol", "sinfo"]
+    # one RPC for this node only: never the whole cluster, never a version query first
+    assert [(c["prog"], c["args"]) for c in calls] == [("scontrol", ["show", "node", "-o", "node01"])]
     assert all(c["slurm_conf"] == str(node.slurm_conf) for c in calls)
     # dcgmi runs at most every hooks.dcgmi_interval_s; the GPU count every time
     (node.dev / "nvidia2").unlink()
