@@ -15,7 +15,8 @@
 from __future__ import annotations
 
 import os
-import stat
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,27 +25,30 @@ import pytest
 from tests.support.slurm_cluster import SlurmCluster, ensure_installed
 
 
-def _searchable(path: Path, stop: Path) -> None:
-    """a+x (search, not read) on `path` and its parents up to `stop`: pytest makes /tmp/pytest-of-root
-    0700, but munged wants every directory above its socket searchable by all (testbed P4) and
-    slurmctld, which drops to SlurmUser=slurm, must reach its state dir and that socket."""
-    for directory in [path, *path.parents]:
-        mode = directory.stat().st_mode
-        if mode & 0o111 != 0o111:
-            directory.chmod(stat.S_IMODE(mode) | 0o111)
-        if directory == stop:
-            break
+_roots: list[Path] = []
 
 
-def _new_root(factory: pytest.TempPathFactory, name: str) -> Path:
-    root = factory.mktemp(name)
-    _searchable(root, factory.getbasetemp().parent)
+def _new_root(name: str) -> Path:
+    """A cluster directory directly under /tmp, mode 0755. Not under pytest's tmp tree: pytest keeps
+    /tmp/pytest-of-<user> at 0700 (and resets it when another session starts), but munged wants
+    every directory above its socket searchable by all (testbed P4) and slurmctld, which drops to
+    SlurmUser=slurm, must reach its state dir and that socket."""
+    root = Path(tempfile.mkdtemp(prefix=f"healthd-{name}-", dir="/tmp"))
+    root.chmod(0o755)
+    _roots.append(root)
     return root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _remove_roots() -> Iterator[None]:
+    yield
+    for root in _roots:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def slurm_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _new_root(tmp_path_factory, "slurm")
+def slurm_root() -> Path:
+    return _new_root("slurm")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -73,13 +77,11 @@ def slurm_cluster(slurm_root: Path, slurm_conf_env: Path) -> Iterator[SlurmClust
 
 
 @pytest.fixture(scope="session")
-def make_slurm_cluster(
-    tmp_path_factory: pytest.TempPathFactory, slurm_conf_env: Path
-) -> Iterator[Callable[..., SlurmCluster]]:
+def make_slurm_cluster(slurm_conf_env: Path) -> Iterator[Callable[..., SlurmCluster]]:
     made: list[SlurmCluster] = []
 
     def make(**kwargs: Any) -> SlurmCluster:
-        cluster = SlurmCluster(_new_root(tmp_path_factory, f"slurm-{len(made) + 1}"), **kwargs)
+        cluster = SlurmCluster(_new_root(f"slurm-{len(made) + 1}"), **kwargs)
         made.append(cluster)
         cluster.up()
         return cluster
