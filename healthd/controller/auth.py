@@ -1,0 +1,221 @@
+"""The report envelope agents push to the controller, and the controller's check of it.
+
+Wire format (the HTTP body, UTF-8 JSON):
+
+    {"healthd_report": 1, "node": "node02", "report": {...}, "credential": "MUNGE:...:"}
+
+The credential is a MUNGE credential made by the node's munged whose payload IS the SHA-256 digest
+(32 raw bytes) of the canonical payload: `canonical({"healthd_report": 1, "node": ..., "report": ...})`
+(sorted keys, no whitespace, ASCII escapes, no NaN/Infinity). So the credential binds the claimed node
+name and every byte of meaning in the report; nothing outside the digest is accepted (an envelope with
+extra fields is refused).
+
+The controller decodes through its own munged (`socket`); munged checks the MAC, the TTL and replay
+(its replay cache) and tells us who encoded it (uid/gid) and where (the encoding munged's origin
+address). verify_report then checks, in this order, refusing with ReportRejected(http_status, reason):
+
+    413  body larger than max_bytes (checked before parsing)
+    400  not UTF-8 JSON, not an object, wrong version, missing/ill-typed node or report, extra fields
+    403  the claimed node is not one the controller knows (no address to check it against)
+    401  no credential, or not a MUNGE credential string
+    401  munged says the credential is invalid (bad MAC, wrong key, garbled), expired or rewound
+    409  munged says the credential was already decoded (replayed). 409, not 401: the credential is
+         authentic but used; it tells an agent that retried a request whose response it lost to sign
+         again (a fresh credential), and lets metrics and logs tell a duplicate from a forgery.
+    401  the credential's payload is not the digest of this envelope (tampered or mismatched)
+    403  the credential was made by a uid not in allowed_uids (default root only: a non-root user on a
+         compute node can reach that node's munged, but cannot make the controller act)
+    403  the credential's encode address is not the claimed node's address (cross-node forgery)
+    401  the credential is older than max_age_s by the controller's clock (defence in depth: munged's
+         replay cache is in memory, so after a restart of the controller's munged only this bounds
+         how long a captured credential stays usable)
+    503  the controller's own munged is unreachable or failed (not the client's fault)
+
+Every reason is one line, safe to log as is (claimed values are quoted with repr and truncated).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from healthd.controller import munge
+
+ENVELOPE_VERSION = 1
+VERSION_KEY = "healthd_report"
+ENVELOPE_KEYS = frozenset({VERSION_KEY, "node", "report", "credential"})
+DEFAULT_MAX_BYTES = 1_048_576
+DEFAULT_MAX_AGE_S = 300.0
+MAX_CREDENTIAL_CHARS = 8192
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+# munge errors that mean "the controller's own munged could not do its job", not "bad credential"
+_SERVER_SIDE = {munge.EMUNGE_SNAFU, munge.EMUNGE_NO_MEMORY, munge.EMUNGE_SOCKET, munge.EMUNGE_TIMEOUT}
+
+
+class ReportRejected(Exception):
+    """A report the controller refuses: `http_status` to answer with, `reason` one line for the log
+    and the response body."""
+
+    def __init__(self, http_status: int, reason: str):
+        self.http_status = http_status
+        self.reason = " ".join(reason.split())  # one line, whatever went in
+        super().__init__(f"{http_status} {self.reason}")
+
+
+@dataclass(frozen=True)
+class VerifiedReport:
+    node: str
+    report: dict[str, Any]
+    uid: int
+    gid: int
+    encode_addr: str
+    encode_time: int
+    ttl: int
+    digest: str  # hex SHA-256 of the canonical payload
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not allowed in a report")
+
+
+def canonical(obj: Any) -> bytes:
+    """The one byte string a JSON value hashes as: sorted keys, no whitespace, ASCII, no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def payload_digest(node: str, doc: Mapping[str, Any]) -> bytes:
+    """SHA-256 of the canonical payload the credential binds (the node's claim and the report)."""
+    return hashlib.sha256(canonical({VERSION_KEY: ENVELOPE_VERSION, "node": node, "report": doc})).digest()
+
+
+def sign_report(
+    doc: Mapping[str, Any],
+    node: str,
+    socket: str | None = None,
+    *,
+    ttl: int | None = None,
+    encode: Callable[..., str] = munge.encode,
+) -> bytes:
+    """Agent side: the HTTP body for `doc` from `node`, with a credential from the munged on `socket`
+    binding its digest. Raises ValueError or TypeError for a doc that is not canonical JSON (NaN,
+    infinities, keys that are not strings, objects json cannot encode),
+    munge.MungeError when the node's munged refuses."""
+    if not NODE_NAME.fullmatch(node):
+        raise ValueError(f"node name {node!r} is not a hostname")
+    doc = dict(doc)
+    cred = encode(payload_digest(node, doc), socket, ttl=ttl)
+    envelope = {VERSION_KEY: ENVELOPE_VERSION, "node": node, "report": doc, "credential": cred}
+    return json.dumps(envelope, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def _quote(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _node_of(addr: str, node_addrs: Mapping[str, str]) -> str:
+    names = [n for n, a in node_addrs.items() if a == addr]
+    return f" ({', '.join(sorted(names)[:3])})" if names else " (no known node)"
+
+
+def _parse(body: bytes, max_bytes: int) -> tuple[str, dict[str, Any], str]:
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        raise ReportRejected(400, f"report body must be bytes, got {type(body).__name__}")
+    if len(body) > max_bytes:
+        raise ReportRejected(413, f"report body is {len(body)} bytes, over the {max_bytes}-byte limit")
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ReportRejected(400, f"report body is not UTF-8 (byte {exc.start})") from None
+    try:
+        env = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ReportRejected(400, f"report body is not valid JSON: {str(exc)[:80]}") from None
+    if not isinstance(env, dict):
+        raise ReportRejected(400, f"report body must be a JSON object, got {type(env).__name__}")
+    version = env.get(VERSION_KEY)
+    if version != ENVELOPE_VERSION or type(version) is not int:
+        raise ReportRejected(400, f"report field {VERSION_KEY!r} must be {ENVELOPE_VERSION}, got {_quote(version)}")
+    extra = set(env) - ENVELOPE_KEYS
+    if extra:
+        raise ReportRejected(400, f"report has fields the credential does not cover: {_quote(sorted(extra))}")
+    node = env.get("node")
+    if not isinstance(node, str) or not NODE_NAME.fullmatch(node):
+        raise ReportRejected(400, f"report field 'node' must be a hostname, got {_quote(node)}")
+    doc = env.get("report")
+    if not isinstance(doc, dict):
+        raise ReportRejected(400, f"report field 'report' must be a JSON object, got {type(doc).__name__}")
+    cred = env.get("credential")
+    return node, doc, cred
+
+
+def verify_report(
+    body: bytes,
+    *,
+    socket: str | None,
+    node_addrs: Mapping[str, str],
+    now: float,
+    allowed_uids: Collection[int] = (0,),
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    decode: Callable[[str, str | None], munge.Decoded] = munge.decode,
+) -> VerifiedReport:
+    """Controller side: the checked report in `body`, or ReportRejected (see the module docstring for
+    every status). `socket` is the controller's munged; `node_addrs` maps each node name to the address
+    its munged encodes as (its --origin / NodeAddr); `now` is the controller's clock (epoch seconds)."""
+    node, doc, cred = _parse(body, max_bytes)
+    expected_addr = node_addrs.get(node)
+    if expected_addr is None:
+        raise ReportRejected(403, f"report claims node {node!r}, which the controller does not know")
+    if cred is None:
+        raise ReportRejected(401, f"report from {node!r} carries no credential")
+    if not isinstance(cred, str) or not cred.startswith("MUNGE:") or len(cred) > MAX_CREDENTIAL_CHARS or not cred.isascii():
+        raise ReportRejected(401, f"report from {node!r} carries no MUNGE credential (got {_quote(cred, 24)})")
+
+    try:
+        digest = payload_digest(node, doc)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ReportRejected(400, f"report from {node!r} is not canonical JSON: {str(exc)[:80]}") from None
+
+    try:
+        dec = decode(cred, socket)
+    except munge.MungeError as exc:
+        if exc.code == munge.EMUNGE_CRED_REPLAYED:
+            raise ReportRejected(409, f"report from {node!r} replays a credential already used (munged: {exc.message})") from None
+        if exc.code == munge.EMUNGE_CRED_EXPIRED:
+            raise ReportRejected(401, f"report from {node!r} has an expired credential (munged: {exc.message})") from None
+        if exc.code == munge.EMUNGE_CRED_REWOUND:
+            raise ReportRejected(401, f"report from {node!r} has a credential encoded in the future; check clock sync (munged: {exc.message})") from None
+        if exc.code in _SERVER_SIDE:
+            raise ReportRejected(503, f"controller cannot verify the report from {node!r}: its munged failed ({exc.name}: {exc.message})") from None
+        raise ReportRejected(401, f"report from {node!r} has an invalid credential ({exc.name}: {exc.message})") from None
+
+    if dec.payload != digest:
+        raise ReportRejected(401, f"report from {node!r} does not match its credential: payload digest differs (tampered or re-used credential)")
+    if dec.uid not in allowed_uids:
+        allowed = ", ".join(str(u) for u in sorted(allowed_uids)) or "none"
+        raise ReportRejected(403, f"report from {node!r} was signed by uid {dec.uid}, not an allowed uid ({allowed}): only root on a node may report")
+    if dec.encode_addr != expected_addr:
+        raise ReportRejected(
+            403,
+            f"report claims node {node!r} ({expected_addr}) but its credential was encoded on "
+            f"{dec.encode_addr}{_node_of(dec.encode_addr, node_addrs)}: cross-node report refused",
+        )
+    age = now - dec.encode_time
+    if age > max_age_s:
+        raise ReportRejected(401, f"report from {node!r} has a credential {age:.0f} s old, over the controller's {max_age_s:.0f} s limit")
+    return VerifiedReport(
+        node=node,
+        report=doc,
+        uid=dec.uid,
+        gid=dec.gid,
+        encode_addr=dec.encode_addr,
+        encode_time=dec.encode_time,
+        ttl=dec.ttl,
+        digest=digest.hex(),
+    )

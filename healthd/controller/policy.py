@@ -1,0 +1,496 @@
+"""Controller policy: findings + fleet view + ledger -> Decisions, as pure functions over values.
+
+Nothing here reads a file, a socket, Slurm or the clock: `now` is a parameter and every input is a
+frozen value. `decide` proposes; `healthd.controller.gates.apply_gates` refuses with a reason; an
+executor applies what passed. A Decision's id is stable for the same (kind, node, finding), so the
+ledger can tell "decided again" from "decided anew".
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from ClusterShell.NodeSet import NodeSet, NodeSetException
+from ClusterShell.RangeSet import RangeSetException
+
+from healthd.model import ACTION_SEVERITY, Component, Evidence, Finding
+from healthd.slurm.backend import NodeInfo
+
+Mode = Literal["observe", "supervised", "auto"]
+DecisionKind = Literal["drain", "drain-and-requeue", "reboot-asap", "resume", "none"]
+
+MODES: tuple[str, ...] = ("observe", "supervised", "auto")
+DECISION_KINDS: tuple[str, ...] = ("drain", "drain-and-requeue", "reboot-asap", "resume", "none")
+ACTING_KINDS: frozenset[str] = frozenset({"drain", "drain-and-requeue", "reboot-asap", "resume"})
+"""Kinds that change Slurm state (everything but `none`)."""
+REMOVING_KINDS: frozenset[str] = frozenset({"drain", "drain-and-requeue", "reboot-asap"})
+"""Kinds that take a node out of service: these count against rate limits and capacity floors."""
+REASON_PREFIX = "healthd:"
+MAX_REASON_CHARS = 200
+
+# finding action -> decision kind
+_ACTION_TO_KIND: Mapping[str, str] = MappingProxyType(
+    {
+        "drain": "drain",
+        "drain-and-requeue": "drain-and-requeue",
+        "inspect-hardware": "drain",
+        "reset-gpu-when-idle": "reboot-asap",
+        "reboot-when-idle": "reboot-asap",
+    }
+)
+
+
+def _frozen_map(value: Mapping | None) -> Mapping:
+    return MappingProxyType(dict(value or {}))
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class ControllerPolicySettings:
+    """The controller's policy and safety-envelope knobs (site config maps onto these)."""
+
+    mode: Mode = "observe"
+    """observe: decide and record, never act (default on first install); supervised: every action
+    waits for an operator; auto: T1 acts, T2 waits for approval, T3 never acts."""
+    auto_tier2: bool = False
+    """Site policy grant: in `auto`, T2 actions act without approval too."""
+    max_actions_per_hour: int = 10
+    """Fleet-wide limit on node-removing actions (drain, drain-and-requeue, reboot-asap) per hour."""
+    max_actions_per_partition_per_hour: int = 4
+    """The same limit per partition (a node in several partitions counts in each)."""
+    partition_rate_limits: Mapping[str, int] = field(default_factory=dict)
+    """Per-partition overrides of `max_actions_per_partition_per_hour`."""
+    breaker_percent: float = 10.0
+    """The breaker opens when MORE than this percent of the fleet's nodes is failing in the window..."""
+    breaker_nodes: int = 10
+    """...or MORE than this many nodes."""
+    breaker_min_nodes: int = 2
+    """The percent rule only counts once at least this many nodes fail (one node in a 4-node
+    cluster is 25% and must not open the breaker)."""
+    breaker_window_s: float = 600.0
+    """Failures first seen within this many seconds before `now` count toward breaker and correlation."""
+    correlation_threshold: float = 0.5
+    """A topology group whose failing share reaches this fraction becomes one group incident."""
+    correlation_min_nodes: int = 2
+    """...and only once at least this many of its nodes fail."""
+    capacity_floors: Mapping[str, int] = field(default_factory=dict)
+    """partition -> the fewest healthy (not drained, not down, responding) nodes it may keep."""
+    racks: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """rack name -> its nodes (from config); a correlation group like a topology switch."""
+    pdus: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """PDU name -> the nodes it feeds (from config); a correlation group."""
+    report_ttl_s: float = 120.0
+    """A report older than this is stale: its findings decide nothing (the agent may be dead)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"controller mode {self.mode!r}: expected one of {', '.join(MODES)}")
+        for name in ("max_actions_per_hour", "max_actions_per_partition_per_hour", "breaker_nodes",
+                     "breaker_min_nodes", "correlation_min_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"controller {name}: expected a non-negative integer, found {value!r}")
+        if not 0 <= self.breaker_percent <= 100:
+            raise ValueError(f"controller breaker_percent: expected 0-100, found {self.breaker_percent!r}")
+        if not 0 < self.correlation_threshold <= 1:
+            raise ValueError(
+                f"controller correlation_threshold: expected a fraction in (0, 1], found {self.correlation_threshold!r}"
+            )
+        object.__setattr__(self, "partition_rate_limits", _frozen_map(self.partition_rate_limits))
+        object.__setattr__(self, "capacity_floors", _frozen_map(self.capacity_floors))
+        object.__setattr__(self, "racks", _frozen_map({k: frozenset(v) for k, v in dict(self.racks).items()}))
+        object.__setattr__(self, "pdus", _frozen_map({k: frozenset(v) for k, v in dict(self.pdus).items()}))
+
+    def partition_limit(self, partition: str) -> int:
+        return self.partition_rate_limits.get(partition, self.max_actions_per_partition_per_hour)
+
+
+# --------------------------------------------------------------------------- reports -> Findings
+
+
+def _epoch(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return _dt.datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def finding_from_json(doc: Mapping[str, Any]) -> Finding:
+    """One finding of the README's state document -> Finding. Raises ValueError on a malformed one."""
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"finding must be an object, found {type(doc).__name__}")
+    try:
+        comp = doc.get("component") or {"kind": "node"}
+        known = {k: comp.get(k) for k in ("kind", "index", "uuid", "serial", "bus_id", "device", "port")}
+        known["kind"] = known["kind"] or "node"
+        evidence = tuple(
+            Evidence(
+                kind=str(e.get("kind", "state")),
+                text=str(e.get("text", "")),
+                data={k: v for k, v in e.items() if k not in ("kind", "text")},
+            )
+            for e in doc.get("evidence") or ()
+        )
+        return Finding(
+            id=str(doc["id"]),
+            component=Component(**known),
+            source=doc.get("source", "host"),
+            attribution=doc.get("attribution", "unknown"),
+            tier=int(doc["tier"]),
+            action=doc.get("action", "none"),
+            summary=str(doc.get("summary", doc["id"])),
+            evidence=evidence,
+            xid=doc.get("xid"),
+            count=int(doc.get("count", 1) or 1),
+            first_seen=_epoch(doc.get("first_seen")),
+            last_seen=_epoch(doc.get("last_seen")),
+            job=doc.get("job"),
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed finding {dict(doc).get('id', '?')!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """The latest report one agent pushed (its state document, already authenticated)."""
+
+    node: str
+    """Slurm node name the report is for (the MUNGE encode host, checked by the receiver)."""
+    verdict: str
+    """healthy | degraded | failed | unknown, as the agent folded its findings."""
+    findings: tuple[Finding, ...] = ()
+    """The node's current findings; dicts in the README's JSON shape are converted to Finding."""
+    received_at: float = 0.0
+    """Epoch seconds the controller received the report (its clock, not the agent's)."""
+
+    def __post_init__(self) -> None:
+        converted = tuple(f if isinstance(f, Finding) else finding_from_json(f) for f in self.findings)
+        object.__setattr__(self, "findings", converted)
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any], received_at: float) -> NodeReport:
+        """The README's JSON state document -> NodeReport."""
+        return cls(
+            node=str(doc["node"]),
+            verdict=str(doc.get("verdict", "unknown")),
+            findings=tuple(doc.get("findings") or ()),
+            received_at=received_at,
+        )
+
+
+# --------------------------------------------------------------------------- topology
+
+
+def _expand(hostlist: str, where: str) -> list[str]:
+    try:
+        return list(NodeSet(hostlist))
+    except (NodeSetException, RangeSetException, ValueError, IndexError, TypeError) as exc:
+        raise ValueError(f"{where}: invalid hostlist {hostlist!r}: {exc}") from None
+
+
+def parse_topology_conf(text: str) -> dict[str, frozenset[str]]:
+    """Slurm topology.conf (topology/tree; `BlockName=` of topology/block too) -> switch -> nodes.
+
+    A leaf switch lists `Nodes=`; an upper switch lists `Switches=` and gets the union of its
+    children's nodes. Keys are matched case-insensitively, `#` starts a comment, a trailing `\\`
+    continues a line. Raises ValueError naming the line for what cannot be read."""
+    direct: dict[str, set[str]] = {}
+    children: dict[str, list[str]] = {}
+    logical: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].rstrip()
+        if not pending:
+            start = lineno
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        if line.strip():
+            logical.append((start, line))
+    if pending.strip():
+        logical.append((start, pending))
+    for lineno, line in logical:
+        where = f"topology.conf line {lineno}"
+        fields: dict[str, str] = {}
+        for token in line.split():
+            key, sep, value = token.partition("=")
+            if not sep:
+                raise ValueError(f"{where}: expected KEY=VALUE, found {token!r}")
+            fields[key.lower()] = value
+        name = fields.get("switchname") or fields.get("blockname")
+        if not name:
+            raise ValueError(f"{where}: no SwitchName= (or BlockName=) in {line.strip()!r}")
+        if "nodes" in fields:
+            direct.setdefault(name, set()).update(_expand(fields["nodes"], where))
+        else:
+            direct.setdefault(name, set())
+        if "switches" in fields:
+            children.setdefault(name, []).extend(_expand(fields["switches"], where))
+
+    def nodes_of(name: str, seen: frozenset[str]) -> set[str]:
+        if name in seen:
+            raise ValueError(f"topology.conf: switch {name!r} contains itself (through {', '.join(sorted(seen))})")
+        out = set(direct.get(name, ()))
+        for child in children.get(name, ()):
+            out |= nodes_of(child, seen | {name})
+        return out
+
+    return {name: frozenset(nodes_of(name, frozenset())) for name in direct}
+
+
+# --------------------------------------------------------------------------- fleet and ledger
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """Everything the controller knows about the fleet at one instant, as values."""
+
+    reports: Mapping[str, NodeReport] = field(default_factory=dict)
+    """node -> its latest report."""
+    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
+    """node -> what Slurm said about it at the last read."""
+    partitions: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """partition -> its nodes (derived from NodeInfo.partitions when not given)."""
+    groups: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """correlation group -> nodes; names are `switch:<name>`, `rack:<name>`, `pdu:<name>`."""
+
+    def __post_init__(self) -> None:
+        partitions = dict(self.partitions)
+        if not partitions:
+            for info in self.nodes.values():
+                for p in info.partitions:
+                    partitions.setdefault(p, set()).add(info.name)
+        object.__setattr__(self, "reports", _frozen_map(self.reports))
+        object.__setattr__(self, "nodes", _frozen_map(self.nodes))
+        object.__setattr__(self, "partitions", _frozen_map({k: frozenset(v) for k, v in partitions.items()}))
+        object.__setattr__(self, "groups", _frozen_map({k: frozenset(v) for k, v in dict(self.groups).items()}))
+
+    @classmethod
+    def build(
+        cls,
+        reports: Iterable[NodeReport],
+        nodes: Iterable[NodeInfo],
+        topology_conf: str = "",
+        settings: ControllerPolicySettings | None = None,
+    ) -> FleetView:
+        """Assemble a view: topology.conf switches plus the racks/PDUs of `settings` as groups."""
+        settings = settings or ControllerPolicySettings()
+        groups: dict[str, frozenset[str]] = {}
+        for name, members in parse_topology_conf(topology_conf).items():
+            groups[f"switch:{name}"] = members
+        for name, members in settings.racks.items():
+            groups[f"rack:{name}"] = frozenset(members)
+        for name, members in settings.pdus.items():
+            groups[f"pdu:{name}"] = frozenset(members)
+        return cls(
+            reports={r.node: r for r in reports},
+            nodes={n.name: n for n in nodes},
+            groups=groups,
+        )
+
+    @property
+    def all_nodes(self) -> frozenset[str]:
+        """Every node known from Slurm or from a report."""
+        return frozenset(self.nodes) | frozenset(self.reports)
+
+    def partitions_of(self, node: str) -> tuple[str, ...]:
+        info = self.nodes.get(node)
+        if info is not None and info.partitions:
+            return tuple(info.partitions)
+        return tuple(sorted(p for p, members in self.partitions.items() if node in members))
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """What the ledger remembers that policy and gates need (a read-only projection)."""
+
+    healthd_drains: Mapping[str, str] = field(default_factory=dict)
+    """node -> incident id, for nodes healthd drained (or rebooted) and has not yet resumed."""
+    incidents: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    """(node, finding id) -> the open incident id it belongs to."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "healthd_drains", _frozen_map(self.healthd_drains))
+        object.__setattr__(self, "incidents", _frozen_map(self.incidents))
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What policy proposes for one node; gates decide whether it may happen."""
+
+    id: str
+    """Stable for the same (kind, node, primary finding): `drain:node02:xid:gpu0:79`."""
+    kind: DecisionKind
+    """drain | drain-and-requeue | reboot-asap | resume | none."""
+    node: str
+    reason: str
+    """The Slurm reason to write: `healthd: <short cause> [#<incident>]`, at most 200 characters."""
+    tier: int
+    """The strongest (lowest) tier among the findings behind it."""
+    attribution: str = "unknown"
+    """Attribution of the primary finding."""
+    evidence: tuple[Evidence, ...] = ()
+    """The evidence of the findings behind it, primary finding first."""
+    finding_ids: tuple[str, ...] = ()
+    """The findings behind it, primary first."""
+    incident: str = ""
+    """The ledger's open incident for the primary finding, or a proposed id derived from it."""
+    decided_at: float = 0.0
+    """The `now` decide() ran with; decisions older than a breaker reset are never applied."""
+    note: str = ""
+    """For `none`: why nothing is done (T3 only, user code, already drained, fault cleared...)."""
+
+    @property
+    def acts(self) -> bool:
+        return self.kind in ACTING_KINDS
+
+
+def incident_id(node: str, finding: Finding) -> str:
+    """A proposed incident id, deterministic in (node, finding id, first_seen)."""
+    raw = f"{node}\0{finding.id}\0{finding.first_seen}".encode()
+    return "H" + hashlib.sha1(raw).hexdigest()[:8]
+
+
+_PRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+def make_reason(cause: str, incident: str) -> str:
+    """`healthd: <cause> [#<incident>]`, one printable line of at most 200 characters; the cause is
+    shortened (never the prefix or the incident)."""
+    suffix = f" [#{incident}]"
+    cause = " ".join(_PRINTABLE.sub("?", cause).split())
+    room = MAX_REASON_CHARS - len(REASON_PREFIX) - 1 - len(suffix)
+    if len(cause) > room:
+        cause = cause[: max(room - 3, 0)] + "..."
+    return f"{REASON_PREFIX} {cause}{suffix}"
+
+
+def _is_actionable(f: Finding) -> bool:
+    return f.tier in (1, 2) and f.attribution != "user" and f.action in _ACTION_TO_KIND
+
+
+def _primary_order(f: Finding) -> tuple:
+    # certainty first (a T1 drain outranks a T2 one), then the strongest remedy
+    return (f.tier, -ACTION_SEVERITY.get(f.action, 0), f.id)
+
+
+def failing_nodes(fleet: FleetView, settings: ControllerPolicySettings, now: float,
+                  since: float | None = None) -> frozenset[str]:
+    """Nodes with a fresh report holding an actionable (T1/T2, not user) finding first seen within
+    the breaker window (and after `since`, when given)."""
+    start = now - settings.breaker_window_s
+    if since is not None:
+        start = max(start, since)
+    out = set()
+    for node, report in fleet.reports.items():
+        if now - report.received_at > settings.report_ttl_s:
+            continue
+        for f in report.findings:
+            if not _is_actionable(f):
+                continue
+            seen = f.first_seen if f.first_seen is not None else report.received_at
+            if start <= seen <= now:
+                out.add(node)
+                break
+    return frozenset(out)
+
+
+def _none(node: str, key: str, note: str, now: float, tier: int = 3, findings: tuple[Finding, ...] = (),
+          incident: str = "") -> Decision:
+    return Decision(
+        id=f"none:{node}:{key}",
+        kind="none",
+        node=node,
+        reason="",
+        tier=tier,
+        attribution=findings[0].attribution if findings else "unknown",
+        evidence=tuple(e for f in findings for e in f.evidence),
+        finding_ids=tuple(f.id for f in findings),
+        incident=incident,
+        decided_at=now,
+        note=note,
+    )
+
+
+def decide(
+    fleet: FleetView, ledger: LedgerView, settings: ControllerPolicySettings, now: float
+) -> tuple[Decision, ...]:
+    """Propose at most one decision per node, sorted by node name.
+
+    - T1/T2 findings not attributed to user code: the strongest action decides the kind (drain,
+      drain-and-requeue; inspect-hardware drains; reset-gpu/reboot-when-idle -> reboot-asap, i.e.
+      `scontrol reboot ASAP nextstate=RESUME`). Gates decide whether T2 waits for approval.
+    - T3 or user-attributed findings only: `none` (recorded, charged to the job, never acts).
+    - Already drained/rebooting by healthd: `none` ("already ...").
+    - Drained by healthd (ledger) with its reason still `healthd:` and the fault cleared: `none`
+      noting that reintegration (validation, then resume) takes it from here.
+    - A stale report decides nothing but `none`.
+    """
+    out: list[Decision] = []
+    for node in sorted(fleet.all_nodes):
+        report = fleet.reports.get(node)
+        info = fleet.nodes.get(node)
+        drained_incident = ledger.healthd_drains.get(node)
+        ours = info is not None and info.reason.startswith(REASON_PREFIX)
+        if report is None:
+            continue
+        if now - report.received_at > settings.report_ttl_s:
+            out.append(_none(node, "stale-report", f"report is {now - report.received_at:.0f} s old "
+                             f"(ttl {settings.report_ttl_s:.0f} s): not acting on it", now))
+            continue
+        actionable = sorted((f for f in report.findings if _is_actionable(f)), key=_primary_order)
+        if not actionable:
+            if drained_incident is not None and ours:
+                out.append(_none(node, "cleared", f"fault cleared on a node healthd drained "
+                                 f"[#{drained_incident}]: awaiting reintegration (validation, then resume)",
+                                 now, incident=drained_incident))
+            elif report.findings:
+                observed = tuple(sorted(report.findings, key=_primary_order))
+                why = "user code" if all(f.attribution == "user" for f in observed) else "T3 or no remedy"
+                out.append(_none(node, observed[0].id, f"recorded only ({why}): never acts", now,
+                                 tier=min(f.tier for f in observed), findings=observed))
+            continue
+        primary = actionable[0]
+        kind = _ACTION_TO_KIND[primary.action]
+        incident = ledger.incidents.get((node, primary.id)) or incident_id(node, primary)
+        if info is not None and ours and drained_incident is not None:
+            if kind in ("drain", "drain-and-requeue") and info.drain_requested:
+                out.append(_none(node, primary.id, f"already drained by healthd [#{drained_incident}]", now,
+                                 tier=primary.tier, findings=tuple(actionable), incident=drained_incident))
+                continue
+            if kind == "reboot-asap" and (info.reboot_requested or info.drain_requested):
+                out.append(_none(node, primary.id, f"reboot already requested by healthd [#{drained_incident}]",
+                                 now, tier=primary.tier, findings=tuple(actionable), incident=drained_incident))
+                continue
+        out.append(
+            Decision(
+                id=f"{kind}:{node}:{primary.id}",
+                kind=kind,  # type: ignore[arg-type]
+                node=node,
+                reason=make_reason(primary.summary, incident),
+                tier=primary.tier,
+                attribution=primary.attribution,
+                evidence=tuple(e for f in actionable for e in f.evidence),
+                finding_ids=tuple(f.id for f in actionable),
+                incident=incident,
+                decided_at=now,
+            )
+        )
+    return tuple(out)
