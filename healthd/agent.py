@@ -194,6 +194,7 @@ class Agent:
         dry_run: bool,
         clock: Callable[[], float] = time.time,
         metrics: Any = None,
+        reporter: Any = None,
     ):
         self.settings = settings
         self.catalog = catalog
@@ -202,6 +203,9 @@ class Agent:
         self.dry_run = dry_run
         self.clock = clock
         self.metrics = metrics
+        self.reporter = reporter
+        """healthd.reporter.Reporter when controller.url is set (never in dry-run): publish offers it
+        every document; it sends on change or heartbeat from its own thread."""
         self.boot_id = read_boot_id()
         self.started_at = clock()
         self.last: dict[str, Any] = {
@@ -293,6 +297,11 @@ class Agent:
             log.error("cannot save agent state in %s: %s", self.settings.state_dir, e)
         if self.metrics is not None:
             self.metrics.update(self, doc)
+        if self.reporter is not None:
+            try:
+                self.reporter.offer(doc)  # returns at once: the POST runs on the reporter's thread
+            except Exception:  # reporting must never take the local verdict down with it
+                log.exception("offering the report to the controller failed")
 
     def document(self) -> dict[str, Any]:
         """The JSON document: `healthd --dry-run --format json` prints it, the state file holds it."""
@@ -413,7 +422,12 @@ def build_agent(config_path: str | None, *, dry_run: bool) -> Agent:
     memory = Memory.load(settings.state_dir, readonly=dry_run)
     sources = build_sources(settings, memory)
     metrics = None if dry_run else Metrics(settings.metrics)
-    return Agent(settings, catalog, sources, memory, dry_run=dry_run, metrics=metrics)
+    reporter = None
+    if not dry_run and settings.controller.url:
+        from healthd.reporter import Reporter
+
+        reporter = Reporter(settings.controller, settings.node_name)
+    return Agent(settings, catalog, sources, memory, dry_run=dry_run, metrics=metrics, reporter=reporter)
 
 
 def run_loop(agent: Agent, config_path: str | None, on_tick: Callable[[Agent], None]) -> int:
@@ -457,6 +471,8 @@ def run_loop(agent: Agent, config_path: str | None, on_tick: Callable[[Agent], N
         stop.set()
         follower.join(timeout=3.0)
         agent.sources.close()
+        if agent.reporter is not None:
+            agent.reporter.stop(flush_s=min(2.0, agent.settings.controller.timeout_s))
         log.info("healthd stopped")
     return 0
 
@@ -474,9 +490,9 @@ def _reload(agent: Agent, config_path: str | None) -> None:
         return
     def roots(s: Settings) -> tuple:
         return (s.nvml.enabled, s.infiniband.sysfs_root, s.host.proc_root, s.host.filesystems,
-                s.kernel_log, s.state_file, s.state_dir, s.metrics)
+                s.kernel_log, s.state_file, s.state_dir, s.metrics, s.controller)
 
     if roots(settings) != roots(agent.settings):
-        log.warning("reload: collector roots, state paths or metrics changed; they take effect at restart")
+        log.warning("reload: collector roots, state paths, metrics or controller changed; they take effect at restart")
     agent.settings, agent.catalog = settings, catalog
     log.info("configuration reloaded from %s", config_path or config_mod.DEFAULT_PATH)

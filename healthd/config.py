@@ -22,7 +22,7 @@ from healthd.settings import Settings
 DEFAULT_PATH = "/etc/healthd/healthd.yaml"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 START_AT = ("boot", "tail", "head")
-GATING = ("off", "local")
+GATING = ("off", "local", "controller")
 
 
 class ConfigError(ValueError):
@@ -202,6 +202,18 @@ def _check(s: Settings, file: str) -> None:
         raise ConfigError(file, "hooks.path", "a PATH of absolute directories separated by ':'", h.path)
     if h.dcgmi is not None and (not h.dcgmi or any(c.isspace() for c in h.dcgmi)):
         raise ConfigError(file, "hooks.dcgmi", "a dcgmi path or command name without spaces, or null", h.dcgmi)
+    c = s.controller
+    if c.url is not None:
+        scheme, sep, rest = c.url.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest or rest.startswith("/") or any(ch.isspace() for ch in c.url):
+            raise ConfigError(file, "controller.url", "an http:// or https:// URL such as http://head01:9841, or null", c.url)
+    for name in ("heartbeat_s", "timeout_s", "backoff_max_s"):
+        positive(f"controller.{name}", getattr(c, name), allow_none=False)
+    if c.munge_socket is not None and not c.munge_socket.startswith("/"):
+        raise ConfigError(file, "controller.munge_socket", "an absolute path, or null", c.munge_socket)
+    if h.gating == "controller" and c.url is None:
+        raise ConfigError(file, "hooks.gating", "off or local when controller.url is not set "
+                          "(gating controller asks the controller)", h.gating)
     if not s.catalog.overrides:
         return  # the Slurm hooks load this config on every run: skip importing healthd.model
     from healthd.model import ACTIONS, ATTRIBUTIONS  # local: model imports nothing from here

@@ -167,7 +167,8 @@ class HookSettings:
 
     gating: str = "off"
     """off: the prolog only logs 'would refuse job J'; local: the prolog refuses a job (exit 1) whose
-    GPU has a current T1 hardware finding, and the hooks drain / reboot-ASAP the node."""
+    GPU has a current T1 hardware finding, and the hooks drain / reboot-ASAP the node; controller: the
+    prolog asks the controller (controller.url) for the drain and refuses the job only when it grants it."""
     stale_after_s: float = 60.0
     """An agent state file older than this (or missing, truncated, or whose agent pid is gone) means
     'agent unknown': the job runs and the hook says why."""
@@ -194,6 +195,22 @@ class HookSettings:
 
 
 @dataclass(frozen=True)
+class ControllerClientSettings:
+    """The agent's side of the controller transport: signed reports pushed over HTTP."""
+
+    url: str | None = None
+    """Base URL of healthd-controller (e.g. http://head01:9841); None: no controller, nothing is sent."""
+    heartbeat_s: float = 30.0
+    """Resend an unchanged report this often; a change of verdict or findings is sent at once."""
+    timeout_s: float = 5.0
+    """Hard limit on one HTTP request to the controller (the prolog uses the smaller of this and its deadline)."""
+    munge_socket: str | None = None
+    """The node's munged socket that signs reports; None: libmunge's default socket."""
+    backoff_max_s: float = 300.0
+    """Longest wait between retries while the controller is unreachable (exponential backoff with jitter)."""
+
+
+@dataclass(frozen=True)
 class Settings:
     node_name: str
     """This node's Slurm name (default: the short hostname)."""
@@ -213,3 +230,4 @@ class Settings:
     classify: ClassifySettings = field(default_factory=ClassifySettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     hooks: HookSettings = field(default_factory=HookSettings)
+    controller: ControllerClientSettings = field(default_factory=ControllerClientSettings)

@@ -8,9 +8,15 @@
    - `local`: drains the node with `healthd: <finding> [job J]` first -- unless someone else's reason
      is there, and the first healthd reason wins -- then exits 1: slurmd fails the launch, a batch
      job is requeued, and Slurm keeps the existing drain reason instead of writing "Prolog error".
+   - `controller`: signs a drain request with the node's munged and POSTs it to
+     `<controller.url>/v1/request` within the hook's remaining deadline; exits 1 only when the
+     controller answers {"granted": true} (it drained the node with its own reason). Refused by the
+     controller's envelope, controller down, a timeout, a bad answer: the job runs and the log says
+     why. healthd.reporter and the MUNGE binding are imported only on this path.
 
-Exit codes: 0 the job runs; 1 the job is refused (only with gating local, a fresh T1 hardware
-finding on an allocated GPU, and the node confirmed drained). Every doubtful case -- state missing,
+Exit codes: 0 the job runs; 1 the job is refused (only with gating local or controller, a fresh T1
+hardware finding on an allocated GPU, and the node confirmed drained -- by this hook, or by the
+controller that granted the drain). Every doubtful case -- state missing,
 stale or truncated, GPU list unknown, a finding that is not T1 or not hardware, Slurm unreachable or
 refusing, a timeout, a bug -- exits 0 and the log says why.
 """
@@ -92,6 +98,8 @@ def prolog(ctx: Context) -> int:
         level(f"job {job} runs: {g.why}")
         return RUN
     reason = healthd_reason(g.why, f"[job {job}]")
+    if ctx.settings.hooks.gating == "controller":
+        return ask_controller(ctx, job, g)
     if ctx.settings.hooks.gating != "local":
         log.warning(f"would refuse job {job}: {reason} (hooks.gating off)")
         return RUN
@@ -100,6 +108,32 @@ def prolog(ctx: Context) -> int:
                     "would leave a 'Prolog error' drain nobody owns")
         return RUN
     log.error(f"refused job {job}: {reason}")
+    return REFUSE
+
+
+CONTROLLER_MIN_S = 0.2
+"""Less time than this left in the hook's deadline: do not start a request to the controller."""
+CONTROLLER_MARGIN_S = 0.5
+"""Time kept back from the deadline for logging and exiting after the request."""
+
+
+def ask_controller(ctx: Context, job: str, g: Gate) -> int:
+    """`hooks.gating: controller`: refuse the job only when the controller grants the drain."""
+    log, c = ctx.log, ctx.settings.controller
+    left = ctx.deadline.remaining() if ctx.deadline is not None else ctx.settings.hooks.timeout_s
+    timeout = min(c.timeout_s, left - CONTROLLER_MARGIN_S)
+    if timeout < CONTROLLER_MIN_S:
+        log.warning(f"job {job} runs although {g.why}: only {left:.1f}s left of hooks.timeout_s, "
+                    "too little to ask the controller")
+        return RUN
+    from healthd.reporter import request_drain  # lazy: HTTP and MUNGE only on this path
+
+    assert g.finding is not None
+    granted, why = request_drain(c, ctx.node, g.finding, job, timeout)
+    if not granted:
+        log.warning(f"job {job} runs although {g.why}: the controller did not grant the drain ({why})")
+        return RUN
+    log.error(f"refused job {job}: the controller drained node {ctx.node} for {g.why} ({why})")
     return REFUSE
 
 

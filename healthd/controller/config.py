@@ -1,0 +1,145 @@
+"""Load and validate the controller's config (/etc/healthd/controller.yaml) into ControllerSettings.
+
+The YAML maps onto the dataclasses below by their type hints through healthd.config's generic mapper,
+so an unknown key, a wrong type or a bad value is a ConfigError naming the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from healthd.config import ConfigError, _build, _convert
+from healthd.controller.policy import MODES, ControllerPolicySettings
+
+DEFAULT_PATH = "/etc/healthd/controller.yaml"
+REQUEUE_COMMENT_TAG = "healthd:requeue"
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """Everything healthd-controller reads from its config file."""
+
+    listen: str = "127.0.0.1:9841"
+    """HOST:PORT the report/request HTTP server binds."""
+    ledger: str = "/var/lib/healthd/ledger.sqlite"
+    """The SQLite ledger (decisions, actions, incidents, breaker)."""
+    munge_socket: str | None = None
+    """The controller's munged socket; None = libmunge's default socket."""
+    slurm_conf: str = "/etc/slurm/slurm.conf"
+    """slurm.conf the Slurm client reads."""
+    node_addrs: Mapping[str, str] = field(default_factory=dict)
+    """node -> the IPv4 address its munged encodes credentials as. When empty, each node's NodeAddr
+    from Slurm is used."""
+    admin_socket: str = "/run/healthd/controller.sock"
+    """Unix socket healthctl talks to."""
+    admin_group: str | None = None
+    """Group allowed to use the admin socket (None: root only)."""
+    topology_conf: str | None = None
+    """Slurm topology.conf for correlation groups (None: no switch groups)."""
+    requeue_opt_in: str = REQUEUE_COMMENT_TAG
+    """How a job opts in to being requeued by a `drain-and-requeue`: a batch job whose `--comment`
+    contains this text (default `healthd:requeue`) is requeued; every other job on the node is left to
+    finish (the drain still stops new jobs). An empty string disables requeue entirely."""
+    policy: ControllerPolicySettings = field(default_factory=ControllerPolicySettings)
+    """Mode, rate limits, breaker, correlation and capacity floors (see ControllerPolicySettings)."""
+    metrics_listen: str | None = None
+    """HOST:PORT for the Prometheus endpoint; None: no metrics endpoint."""
+
+
+# ControllerPolicySettings uses types the generic mapper does not know (Literal, frozenset values):
+# map them through these equivalents, then let the dataclass's own __post_init__ check values.
+_POLICY_TYPE_OVERRIDES: dict[str, Any] = {
+    "mode": str,
+    "racks": Mapping[str, tuple[str, ...]],
+    "pdus": Mapping[str, tuple[str, ...]],
+}
+
+
+def _build_policy(raw: Any, file: str, prefix: str) -> ControllerPolicySettings:
+    if raw is None:
+        return ControllerPolicySettings()
+    if not isinstance(raw, dict):
+        raise ConfigError(file, prefix, "a mapping for ControllerPolicySettings", raw)
+    raw = dict(raw)
+    if raw.get("mode") is False:
+        raw["mode"] = "off"  # YAML 1.1 reads a bare `off` as false; reported below as a bad mode
+    names = [f.name for f in dataclasses.fields(ControllerPolicySettings)]
+    unknown = sorted(str(k) for k in raw if k not in names)
+    if unknown:
+        raise ConfigError(file, f"{prefix}.{unknown[0]}", f"one of the known keys ({', '.join(names)})",
+                          f"<unknown key {unknown[0]!r}>")
+    hints = typing.get_type_hints(ControllerPolicySettings)
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        tp = _POLICY_TYPE_OVERRIDES.get(name, hints[name])
+        values[name] = _convert(tp, value, file, f"{prefix}.{name}")
+    if "mode" in values and values["mode"] not in MODES:
+        raise ConfigError(file, f"{prefix}.mode", f"one of {', '.join(MODES)}", values["mode"])
+    for name in ("racks", "pdus"):
+        if name in values:
+            values[name] = {k: frozenset(v) for k, v in values[name].items()}
+    try:
+        return ControllerPolicySettings(**values)
+    except ValueError as exc:
+        raise ConfigError(file, prefix, "valid policy values", f"<{exc}>") from None
+
+
+def _check_hostport(file: str, key: str, value: str | None) -> None:
+    if value is None:
+        return
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(file, key, "HOST:PORT such as 127.0.0.1:9841", value)
+
+
+def parse_controller_settings(text: str, file: str = "<controller config>") -> ControllerSettings:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1} column {mark.column + 1}" if mark else "somewhere"
+        raise ConfigError(file, "", "valid YAML", f"<a syntax error at {where}: {getattr(e, 'problem', e)}>") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(file, "", "a mapping of keys", raw)
+    raw = dict(raw)
+    policy_raw = raw.pop("policy", None)
+    policy = _build_policy(policy_raw, file, "policy")
+    settings = _build(ControllerSettings, raw, file, "")
+    settings = dataclasses.replace(settings, policy=policy)
+    _check_hostport(file, "listen", settings.listen)
+    _check_hostport(file, "metrics_listen", settings.metrics_listen)
+    for key in ("ledger", "slurm_conf", "admin_socket"):
+        if not getattr(settings, key).startswith("/"):
+            raise ConfigError(file, key, "an absolute path", getattr(settings, key))
+    for key in ("munge_socket", "topology_conf"):
+        value = getattr(settings, key)
+        if value is not None and not value.startswith("/"):
+            raise ConfigError(file, key, "an absolute path or null", value)
+    for node, addr in settings.node_addrs.items():
+        parts = addr.split(".")
+        if len(parts) != 4 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
+            raise ConfigError(file, f"node_addrs.{node}", "an IPv4 address such as 10.0.0.12", addr)
+    return settings
+
+
+def load_controller_settings(path: str | None = None) -> ControllerSettings:
+    """Read and validate the controller config; a named file must exist, the default may be absent."""
+    file = path or DEFAULT_PATH
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if path is not None:
+            raise ConfigError(file, "", "a readable YAML file", "<no such file>") from None
+        return ControllerSettings()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(file, "", "a readable UTF-8 YAML file", f"<{e}>") from None
+    return parse_controller_settings(text, file)

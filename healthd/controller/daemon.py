@@ -1,0 +1,459 @@
+"""healthd-controller: receive signed reports, decide, gate, and (in supervised/auto) act on Slurm.
+
+    healthd-controller [--config FILE] [--dry-run] [--once]
+
+At start: load the config, open the ledger, pick the Slurm backend, finish what a crash left half done
+(Executor.recover), then serve HTTP and run a control round every few seconds: fleet view from the
+latest reports and Slurm, ledger view, breaker state, decide, gates, record every decision in the ledger,
+apply what is allowed. Observe mode (the default) never calls a Slurm write. SIGTERM stops cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import grp
+import logging
+import re
+import shutil
+import signal
+import socket as _socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from healthd.controller import munge
+from healthd.controller.auth import ReportRejected, verify_report
+from healthd.controller.config import ControllerSettings, load_controller_settings
+from healthd.controller.executor import ExecResult, Executor
+from healthd.controller.gates import BreakerState, GroupIncident, Outcome, apply_gates, build_context
+from healthd.controller.ledger import Ledger
+from healthd.controller.metrics import ControllerMetrics
+from healthd.controller.policy import FleetView, LedgerView, NodeReport, decide, finding_from_json, parse_topology_conf
+from healthd.controller.server import ControllerHTTPServer
+from healthd.slurm import default_backend
+from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
+
+_log = logging.getLogger("healthd.controller")
+
+ROUND_INTERVAL_S = 5.0
+ADDR_REFRESH_S = 300.0
+LEDGER_OUTCOME = {"allowed": "allowed", "waiting-approval": "waiting", "refused": "refused", "recorded": "refused"}
+"""gates' Outcome.status -> the ledger's decision outcome (`recorded` is a refusal by policy)."""
+
+
+def ledger_outcome(outcome: Outcome) -> tuple[str, str | None, str | None]:
+    """(outcome, refused_gate, refused_reason) in the ledger's vocabulary."""
+    status = LEDGER_OUTCOME[outcome.status]
+    if outcome.status == "recorded":
+        return status, "policy", outcome.reason or outcome.decision.note or "recorded only"
+    if status == "refused":
+        return status, outcome.gate or "error", outcome.reason or "refused"
+    return status, None, None
+
+
+_NODE_ADDR = re.compile(r"\bNodeName=(\S+).*?\bNodeAddr=(\S+)")
+
+
+def slurm_node_addrs(slurm_conf: str, timeout_s: float = 10.0) -> dict[str, str]:
+    """node -> IPv4 of its NodeAddr, from `scontrol -o show node` (resolved here)."""
+    exe = shutil.which("scontrol", path="/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin")
+    if exe is None:
+        return {}
+    try:
+        done = subprocess.run([exe, "-o", "show", "node"], capture_output=True, text=True, timeout=timeout_s,
+                              check=False, env={"SLURM_CONF": slurm_conf, "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        _log.warning("cannot read NodeAddr from Slurm: %s", exc)
+        return {}
+    out = {}
+    for line in done.stdout.splitlines():
+        m = _NODE_ADDR.search(line)
+        if not m:
+            continue
+        try:
+            out[m.group(1)] = _socket.gethostbyname(m.group(2))
+        except OSError:
+            _log.warning("node %s: NodeAddr %s does not resolve", m.group(1), m.group(2))
+    return out
+
+
+class Controller:
+    """The daemon's state and logic, independent of the HTTP server and the main loop (tests drive it)."""
+
+    def __init__(self, settings: ControllerSettings, ledger: Ledger, backend: SlurmBackend, *,
+                 dry_run: bool = False, metrics: ControllerMetrics | None = None,
+                 clock: Callable[[], float] = time.time, decode: Callable[..., Any] = munge.decode,
+                 executor: Executor | None = None, topology_text: str = "",
+                 node_addrs: Callable[[], Mapping[str, str]] | None = None, slurm_wait_s: float = 20.0,
+                 out: Callable[[str], None] | None = None):
+        self.settings = settings
+        self.policy = settings.policy
+        self.ledger = ledger
+        self.backend = backend
+        self.dry_run = dry_run
+        self.metrics = metrics or ControllerMetrics()
+        self.clock = clock
+        self.decode = decode
+        self.executor = executor or Executor(backend, ledger, dry_run=dry_run, requeue_opt_in=settings.requeue_opt_in,
+                                             slurm_conf=settings.slurm_conf, out=out)
+        self.topology_text = topology_text
+        self._node_addrs = node_addrs
+        self._addr_cache: dict[str, str] = {}
+        self._addr_read_at = 0.0
+        self.slurm_wait_s = slurm_wait_s
+        self.reports: dict[str, NodeReport] = {}
+        self.reports_lock = threading.Lock()
+        self.round_lock = threading.Lock()  # one evaluation at a time (control loop or a request)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="healthd-eval")
+        self._recorded: dict[str, tuple[str, int]] = {}  # policy decision id -> (ledger outcome, ledger row id)
+        self._incidents: dict[tuple[str, str], int] = {}
+        self._load_incidents()
+
+    # -- node addresses ------------------------------------------------------------------------------
+
+    def node_addrs(self) -> Mapping[str, str]:
+        """node -> MUNGE origin address: the config's `node_addrs`, else Slurm's NodeAddr as last read by
+        the control loop (never read from Slurm on a request thread)."""
+        if self.settings.node_addrs:
+            return self.settings.node_addrs
+        if self._node_addrs is not None:
+            return self._node_addrs()
+        return self._addr_cache
+
+    def refresh_node_addrs(self, now: float) -> None:
+        """Re-read NodeAddr from Slurm when the config names none (at most every 5 minutes)."""
+        if self.settings.node_addrs or self._node_addrs is not None:
+            return
+        if self._addr_cache and now - self._addr_read_at < ADDR_REFRESH_S:
+            return
+        addrs = slurm_node_addrs(self.settings.slurm_conf)
+        if addrs:
+            self._addr_cache = addrs
+            self._addr_read_at = now
+
+    # -- HTTP entry points -----------------------------------------------------------------------------
+
+    def _verify(self, body: bytes, what: str, peer: str):
+        now = self.clock()
+        try:
+            return verify_report(body, socket=self.settings.munge_socket, node_addrs=self.node_addrs(), now=now,
+                                 decode=self.decode), now
+        except ReportRejected as exc:
+            _log.warning("%s from %s refused: %d %s", what, peer or "?", exc.http_status, exc.reason)
+            self.metrics.reports.labels(result=str(exc.http_status)).inc()
+            raise
+
+    def receive_report(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]:
+        started = time.monotonic()
+        try:
+            verified, now = self._verify(body, "report", peer)
+        except ReportRejected as exc:
+            return exc.http_status, {"accepted": False, "error": exc.reason}
+        try:
+            if verified.report.get("kind") == "drain-request":
+                raise ValueError("a drain-request goes to /v1/request")
+            report = NodeReport.from_document(verified.report, now)
+            if report.node != verified.node:
+                raise ValueError(f"document is for {report.node!r}, envelope for {verified.node!r}")
+        except (KeyError, ValueError, TypeError) as exc:
+            reason = f"report from {verified.node!r} is not a state document: {str(exc)[:120]}"
+            _log.warning("report refused: 400 %s", reason)
+            self.metrics.reports.labels(result="400").inc()
+            return 400, {"accepted": False, "error": reason}
+        with self.reports_lock:
+            self.reports[report.node] = report
+        self.metrics.reports.labels(result="accepted").inc()
+        self.metrics.report_latency.observe(time.monotonic() - started)
+        return 200, {"accepted": True, "instructions": []}
+
+    def receive_request(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]:
+        try:
+            verified, now = self._verify(body, "drain request", peer)
+        except ReportRejected as exc:
+            return exc.http_status, {"granted": False, "reason": exc.reason}
+        doc = verified.report
+        try:
+            if doc.get("kind") != "drain-request":
+                raise ValueError("kind must be 'drain-request'")
+            if doc.get("node") != verified.node:
+                raise ValueError(f"request is for {doc.get('node')!r}, envelope for {verified.node!r}")
+            finding = finding_from_json(doc["finding"])
+        except (KeyError, ValueError, TypeError) as exc:
+            reason = f"drain request from {verified.node!r} is malformed: {str(exc)[:120]}"
+            _log.warning("drain request refused: 400 %s", reason)
+            return 400, {"granted": False, "reason": reason}
+        future = self._pool.submit(self._evaluate_request, verified.node, finding, doc.get("job"), now)
+        try:
+            granted, reason = future.result(timeout=self.slurm_wait_s)
+        except concurrent.futures.TimeoutError:
+            reason = f"controller could not decide within {self.slurm_wait_s:.0f} s (Slurm slow?)"
+            _log.warning("drain request from %s: %s", verified.node, reason)
+            return 200, {"granted": False, "reason": reason}
+        _log.info("drain request from %s (job %s): granted=%s: %s", verified.node, doc.get("job"), granted, reason)
+        return 200, {"granted": granted, "reason": reason}
+
+    def _evaluate_request(self, node: str, finding: Any, job: Any, now: float) -> tuple[bool, str]:
+        with self.reports_lock:
+            previous = self.reports.get(node)
+            kept = tuple(f for f in (previous.findings if previous else ()) if f.id != finding.id)
+            report = NodeReport(node=node, verdict="failed", findings=(finding, *kept), received_at=now)
+            self.reports[node] = report
+        results = self.evaluate(now, only=node, jobs={node: str(job)} if job else None)
+        if results is None:
+            return False, "Slurm is unreachable: not acting"
+        for outcome, result in results:
+            if outcome.decision.node != node:
+                continue
+            if outcome.status != "allowed":
+                return False, f"{outcome.label}: {outcome.reason or outcome.decision.note}"
+            if result is not None and result.status in ("applied", "already-applied"):
+                return True, f"{outcome.decision.kind} applied: {outcome.decision.reason}"
+            return False, f"allowed but not applied: {result.status if result else 'no result'} " \
+                          f"{result.detail if result else ''}".strip()
+        return False, "no decision for this node"
+
+    # -- the control round -----------------------------------------------------------------------------
+
+    def _load_incidents(self) -> None:
+        """(node, finding id) -> open ledger incident, re-read each round so an incident an operator
+        closed (resolved, false positive) is not reused."""
+        incidents: dict[tuple[str, str], int] = {}
+        for inc in self.ledger.incidents(status="open"):
+            for node in inc.nodes:
+                incidents[(node, inc.signature)] = inc.id
+        self._incidents = incidents
+
+    def _ensure_incidents(self, reports: Mapping[str, NodeReport], now: float, jobs: Mapping[str, str] | None) -> None:
+        for node, report in reports.items():
+            if now - report.received_at > self.policy.report_ttl_s:
+                continue
+            for f in report.findings:
+                if f.tier not in (1, 2):
+                    continue
+                key = (node, f.id)
+                if key in self._incidents:
+                    if jobs and node in jobs:
+                        self.ledger.update_incident(self._incidents[key], add_jobs=[jobs[node]])
+                    continue
+                self.ledger.record_finding(node, f.id, attribution=f.attribution, tier=f"T{f.tier}", action=f.action,
+                                           summary=f.summary, evidence=[e.to_json() for e in f.evidence], at=now)
+                inc = self.ledger.open_incident(
+                    f.id, attribution=f.attribution, tier=f"T{f.tier}", nodes=[node],
+                    jobs=[jobs[node]] if jobs and node in jobs else (),
+                    first_evidence_at=f.first_seen if f.first_seen is not None else report.received_at,
+                    detected_at=report.received_at, at=now)
+                self._incidents[key] = inc.id
+
+    def _group_incidents(self, groups: Iterable[GroupIncident], now: float) -> None:
+        """One ledger incident per correlated topology group (signature `group:<group>`), attributed
+        to the shared part; its failing nodes join it as they appear."""
+        seen: set[str] = set()
+        for gi in groups:
+            if gi.group in seen:
+                continue
+            seen.add(gi.group)
+            signature = f"group:{gi.group}"
+            existing = next((i for i in self.ledger.incidents(status="open") if i.signature == signature), None)
+            if existing is None:
+                kind = gi.group.split(":", 1)[0]
+                inc = self.ledger.open_incident(signature, attribution="fabric" if kind == "switch" else "hardware",
+                                                tier="T2", nodes=sorted(gi.failing), detected_at=now, at=now)
+                _log.warning("group incident #%s: %s", inc.id, gi.label)
+            elif not gi.failing <= set(existing.nodes):
+                self.ledger.update_incident(existing.id, add_nodes=sorted(gi.failing - set(existing.nodes)))
+
+    def _approved(self) -> set[str]:
+        """Policy decision ids an operator approved, for incidents still open (an approval never
+        carries over to a later incident with the same decision id)."""
+        approved = set()
+        open_incidents = set(self._incidents.values())
+        for row in self.ledger.decisions(outcome="waiting"):
+            if row.incident_id is not None and row.incident_id not in open_incidents:
+                continue
+            verdict = self.ledger.approval(row.id)
+            if verdict is not None and verdict.verdict == "approve" and isinstance(row.evidence, dict):
+                approved.add(str(row.evidence.get("decision", "")))
+        return approved
+
+    def _record(self, outcome: Outcome, now: float) -> int:
+        d = outcome.decision
+        status, gate, reason = ledger_outcome(outcome)
+        prev = self._recorded.get(d.id)
+        if prev is not None and prev[0] == status:
+            return prev[1]
+        if prev is not None and prev[0] == "waiting" and status == "allowed":
+            self.ledger.set_decision_outcome(prev[1], "allowed")
+            row_id = prev[1]
+        else:
+            row = self.ledger.record_decision(
+                node=d.node, kind=d.kind, tier=f"T{d.tier}", mode=self.policy.mode, reason=d.reason or d.note,
+                outcome=status, incident_id=int(d.incident) if d.incident.isdigit() else None,
+                evidence={"decision": d.id, "findings": list(d.finding_ids)},
+                refused_gate=gate, refused_reason=reason, at=now)
+            row_id = row.id
+        self._recorded[d.id] = (status, row_id)
+        if status == "refused" and outcome.status == "refused":
+            self.metrics.refusals.labels(gate=gate or "error").inc()
+        return row_id
+
+    def _breaker(self) -> BreakerState:
+        b = self.ledger.breaker_state()
+        return BreakerState(open=b.open, opened_at=b.opened_at, reset_at=b.reset_at, cause=b.cause or "",
+                            nodes=frozenset(b.nodes))
+
+    def evaluate(self, now: float, *, only: str | None = None,
+                 jobs: Mapping[str, str] | None = None) -> list[tuple[Outcome, ExecResult | None]] | None:
+        """One control round (or the part of it for node `only`). None when Slurm is unreachable:
+        then nothing is decided or applied (nothing stale is acted on)."""
+        with self.round_lock:
+            try:
+                nodes: list[NodeInfo] = self.backend.nodes()
+            except SlurmError as exc:
+                _log.warning("Slurm unreachable, skipping this round: %s", exc)
+                return None
+            with self.reports_lock:
+                reports = dict(self.reports)
+            self._load_incidents()
+            self._ensure_incidents(reports, now, jobs)
+            drains = {n: "" if i is None else str(i) for n, i in self.ledger.healthd_drains().items()}
+            lview = LedgerView(healthd_drains=drains,
+                               incidents={k: str(v) for k, v in self._incidents.items()})
+            fleet = FleetView.build(reports.values(), nodes, self.topology_text, self.policy)
+            hour = now - 3600.0
+            by_part = {p: self.ledger.actions_applied_since(hour, p) for p in fleet.partitions}
+            ctx, alert = build_context(fleet, lview, self.policy, now, self._breaker(),
+                                       actions_last_hour=self.ledger.actions_applied_since(hour),
+                                       actions_last_hour_by_partition=by_part, approved=self._approved())
+            self._group_incidents(ctx.correlated.values(), now)
+            if alert is not None:
+                self.ledger.open_breaker(alert.cause, nodes=alert.nodes, at=now)
+                _log.error("ALERT %s", alert.text)
+            self.metrics.breaker_open.set(1 if ctx.breaker.open else 0)
+            decisions = decide(fleet, lview, self.policy, now)
+            if only is not None:
+                decisions = tuple(d for d in decisions if d.node == only)
+            if only is None and self.policy.mode != "observe":
+                # operator undos, and anything a start-up recovery could not finish (Slurm was down)
+                for r in self.executor.recover(now):
+                    self.metrics.actions.labels(kind="recover", status=r.status).inc()
+            results: list[tuple[Outcome, ExecResult | None]] = []
+            for outcome in apply_gates(decisions, ctx):
+                row_id = self._record(outcome, now)
+                result = None
+                if outcome.status == "allowed" and self.policy.mode != "observe":
+                    result = self.executor.apply(outcome, now, decision_id=row_id, mode=self.policy.mode)
+                    self.metrics.actions.labels(kind=outcome.decision.kind, status=result.status).inc()
+                results.append((outcome, result))
+            return results
+
+    def recover(self, now: float) -> None:
+        if self.policy.mode == "observe":
+            pending = self.ledger.pending_actions()
+            if pending:
+                _log.warning("observe mode: %d planned action(s) left as they are (no Slurm write in observe)",
+                             len(pending))
+            return
+        for r in self.executor.recover(now):
+            _log.info("recover: action %s: %s %s", r.action_id, r.status, r.detail)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _serve_admin(settings: ControllerSettings, ledger: Ledger):
+    """healthctl's unix socket (healthd.controller.admin): changes for root and `admin_group`."""
+    from healthd.controller import admin
+
+    gid = None
+    if settings.admin_group:
+        try:
+            gid = grp.getgrnam(settings.admin_group).gr_gid
+        except KeyError:
+            raise KeyError(f"admin_group {settings.admin_group!r}: no such group") from None
+    Path(settings.admin_socket).parent.mkdir(parents=True, exist_ok=True)
+    return admin.serve_admin_socket(settings.admin_socket, ledger, admin_gid=gid)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="healthd-controller", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="controller config (default /etc/healthd/controller.yaml)")
+    p.add_argument("--dry-run", action="store_true", help="print the exact Slurm calls instead of making them")
+    p.add_argument("--once", action="store_true", help="recover, run one control round and exit (no server)")
+    p.add_argument("--interval", type=float, default=ROUND_INTERVAL_S, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        settings = load_controller_settings(args.config)
+        topology_text = Path(settings.topology_conf).read_text() if settings.topology_conf else ""
+        parse_topology_conf(topology_text)
+    except ValueError as exc:  # ConfigError, or a topology.conf that cannot be read
+        print(f"healthd-controller: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"healthd-controller: topology_conf: {exc}", file=sys.stderr)
+        return 2
+    try:
+        ledger = Ledger(settings.ledger)
+    except Exception as exc:
+        print(f"healthd-controller: ledger {settings.ledger}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        backend = default_backend(settings.slurm_conf, _log, dry_run=args.dry_run)
+    except SlurmError as exc:
+        print(f"healthd-controller: Slurm: {exc}", file=sys.stderr)
+        ledger.close()
+        return 2
+    controller = Controller(settings, ledger, backend, dry_run=args.dry_run, topology_text=topology_text)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    _log.info("healthd-controller starting: mode %s, listen %s, ledger %s%s", settings.policy.mode, settings.listen,
+              settings.ledger, " (dry run)" if args.dry_run else "")
+    controller.refresh_node_addrs(time.time())
+    controller.recover(time.time())
+    server = admin_server = None
+    try:
+        if args.once:
+            controller.evaluate(time.time())
+            return 0
+        admin_server = _serve_admin(settings, ledger)
+        server = ControllerHTTPServer(settings.listen, controller)
+        server.start_background()
+        if settings.metrics_listen:
+            controller.metrics.serve(settings.metrics_listen)
+        while not stop.is_set():
+            try:
+                controller.refresh_node_addrs(time.time())
+                controller.evaluate(time.time())
+            except Exception:
+                _log.exception("control round failed")
+            stop.wait(args.interval)
+        _log.info("healthd-controller stopping")
+        return 0
+    except (OSError, KeyError) as exc:
+        print(f"healthd-controller: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if admin_server is not None:
+            admin_server.close()
+        controller.close()
+        ledger.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,418 @@
+"""healthctl: the operator's view of the controller's ledger, and its commands.
+
+Reads open the ledger read-only (`file:...?mode=ro`); changes go to the controller's admin socket,
+so only the controller writes. Tables by default, `--json` for scripts.
+
+Exit codes: 0 ok, 1 refused by the controller, 2 usage, 3 cannot reach the ledger or the controller;
+every failure is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
+from healthd.controller.ledger import APPLICATION_ID, REMEDIATION_KINDS, SCHEMA_VERSION, Incident, Ledger, LedgerError
+from healthd.render import _table
+
+DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
+DEFAULT_SOCKET = "/run/healthd/controller.sock"  # ... and its `admin_socket` default
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+class Unreachable(Exception):
+    """Exit 3."""
+
+
+class Refused(Exception):
+    """Exit 1."""
+
+
+def open_readonly(path: str) -> Ledger:
+    """A Ledger over a read-only connection: no migration, no WAL switch, no write ever."""
+    p = Path(path)
+    if not p.is_file():
+        raise Unreachable(f"{path}: no ledger there (is the controller running, or is --ledger wrong?)")
+    uri = "file:" + urllib.parse.quote(str(p.resolve())) + "?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=5)
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.Error as exc:
+        raise Unreachable(f"{path}: cannot read the ledger: {exc}") from exc
+    if app_id != APPLICATION_ID:
+        conn.close()
+        raise Unreachable(f"{path}: not a healthd ledger")
+    if version != SCHEMA_VERSION:
+        conn.close()
+        raise Unreachable(f"{path}: ledger schema version {version}, this healthctl reads {SCHEMA_VERSION}")
+    led = Ledger.__new__(Ledger)
+    led.path, led._pid, led._lock, led._depth, led._conn = str(path), os.getpid(), threading.RLock(), 0, conn
+    return led
+
+
+# --------------------------------------------------------------------------------------------------
+# formatting
+
+
+def ts(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return datetime.fromtimestamp(value, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def dur(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 120:
+        return f"{value:.1f}s"
+    if value < 7200:
+        return f"{value / 60:.1f}m"
+    if value < 172800:
+        return f"{value / 3600:.1f}h"
+    return f"{value / 86400:.1f}d"
+
+
+def tier(value: object) -> str:
+    """`1` or `T1` (both spellings reach the ledger) -> `T1`."""
+    text = str(value)
+    return f"T{text}" if text.isdigit() else text
+
+
+def _incident_json(inc: Incident) -> dict[str, Any]:
+    doc = asdict(inc)
+    doc.update(nodes=list(inc.nodes), gpu_serials=list(inc.gpu_serials), jobs=list(inc.jobs),
+               detection_latency=inc.detection_latency, decision_latency=inc.decision_latency,
+               action_latency=inc.action_latency, recovery_time=inc.recovery_time,
+               isolation_granularity={"nodes": inc.isolation_granularity[0], "gpus": inc.isolation_granularity[1]})
+    return doc
+
+
+def _js(obj: Any) -> Any:
+    doc = asdict(obj)
+    for k, v in doc.items():
+        if isinstance(v, tuple):
+            doc[k] = list(v)
+    return doc
+
+
+# --------------------------------------------------------------------------------------------------
+# read commands: each returns (json document, text lines)
+
+
+def cmd_status(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
+    now = time.time() if args.now is None else args.now
+    decisions = [d for d in led.decisions() if d.mode != OPERATOR_MODE]
+    mode = max(decisions, key=lambda d: (d.decided_at, d.id)).mode if decisions else None
+    b = led.breaker_state()
+    last_hour = led.actions_applied_since(now - 3600)  # the count the controller holds against its budget
+    waiting = led.waiting_decisions()
+    open_incidents = [i for i in led.incidents() if i.status not in ("closed", "resolved", "false_positive")]
+    drains = led.healthd_drains()
+    doc = {
+        "mode": mode,
+        "breaker": {"open": b.open, "opened_at": b.opened_at, "cause": b.cause, "nodes": list(b.nodes),
+                    "reset_at": b.reset_at, "reset_by": b.reset_by},
+        "actions_last_hour": last_hour, "budget_per_hour": args.budget,
+        "waiting_approvals": [d.id for d in waiting],
+        "open_incidents": [i.id for i in open_incidents],
+        "healthd_drained_nodes": sorted(drains),
+        "pending_actions": [a.id for a in led.pending_actions()],
+    }
+    lines = [f"mode:            {mode or 'unknown (no decision recorded yet)'}"]
+    if b.open:
+        lines.append(f"breaker:         OPEN since {ts(b.opened_at)}: {b.cause} (nodes: {', '.join(b.nodes) or '-'})")
+        lines.append("                 no automatic action until `healthctl breaker reset --why ...`")
+    else:
+        lines.append("breaker:         closed" + (f" (last reset {ts(b.reset_at)} by {b.reset_by}: {b.why})" if b.reset_at else ""))
+    lines.append(f"actions (1h):    {last_hour}" + (f" of {args.budget}" if args.budget is not None else " (budget unknown; --budget N)"))
+    lines.append(f"open incidents:  {len(open_incidents)}")
+    lines.append(f"drained by healthd: {', '.join(sorted(drains)) or 'none'}")
+    if doc["pending_actions"]:
+        lines.append(f"planned, not yet applied: actions {', '.join(map(str, doc['pending_actions']))}")
+    lines.append(f"waiting approval: {len(waiting)}")
+    if waiting:
+        lines += ["", *(_table(["decision", "node", "kind", "tier", "decided", "reason"],
+                               [[d.id, d.node, d.kind, tier(d.tier), ts(d.decided_at), d.reason] for d in waiting]))]
+    return doc, lines
+
+
+def cmd_nodes(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
+    drains = led.healthd_drains()
+    nodes: dict[str, dict[str, Any]] = {}
+    for inc in led.incidents():
+        for n in inc.nodes:
+            e = nodes.setdefault(n, {"node": n, "incidents": 0, "open_incidents": [], "last_incident_at": None,
+                                     "gpu_serials": set()})
+            e["incidents"] += 1
+            if inc.status not in ("closed", "resolved", "false_positive"):
+                e["open_incidents"].append(inc.id)
+            e["last_incident_at"] = max(e["last_incident_at"] or 0, inc.created_at)
+            e["gpu_serials"].update(inc.gpu_serials)
+    for f in led.findings():
+        nodes.setdefault(f.node, {"node": f.node, "incidents": 0, "open_incidents": [], "last_incident_at": None,
+                                  "gpu_serials": set()})
+    rows = []
+    for n in sorted(nodes):
+        e = nodes[n]
+        e["gpu_serials"] = sorted(e["gpu_serials"])
+        e["healthd_drained"] = n in drains
+        e["drain_incident"] = drains.get(n)
+        acts = led.actions(node=n)
+        e["last_action"] = None if not acts else {"id": acts[-1].id, "kind": acts[-1].kind, "status": acts[-1].status}
+        rows.append([n, "drained by healthd" if n in drains else "-", e["incidents"],
+                     ",".join(map(str, e["open_incidents"])) or "-", ts(e["last_incident_at"]),
+                     "-" if not acts else f"#{acts[-1].id} {acts[-1].kind} {acts[-1].status}"])
+    lines = _table(["node", "healthd", "incidents", "open", "last incident", "last action"], rows) if rows else ["no nodes in the ledger"]
+    return [nodes[n] for n in sorted(nodes)], lines
+
+
+def cmd_incidents(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
+    incs = led.incidents()
+    if args.open:
+        incs = [i for i in incs if i.status not in ("closed", "resolved", "false_positive")]
+    rows = [[i.id, i.status, i.signature, tier(i.tier), i.attribution,
+             ",".join(i.nodes) or "-", ",".join(i.gpu_serials) or "-", ts(i.first_evidence_at),
+             dur(i.detection_latency), dur(i.recovery_time)] for i in incs]
+    lines = _table(["id", "status", "signature", "tier", "attribution", "nodes", "gpu serials", "first evidence",
+                    "detect", "recovery"], rows) if rows else ["no incidents" + (" open" if args.open else "")]
+    return [_incident_json(i) for i in incs], lines
+
+
+def _next_steps(inc: Incident, decisions: list, actions: list, led: Ledger) -> list[str]:
+    steps: list[str] = []
+    waiting = [d for d in decisions if d.outcome == "waiting" and led.approval(d.id) is None]
+    for d in waiting:
+        steps.append(f"decision {d.id} ({d.kind} {d.node}) waits for you: `healthctl approve {d.id}` "
+                     f"or `healthctl reject {d.id} --why ...`")
+    for a in actions:
+        if a.status == "planned":
+            steps.append(f"action {a.id} is planned but not applied: the controller completes or fails it on restart")
+        if a.status == "failed":
+            steps.append(f"action {a.id} failed ({a.outcome}); check `scontrol show node {a.node}`")
+    drains = led.healthd_drains()
+    for n in inc.nodes:
+        if drains.get(n) == inc.id:
+            held = [a for a in actions if a.node == n and a.status == "applied" and a.kind in REMEDIATION_KINDS]
+            undo = f"`healthctl undo {held[-1].id} --why ...`" if held else "`healthctl undo ACTION --why ...`"
+            steps.append(f"{n} is out of service by healthd: fix it (GPU serial {', '.join(inc.gpu_serials) or '-'}), then "
+                         f"`healthctl repaired {n}`; if healthd was wrong, {undo}")
+    if inc.attribution in ("user", "software"):
+        steps.append(f"attribution is {inc.attribution}: look at the job(s) {', '.join(inc.jobs) or '-'} before touching hardware")
+    if not steps:
+        steps.append("nothing: no decision waits for you and healthd holds no node for this incident")
+    return steps
+
+
+def cmd_show(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
+    inc = led.incident(args.incident)
+    if inc is None:
+        raise Refused(f"no incident {args.incident} in the ledger")
+    decisions = led.decisions(incident_id=inc.id)
+    actions = [a for d in decisions for a in led.actions(decision_id=d.id)]
+    findings = [f for n in inc.nodes for f in led.findings(n)
+                if (not f.gpu_serial or not inc.gpu_serials or f.gpu_serial in inc.gpu_serials)
+                and (inc.first_evidence_at is None or f.last_seen >= inc.first_evidence_at - 3600)]
+    approvals = {d.id: led.approval(d.id) for d in decisions}
+    steps = _next_steps(inc, decisions, actions, led)
+    doc = {"incident": _incident_json(inc), "findings": [_js(f) for f in findings],
+           "decisions": [dict(_js(d), approval=(None if approvals[d.id] is None else _js(approvals[d.id]))) for d in decisions],
+           "actions": [_js(a) for a in actions], "next": steps}
+    g_nodes, g_gpus = inc.isolation_granularity
+    out = [f"Incident {inc.id}: {inc.signature}  [{inc.status}]",
+           f"  what:  {tier(inc.tier)}, attribution {inc.attribution}",
+           f"  where: node {', '.join(inc.nodes) or '-'}; GPU serial {', '.join(inc.gpu_serials) or '-'}"
+           + (f"; jobs {', '.join(inc.jobs)}" if inc.jobs else ""),
+           "", "Timeline"]
+    for label, at in (("first evidence", inc.first_evidence_at), ("detected", inc.detected_at), ("decided", inc.decided_at),
+                      ("action applied", inc.action_applied_at), ("back in service", inc.back_in_service_at)):
+        out.append(f"  {label:<16} {ts(at)}")
+    out += [f"  detection latency:     {dur(inc.detection_latency)}   (first evidence -> detected)",
+            f"  isolation granularity: {g_nodes} node{'s' if g_nodes != 1 else ''}, {g_gpus} GPU{'s' if g_gpus != 1 else ''}",
+            f"  recovery time:         {dur(inc.recovery_time)}" + ("" if inc.recovery_time is not None else "   (not back in service yet)"),
+            f"  (decision {dur(inc.decision_latency)}, action {dur(inc.action_latency)})",
+            "", "Evidence"]
+    if not findings:
+        out.append("  none recorded")
+    for f in findings:
+        out.append(f"  {f.node} {f.finding_id}" + (f" gpu {f.gpu_serial}" if f.gpu_serial else "")
+                   + f" [{tier(f.tier)} {f.attribution} -> {f.action}]: {f.summary}")
+        ev = f.evidence if isinstance(f.evidence, list) else ([] if f.evidence is None else [f.evidence])
+        for e in ev[:8]:
+            text = e.get("text", json.dumps(e, sort_keys=True)) if isinstance(e, dict) else str(e)
+            kind = f"{e['kind']}: " if isinstance(e, dict) and "kind" in e else ""
+            out.append(f"      {kind}{text}")
+        if len(ev) > 8:
+            out.append(f"      ... {len(ev) - 8} more (see --json)")
+    out += ["", "Decisions"]
+    if not decisions:
+        out.append("  none")
+    for d in decisions:
+        verdict = approvals[d.id]
+        state = d.outcome if d.outcome != "refused" else f"REFUSED by {d.refused_gate}: {d.refused_reason}"
+        out.append(f"  #{d.id} {ts(d.decided_at)} {d.kind} {d.node} ({tier(d.tier)}, {d.mode} mode): {state}")
+        out.append(f"      reason: {d.reason}")
+        if verdict is not None:
+            out.append(f"      {verdict.verdict}d by {verdict.operator} at {ts(verdict.at)}" + (f": {verdict.why}" if verdict.why else ""))
+    out += ["", "Actions"]
+    if not actions:
+        out.append("  none")
+    for a in actions:
+        when = {"applied": a.applied_at, "failed": a.failed_at, "undone": a.undone_at}.get(a.status, a.planned_at)
+        out.append(f"  #{a.id} {a.kind} {a.node}: {a.status} at {ts(when)}" + (f" ({a.outcome})" if a.outcome else ""))
+        out.append(f"      $ {' '.join(_shell_quote(x) for x in a.argv)}")
+    out += ["", "Next"] + [f"  - {s}" for s in steps]
+    return doc, out
+
+
+def _shell_quote(arg: str) -> str:
+    safe = all(c.isalnum() or c in "-_=./:,[]+@%" for c in arg)
+    return arg if safe and arg else "'" + arg.replace("'", "'\\''") + "'"
+
+
+def cmd_report(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
+    now = time.time() if args.now is None else args.now
+    since = now - args.days * 86400
+    by_node = led.repeat_offenders_by_node(since=since)
+    by_gpu = led.repeat_offenders_by_gpu(since=since)
+    fp = led.false_positive_rate(since=since)
+    mtbf = led.mtbf_per_node(start=since, end=now)
+    pct = led.latency_percentiles(since=since)
+    doc = {"window": {"start": since, "end": now, "days": args.days},
+           "repeat_offenders": {"nodes": [_js(o) for o in by_node], "gpus": [_js(o) for o in by_gpu]},
+           "false_positive_rate": {"approved": fp.approved, "rejected": fp.rejected, "rate": fp.rate},
+           "mtbf": [_js(m) for m in mtbf], "latency": {k: _js(v) for k, v in pct.items()}}
+    out = [f"Report over the last {args.days:g} days ({ts(since)} .. {ts(now)})", "", "Repeat offenders by node"]
+    out += ["  " + r for r in _table(["node", "incidents", "last"], [[o.key, o.incidents, ts(o.last_at)] for o in by_node])] if by_node else ["  none"]
+    out += ["", "Repeat offenders by GPU serial"]
+    out += ["  " + r for r in _table(["gpu serial", "incidents", "last"], [[o.key, o.incidents, ts(o.last_at)] for o in by_gpu])] if by_gpu else ["  none"]
+    rate = "n/a (nothing judged)" if fp.rate is None else f"{fp.rate * 100:.1f}%"
+    out += ["", f"False-positive rate of observe-mode proposals: {rate}  ({fp.rejected} rejected, {fp.approved} approved)"]
+    out += ["", "MTBF per node"]
+    out += ["  " + r for r in _table(["node", "failures", "mtbf"], [[m.node, m.failures, dur(m.mtbf_s)] for m in mtbf])] if mtbf else ["  no failures"]
+    out += ["", "Latency percentiles (nearest rank)"]
+    out += ["  " + r for r in _table(["stage", "n", "p50", "p90", "p99"],
+                                     [[k, v.n, dur(v.p50), dur(v.p90), dur(v.p99)] for k, v in pct.items()])]
+    return doc, out
+
+
+READS = {"status": cmd_status, "nodes": cmd_nodes, "incidents": cmd_incidents, "show": cmd_show, "report": cmd_report}
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        sys.stderr.write(f"healthctl: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _why(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("--why must not be empty")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="healthctl", description="Operator CLI over the healthd controller's ledger.")
+    p.add_argument("--ledger", default=os.environ.get("HEALTHCTL_LEDGER", DEFAULT_LEDGER), help="the controller's ledger (read-only)")
+    p.add_argument("--socket", default=os.environ.get("HEALTHCTL_SOCKET", DEFAULT_SOCKET), help="the controller's admin socket")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--now", type=float, default=None, help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    s = sub.add_parser("status", help="fleet summary")
+    s.add_argument("--budget", type=int, default=None, help="the controller's max actions per hour, to show against")
+    sub.add_parser("nodes", help="nodes the ledger knows")
+    s = sub.add_parser("incidents", help="incidents")
+    s.add_argument("--open", action="store_true", help="only those not closed")
+    s = sub.add_parser("show", help="one incident's evidence bundle")
+    s.add_argument("incident", type=int)
+    s = sub.add_parser("report", help="repeat offenders, false positives, MTBF, latencies")
+    s.add_argument("--days", type=float, default=30.0)
+    s = sub.add_parser("approve", help="approve a waiting decision")
+    s.add_argument("id", type=int)
+    s.add_argument("--why", type=_why, default=None)
+    s = sub.add_parser("reject", help="reject a waiting decision")
+    s.add_argument("id", type=int)
+    s.add_argument("--why", type=_why, required=True)
+    s = sub.add_parser("undo", help="reverse an applied healthd action")
+    s.add_argument("id", type=int)
+    s.add_argument("--why", type=_why, required=True)
+    s = sub.add_parser("repaired", help="mark a healthd-drained node repaired: it enters reintegration")
+    s.add_argument("node")
+    s.add_argument("--why", type=_why, default=None)
+    s = sub.add_parser("breaker", help="the circuit breaker")
+    bs = s.add_subparsers(dest="breaker_cmd", required=True, parser_class=_Parser)
+    r = bs.add_parser("reset", help="close the breaker")
+    r.add_argument("--why", type=_why, required=True)
+    return p
+
+
+def _change_request(args: argparse.Namespace) -> dict[str, Any]:
+    if args.cmd in ("approve", "reject"):
+        return {"cmd": args.cmd, "args": {"decision_id": args.id, "why": args.why}}
+    if args.cmd == "undo":
+        return {"cmd": "undo", "args": {"action_id": args.id, "why": args.why}}
+    if args.cmd == "repaired":
+        return {"cmd": "repaired", "args": {"node": args.node, "why": args.why}}
+    return {"cmd": "breaker-reset", "args": {"why": args.why}}
+
+
+def _fail(code: int, message: str) -> int:
+    sys.stderr.write(f"healthctl: {message}\n")
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        if args.cmd in READS:
+            led = open_readonly(args.ledger)
+            try:
+                doc, lines = READS[args.cmd](led, args)
+            except LedgerError as exc:
+                raise Unreachable(str(exc)) from exc
+            except sqlite3.Error as exc:
+                raise Unreachable(f"{args.ledger}: cannot read the ledger: {exc}") from exc
+            finally:
+                led._conn.close()
+            if args.json:
+                print(json.dumps(doc, indent=2, sort_keys=True))
+            else:
+                print("\n".join(lines))
+            return EXIT_OK
+        reply = call_admin(args.socket, _change_request(args))
+    except Unreachable as exc:
+        return _fail(EXIT_UNREACHABLE, str(exc))
+    except AdminUnreachable as exc:
+        return _fail(EXIT_UNREACHABLE, str(exc))
+    except Refused as exc:
+        return _fail(EXIT_REFUSED, str(exc))
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    if not reply.get("ok"):
+        return _fail(EXIT_REFUSED, str(reply.get("message", "refused")).splitlines()[0] if reply.get("message") else "refused")
+    if not args.json:
+        print(reply.get("message", "ok"))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

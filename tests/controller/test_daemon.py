@@ -1,0 +1,370 @@
+"""healthd-controller end to end over HTTP: real munged daemons (one per fake node plus the controller's),
+the real server on 127.0.0.1 with an ephemeral port, a fake Slurm backend."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from healthd.controller.auth import sign_report
+from healthd.controller.config import ControllerSettings
+from healthd.controller.daemon import Controller, main
+from healthd.controller.ledger import Ledger
+from healthd.controller.policy import ControllerPolicySettings
+from healthd.controller.server import ControllerHTTPServer
+from healthd.model import iso
+from tests.controller.munge_support import MungeFleet, munged_path
+from tests.controller.test_executor import FakeBackend
+
+NODES = ["node01", "node02", "node03", "node04"]
+
+pytestmark = pytest.mark.skipif(munged_path() is None, reason="munged not installed (apt-get install munge)")
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with MungeFleet(NODES) as f:
+        yield f
+
+
+def xid79(now: float) -> dict:
+    return {"id": "xid:gpu0:79", "component": {"kind": "gpu", "index": 0}, "source": "kernel_log", "xid": 79,
+            "attribution": "hardware", "tier": 1, "action": "drain", "summary": "xid 79 gpu0: fell off the bus",
+            "evidence": [{"kind": "log", "text": "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"}],
+            "first_seen": iso(now), "last_seen": iso(now)}
+
+
+def state_doc(node: str, now: float, findings=None) -> dict:
+    return {"node": node, "verdict": "failed", "findings": [xid79(now)] if findings is None else findings}
+
+
+class Rig:
+    def __init__(self, fleet: MungeFleet, tmp_path, mode: str, **policy):
+        self.fleet = fleet
+        self.backend = FakeBackend(NODES)
+        self.ledger = Ledger(tmp_path / "ledger.sqlite")
+        settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(tmp_path / "ledger.sqlite"),
+                                      munge_socket=fleet.controller_socket, node_addrs=fleet.node_addrs,
+                                      policy=ControllerPolicySettings(mode=mode, **policy))  # type: ignore[arg-type]
+        self.controller = Controller(settings, self.ledger, self.backend)
+        self.server = ControllerHTTPServer(settings.listen, self.controller)
+        self.server.start_background()
+
+    def post(self, path: str, body: bytes) -> tuple[int, dict]:
+        req = urllib.request.Request(self.server.url + path, data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    def report(self, node: str, doc: dict | None = None, socket_of: str | None = None) -> tuple[int, dict]:
+        now = time.time()
+        body = sign_report(doc or state_doc(node, now), node, self.fleet.socket(socket_of or node))
+        return self.post("/v1/report", body)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.controller.close()
+        self.ledger.close()
+
+
+@pytest.fixture
+def rig_factory(fleet, tmp_path):
+    rigs: list[Rig] = []
+
+    def make(mode: str, **policy) -> Rig:
+        rig = Rig(fleet, tmp_path / f"r{len(rigs)}", mode, **policy)
+        rigs.append(rig)
+        return rig
+
+    for_dirs = tmp_path
+    for i in range(4):
+        (for_dirs / f"r{i}").mkdir()
+    yield make
+    for rig in rigs:
+        rig.close()
+
+
+def test_healthz(rig_factory):
+    rig = rig_factory("observe")
+    with urllib.request.urlopen(rig.server.url + "/healthz", timeout=10) as resp:
+        assert resp.status == 200 and json.loads(resp.read()) == {"ok": True}
+
+
+def test_forged_report_is_401_with_a_log_line(rig_factory, caplog):
+    rig = rig_factory("auto")
+    body = json.loads(sign_report(state_doc("node02", time.time()), "node02", rig.fleet.socket("node02")))
+    body["report"]["verdict"] = "healthy"  # tampered after signing
+    with caplog.at_level(logging.WARNING, logger="healthd.controller"):
+        status, payload = rig.post("/v1/report", json.dumps(body).encode())
+    assert status == 401 and payload["accepted"] is False
+    assert any("from 127.0.0.1 refused: 401" in r.getMessage() for r in caplog.records)
+    garbage = dict(body, credential="MUNGE:AAAAbogus:")
+    assert rig.post("/v1/report", json.dumps(garbage).encode())[0] == 401
+    assert rig.controller.reports == {}
+
+
+def test_cross_node_report_is_403(rig_factory, caplog):
+    rig = rig_factory("auto")
+    with caplog.at_level(logging.WARNING, logger="healthd.controller"):
+        status, payload = rig.report("node03", socket_of="node02")  # node02's munged claims node03
+    assert status == 403 and "cross-node" in payload["error"]
+    assert any("refused: 403" in r.getMessage() for r in caplog.records)
+    assert rig.controller.reports == {}
+
+
+def test_replayed_report_is_409(rig_factory, caplog):
+    rig = rig_factory("observe")
+    body = sign_report(state_doc("node02", time.time()), "node02", rig.fleet.socket("node02"))
+    assert rig.post("/v1/report", body) == (200, {"accepted": True, "instructions": []})
+    with caplog.at_level(logging.WARNING, logger="healthd.controller"):
+        assert rig.post("/v1/report", body)[0] == 409
+    assert any("refused: 409" in r.getMessage() for r in caplog.records)
+
+
+def test_oversized_body_is_413(rig_factory):
+    rig = rig_factory("observe")
+    status, _ = rig.post("/v1/report", b"x" * (1_048_576 + 1))
+    assert status == 413
+
+
+def test_t1_report_in_auto_drains_with_incident_reason(rig_factory):
+    rig = rig_factory("auto")
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    assert len(rig.backend.writes) == 1
+    call, node, reason = rig.backend.writes[0]
+    assert (call, node) == ("drain", "node02")
+    incident = rig.ledger.incidents(node="node02")[0].id
+    assert reason.startswith("healthd: ") and reason.endswith(f"[#{incident}]")
+    inc = rig.ledger.incident(incident)
+    assert inc.decided_at is not None and inc.action_applied_at is not None
+    assert rig.ledger.healthd_drains() == {"node02": incident}
+    rig.controller.evaluate(time.time())  # the next round: already drained, no second write
+    assert len(rig.backend.writes) == 1
+
+
+def test_t1_report_in_observe_writes_nothing(rig_factory):
+    rig = rig_factory("observe")
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    rig.controller.evaluate(time.time())
+    assert rig.backend.writes == []
+    rows = rig.ledger.decisions()
+    assert len(rows) == 1 and rows[0].outcome == "refused" and rows[0].refused_gate == "mode"
+
+
+def test_breaker_opens_and_limits_drains(rig_factory, caplog):
+    rig = rig_factory("auto")
+    assert rig.report("node01")[0] == 200
+    rig.controller.evaluate(time.time())
+    assert len(rig.backend.writes) == 1  # one failing node of four: below breaker_min_nodes
+    for node in ("node02", "node03"):
+        assert rig.report(node)[0] == 200
+    with caplog.at_level(logging.ERROR, logger="healthd.controller"):
+        rig.controller.evaluate(time.time())
+        rig.controller.evaluate(time.time())
+    assert rig.ledger.breaker_state().open
+    assert len(rig.backend.writes) == 1  # nothing more drained once the breaker is open
+    alerts = [r for r in caplog.records if "circuit breaker open" in r.getMessage()]
+    assert len(alerts) == 1
+    refused = [d for d in rig.ledger.decisions(outcome="refused") if d.refused_gate == "breaker"]
+    assert {d.node for d in refused} == {"node02", "node03"}
+    reg = rig.controller.metrics.registry
+    assert reg.get_sample_value("healthd_controller_breaker_open") == 1
+    assert reg.get_sample_value("healthd_controller_refusals_total", {"gate": "breaker"}) == 2
+    assert reg.get_sample_value("healthd_controller_actions_total", {"kind": "drain", "status": "applied"}) == 1
+    assert reg.get_sample_value("healthd_controller_reports_total", {"result": "accepted"}) == 3
+    assert reg.get_sample_value("healthd_controller_report_latency_seconds_count") == 3
+
+
+def test_slurm_down_skips_the_round(rig_factory):
+    rig = rig_factory("auto")
+    assert rig.report("node02")[0] == 200
+    rig.backend.unavailable = True
+    assert rig.controller.evaluate(time.time()) is None
+    assert rig.backend.writes == [] and rig.ledger.decisions() == []
+
+
+def _drain_request(rig: Rig, node: str) -> tuple[int, dict]:
+    doc = {"kind": "drain-request", "node": node, "finding": xid79(time.time()), "job": "4242"}
+    return rig.post("/v1/request", sign_report(doc, node, rig.fleet.socket(node)))
+
+
+def test_drain_request_granted_in_auto(rig_factory):
+    rig = rig_factory("auto")
+    status, payload = _drain_request(rig, "node03")
+    assert status == 200 and payload["granted"] is True, payload
+    assert [w[:2] for w in rig.backend.writes] == [("drain", "node03")]
+    assert "4242" in rig.ledger.incidents(node="node03")[0].jobs
+
+
+def test_drain_request_refused_in_observe(rig_factory):
+    rig = rig_factory("observe")
+    status, payload = _drain_request(rig, "node03")
+    assert status == 200 and payload["granted"] is False and "observe" in payload["reason"]
+    assert rig.backend.writes == []
+
+
+def test_main_rejects_a_bad_config(tmp_path, capsys):
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text("listen: 127.0.0.1:9841\npolicy:\n  mode: yolo\n")
+    assert main(["--config", str(cfg), "--once"]) == 2
+    assert "policy.mode" in capsys.readouterr().err
+
+
+def test_request_thread_is_not_blocked_by_a_slow_slurm(rig_factory):
+    rig = rig_factory("auto")
+    rig.controller.slurm_wait_s = 0.5
+    real_nodes = rig.backend.nodes
+
+    def slow_nodes(names=None):
+        time.sleep(3)
+        return real_nodes(names)
+
+    rig.backend.nodes = slow_nodes  # type: ignore[method-assign]
+    started = time.monotonic()
+    status, payload = _drain_request(rig, "node02")
+    assert time.monotonic() - started < 2.5
+    assert status == 200 and payload["granted"] is False and "could not decide" in payload["reason"]
+
+
+def test_recover_at_start_finishes_a_planned_drain(rig_factory):
+    from healthd.controller.executor import idempotency_key
+    from tests.controller.test_executor import drain_decision
+
+    rig = rig_factory("auto")
+    d = drain_decision("node04")
+    row = rig.ledger.record_decision(node="node04", kind="drain", tier="T1", mode="auto", reason=d.reason,
+                                     outcome="allowed", at=time.time())
+    rig.ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node="node04", kind="drain",
+                           argv=rig.controller.executor.argv_for(d))
+    rig.controller.recover(time.time())
+    rig.controller.recover(time.time())
+    assert rig.backend.writes == [("drain", "node04", d.reason)]
+    assert rig.ledger.pending_actions() == []
+
+
+def test_recover_in_observe_writes_nothing(rig_factory):
+    from healthd.controller.executor import idempotency_key
+    from tests.controller.test_executor import drain_decision
+
+    rig = rig_factory("observe")
+    d = drain_decision("node04")
+    row = rig.ledger.record_decision(node="node04", kind="drain", tier="T1", mode="auto", reason=d.reason,
+                                     outcome="allowed", at=time.time())
+    rig.ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node="node04", kind="drain",
+                           argv=rig.controller.executor.argv_for(d))
+    rig.controller.recover(time.time())
+    assert rig.backend.writes == [] and len(rig.ledger.pending_actions()) == 1
+
+
+def test_config_maps_yaml_onto_settings(tmp_path):
+    from healthd.config import ConfigError
+    from healthd.controller.config import load_controller_settings, parse_controller_settings
+
+    s = parse_controller_settings(
+        "listen: 0.0.0.0:9841\nnode_addrs: {node01: 10.0.0.1}\nrequeue_opt_in: 'requeue-me'\n"
+        "policy:\n  mode: supervised\n  racks: {r1: [node01, node02]}\n  capacity_floors: {gpu: 2}\n"
+    )
+    assert s.listen == "0.0.0.0:9841" and s.node_addrs == {"node01": "10.0.0.1"}
+    assert s.policy.mode == "supervised" and s.policy.racks == {"r1": frozenset({"node01", "node02"})}
+    assert s.policy.capacity_floors == {"gpu": 2} and s.requeue_opt_in == "requeue-me"
+    assert parse_controller_settings("").policy.mode == "observe"
+    for text, key in [("bogus: 1", "bogus"), ("policy: {mode: off}", "policy.mode"),
+                      ("policy: {max_actions_per_hour: many}", "policy.max_actions_per_hour"),
+                      ("node_addrs: {node01: nodeaddr}", "node_addrs.node01"), ("listen: 9841", "listen"),
+                      ("policy: {nope: 1}", "policy.nope"), ("ledger: relative.sqlite", "ledger")]:
+        with pytest.raises(ConfigError) as info:
+            parse_controller_settings(text, "c.yaml")
+        assert info.value.key == key, text
+    with pytest.raises(ConfigError):
+        load_controller_settings(str(tmp_path / "missing.yaml"))
+
+
+def test_supervised_waits_then_acts_after_approval(rig_factory):
+    rig = rig_factory("supervised")
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    rig.controller.evaluate(time.time())
+    assert rig.backend.writes == []
+    (waiting,) = rig.ledger.waiting_decisions()
+    assert waiting.node == "node02" and waiting.kind == "drain"
+    rig.ledger.record_approval(waiting.id, operator="alice", verdict="approve")
+    rig.controller.evaluate(time.time())
+    assert [w[:2] for w in rig.backend.writes] == [("drain", "node02")]
+    assert rig.ledger.decision(waiting.id).outcome == "allowed"
+    assert rig.ledger.actions(node="node02")[0].decision_id == waiting.id
+
+
+def test_rejected_decision_never_acts(rig_factory):
+    rig = rig_factory("supervised")
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    (waiting,) = rig.ledger.waiting_decisions()
+    rig.ledger.record_approval(waiting.id, operator="alice", verdict="reject", why="known flaky riser, ticket 9")
+    rig.controller.evaluate(time.time())
+    assert rig.backend.writes == []
+
+
+def test_operator_undo_is_run_once_by_the_next_round(rig_factory):
+    from healthd.controller import admin
+
+    rig = rig_factory("auto")
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    (drain,) = rig.ledger.actions(node="node02")
+    result = admin.undo(rig.ledger, drain.id, "alice", "false alarm, GPU reseated")
+    assert result.ok, result
+    rig.controller.evaluate(time.time())
+    rig.controller.evaluate(time.time())
+    assert [w[:2] for w in rig.backend.writes] == [("drain", "node02"), ("resume", "node02")]
+    assert rig.ledger.action(drain.id).status == "undone"
+    assert rig.ledger.action(result.data["undo_action_id"]).status == "applied"
+
+
+def test_undo_refused_when_an_admin_took_the_node_over(rig_factory):
+    import dataclasses
+
+    from healthd.controller import admin
+
+    rig = rig_factory("auto")
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    (drain,) = rig.ledger.actions(node="node02")
+    result = admin.undo(rig.ledger, drain.id, "alice", "false alarm")
+    rig.backend.state["node02"] = dataclasses.replace(rig.backend.state["node02"], reason="PSU swap", reason_user="bob")
+    rig.controller.evaluate(time.time())
+    assert [w[0] for w in rig.backend.writes] == ["drain"]
+    assert rig.ledger.action(result.data["undo_action_id"]).status == "failed"
+
+
+def test_main_rejects_an_unreadable_topology_conf(tmp_path, capsys):
+    topo = tmp_path / "topology.conf"
+    topo.write_text("SwitchName=leaf1 Nodes=node[01-02\n")
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(f"ledger: {tmp_path / 'l.sqlite'}\ntopology_conf: {topo}\n")
+    assert main(["--config", str(cfg), "--once"]) == 2
+    assert "topology.conf line 1" in capsys.readouterr().err
+
+
+def test_correlated_rack_failure_is_one_group_incident_not_drains(rig_factory):
+    rig = rig_factory("auto", racks={"r1": frozenset({"node01", "node02"})}, breaker_percent=60.0)
+    for node in ("node01", "node02"):
+        assert rig.report(node)[0] == 200
+    rig.controller.evaluate(time.time())
+    rig.controller.evaluate(time.time())
+    assert rig.backend.writes == []
+    assert not rig.ledger.breaker_state().open
+    groups = [i for i in rig.ledger.incidents(status="open") if i.signature == "group:rack:r1"]
+    assert len(groups) == 1 and groups[0].nodes == ("node01", "node02")
+    refused = rig.ledger.decisions(outcome="refused")
+    assert {(d.node, d.refused_gate) for d in refused} == {("node01", "correlation"), ("node02", "correlation")}

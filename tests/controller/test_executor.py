@@ -1,0 +1,232 @@
+"""Executor: apply exactly once, recover after a crash between plan and call, refuse on a foreign reason."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+from healthd.controller.executor import Executor, JobInfo, idempotency_key
+from healthd.controller.gates import Outcome
+from healthd.controller.ledger import Ledger
+from healthd.controller.policy import Decision, make_reason
+from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmRefused, filter_nodes, slurm_hostlist
+
+NOW = 1_800_000_000.0
+
+
+class FakeBackend:
+    """In-memory Slurm implementing the SlurmBackend Protocol; `writes` logs every write call."""
+
+    def __init__(self, nodes: Iterable[str] = ("node01", "node02", "node03", "node04"), partition: str = "gpu"):
+        self.dry_run = False
+        self.planned: list[list[str]] = []
+        self.state = {n: NodeInfo(name=n, state="idle", partitions=(partition,)) for n in nodes}
+        self.writes: list[tuple] = []
+        self.fail_next: str | None = None
+        self.before_write = None  # a hook run right before a write lands (race simulation)
+        self.unavailable = False
+
+    def _names(self, nodes: str | Sequence[str]) -> list[str]:
+        return [nodes] if isinstance(nodes, str) else list(nodes)
+
+    def _write(self, call: tuple) -> None:
+        if self.fail_next:
+            msg, self.fail_next = self.fail_next, None
+            raise SlurmRefused(msg, list(call), 1, msg)
+        self.writes.append(call)
+
+    def nodes(self, names: Iterable[str] | None = None) -> list[NodeInfo]:
+        if self.unavailable:
+            from healthd.slurm.backend import SlurmUnavailable
+
+            raise SlurmUnavailable("slurmctld down")
+        return filter_nodes(self.state.values(), names)
+
+    def node(self, name: str) -> NodeInfo:
+        return self.state[name]
+
+    def drain(self, nodes, reason):
+        self._write(("drain", slurm_hostlist(nodes), reason))
+        for n in self._names(nodes):
+            self.state[n] = dataclasses.replace(self.state[n], flags=self.state[n].flags | {"DRAIN"}, reason=reason,
+                                                reason_user="root")
+
+    def resume(self, nodes):
+        self._write(("resume", slurm_hostlist(nodes)))
+        for n in self._names(nodes):
+            self.state[n] = dataclasses.replace(self.state[n], flags=frozenset(), reason="", reason_user=None)
+
+    def reboot_asap(self, nodes, reason, next_state="RESUME"):
+        self._write(("reboot_asap", slurm_hostlist(nodes), reason, next_state))
+        for n in self._names(nodes):
+            self.state[n] = dataclasses.replace(self.state[n], flags=self.state[n].flags | {"DRAIN", "REBOOT_REQUESTED"},
+                                                reason=reason)
+
+    def cancel_reboot(self, nodes):
+        self._write(("cancel_reboot", slurm_hostlist(nodes)))
+
+    def requeue(self, job_id):
+        self._write(("requeue", str(job_id)))
+
+    def create_reservation(self, name, nodes, duration_min, users=("root",), flags=("MAINT", "IGNORE_JOBS")):
+        self._write(("create_reservation", name))
+
+    def delete_reservation(self, name):
+        self._write(("delete_reservation", name))
+
+    def version(self) -> str:
+        return "24.05.0"
+
+    def describe(self, action: str, **kw) -> list[str]:
+        if action == "drain":
+            return ["scontrol", "update", f"NodeName={slurm_hostlist(kw['nodes'])}", "State=DRAIN", f"Reason={kw['reason']}"]
+        if action == "reboot_asap":
+            return ["scontrol", "reboot", "ASAP", "nextstate=RESUME", f"Reason={kw['reason']}", slurm_hostlist(kw["nodes"])]
+        if action == "resume":
+            return ["scontrol", "update", f"NodeName={slurm_hostlist(kw['nodes'])}", "State=RESUME"]
+        raise ValueError(action)
+
+
+def drain_decision(node: str = "node02", kind: str = "drain", incident: str = "H1") -> Decision:
+    return Decision(id=f"{kind}:{node}:xid:gpu0:79", kind=kind, node=node,  # type: ignore[arg-type]
+                    reason=make_reason("xid 79 gpu0: fell off the bus", incident), tier=1,
+                    attribution="hardware", finding_ids=("xid:gpu0:79",), incident=incident, decided_at=NOW)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        yield led
+
+
+def test_fake_backend_is_a_slurm_backend():
+    assert isinstance(FakeBackend(), SlurmBackend)
+
+
+def test_applied_once(ledger):
+    be = FakeBackend()
+    ex = Executor(be, ledger)
+    d = drain_decision()
+    first = ex.apply(Outcome(d, "allowed"), NOW)
+    assert first.status == "applied"
+    assert be.writes == [("drain", "node02", d.reason)]
+    again = ex.apply(Outcome(d, "allowed"), NOW + 5)
+    assert again.status in ("refused", "already-applied")
+    assert len(be.writes) == 1
+    action = ledger.action_by_key(idempotency_key(d))
+    assert action.status == "applied" and action.argv[-1] == f"Reason={d.reason}"
+    assert ledger.healthd_drains() == {"node02": None}  # "H1" is not a ledger incident id
+    assert ledger.actions_applied_since(NOW - 1) == 1
+
+
+def test_not_allowed_is_skipped(ledger):
+    be = FakeBackend()
+    assert Executor(be, ledger).apply(Outcome(drain_decision(), "refused", "mode", "observe"), NOW).status == "skipped"
+    assert be.writes == []
+
+
+def test_failure_is_recorded_with_slurms_message(ledger):
+    be = FakeBackend()
+    be.fail_next = "Invalid node state specified"
+    res = Executor(be, ledger).apply(Outcome(drain_decision(), "allowed"), NOW)
+    assert res.status == "failed"
+    assert ledger.action(res.action_id).status == "failed"
+    assert "Invalid node state" in ledger.action(res.action_id).outcome
+
+
+def test_foreign_reason_between_decide_and_write_refused(ledger):
+    be = FakeBackend()
+    be.state["node02"] = dataclasses.replace(be.state["node02"], flags=frozenset({"DRAIN"}),
+                                             reason="bad DIMM, ticket 123", reason_user="alice")
+    res = Executor(be, ledger).apply(Outcome(drain_decision(), "allowed"), NOW)
+    assert res.status == "refused" and "alice" in res.detail
+    assert be.writes == []
+    assert ledger.pending_actions() == [] and ledger.actions() == []
+
+
+def _crash_after_plan(ledger, be, d):
+    ex = Executor(be, ledger)
+    row = ledger.record_decision(node=d.node, kind=d.kind, tier="T1", mode="auto", reason=d.reason, outcome="allowed",
+                                 at=NOW)
+    ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node=d.node, kind=d.kind,
+                       argv=ex.argv_for(d), at=NOW)
+    return row
+
+
+def test_recover_applies_exactly_once(ledger):
+    be = FakeBackend()
+    d = drain_decision()
+    _crash_after_plan(ledger, be, d)
+    ex = Executor(be, ledger)
+    results = ex.recover(NOW + 10)
+    assert [r.status for r in results] == ["applied"]
+    assert be.writes == [("drain", "node02", d.reason)]
+    assert ex.recover(NOW + 20) == []  # nothing pending any more
+    assert ex.apply(Outcome(d, "allowed"), NOW + 30).status in ("refused", "already-applied")
+    assert len(be.writes) == 1
+
+
+def test_recover_marks_applied_when_slurm_shows_it(ledger):
+    be = FakeBackend()
+    d = drain_decision()
+    _crash_after_plan(ledger, be, d)
+    be.drain("node02", d.reason)  # the write landed, the crash came before mark_applied
+    be.writes.clear()
+    results = Executor(be, ledger).recover(NOW + 10)
+    assert [r.status for r in results] == ["already-applied"]
+    assert be.writes == []
+    assert ledger.action_by_key(idempotency_key(d)).status == "applied"
+
+
+def test_recover_refuses_a_foreign_reason(ledger):
+    be = FakeBackend()
+    d = drain_decision()
+    _crash_after_plan(ledger, be, d)
+    be.state["node02"] = dataclasses.replace(be.state["node02"], flags=frozenset({"DRAIN"}), reason="maintenance",
+                                             reason_user="bob")
+    results = Executor(be, ledger).recover(NOW + 10)
+    assert [r.status for r in results] == ["refused"]
+    assert be.writes == []
+    assert ledger.action_by_key(idempotency_key(d)).status == "failed"
+
+
+def test_drain_and_requeue_requeues_only_opted_in_batch_jobs(ledger):
+    be = FakeBackend()
+    jobs = [JobInfo("101", True, "healthd:requeue"), JobInfo("102", True, "no"), JobInfo("103", False, "healthd:requeue")]
+    ex = Executor(be, ledger, list_jobs=lambda node: jobs)
+    d = drain_decision(kind="drain-and-requeue")
+    res = ex.apply(Outcome(d, "allowed"), NOW)
+    assert res.status == "applied" and "101" in res.detail
+    assert be.writes == [("drain", "node02", d.reason), ("requeue", "101")]
+
+
+def test_dry_run_prints_and_writes_nothing(ledger):
+    be = FakeBackend()
+    printed: list[str] = []
+    res = Executor(be, ledger, dry_run=True, out=printed.append).apply(Outcome(drain_decision(), "allowed"), NOW)
+    assert res.status == "dry-run"
+    assert be.writes == [] and ledger.actions() == []
+    assert printed and "State=DRAIN" in printed[0] and "node02" in printed[0]
+
+
+def test_recover_refuses_while_the_breaker_is_open(ledger):
+    be = FakeBackend()
+    d = drain_decision()
+    _crash_after_plan(ledger, be, d)
+    ledger.open_breaker("switch:leaf1", nodes=["node01", "node02", "node03"], at=NOW + 1)
+    results = Executor(be, ledger).recover(NOW + 10)
+    assert [r.status for r in results] == ["refused"] and "breaker" in results[0].detail
+    assert be.writes == []
+
+
+def test_recover_refuses_a_decision_older_than_a_breaker_reset(ledger):
+    be = FakeBackend()
+    d = drain_decision()
+    _crash_after_plan(ledger, be, d)
+    ledger.open_breaker("unknown", at=NOW + 1)
+    ledger.reset_breaker(by="alice", why="switch replaced", at=NOW + 2)
+    results = Executor(be, ledger).recover(NOW + 10)
+    assert [r.status for r in results] == ["refused"] and "stale" in results[0].detail
+    assert be.writes == []

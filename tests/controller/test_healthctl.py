@@ -1,0 +1,273 @@
+"""healthctl over a ledger populated through Ledger's API with a realistic history: Xid 79 on
+node02's GPU 1650923012345, a drain refused by the rate limit then allowed and applied; an older
+incident on the same GPU; observe-mode proposals judged by operators. Every command's table and
+--json output is checked on concrete content; report figures against hand-computed values."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from healthd.controller import healthctl
+from healthd.controller.admin import serve_admin_socket
+from healthd.controller.ledger import Ledger
+
+T0 = 1_700_000_000.0  # 2023-11-14 22:13:20Z
+NOW = T0 + 100
+DAY = 86400.0
+SERIAL = "1650923012345"
+XID_LINE = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+DRAIN_ARGV = ["scontrol", "update", "NodeName=node02", "State=DRAIN", "Reason=healthd: GPU fell off the bus (Xid 79) [#2]"]
+
+
+def populate(led: Ledger) -> dict[str, int]:
+    ids: dict[str, int] = {}
+    # incident 1: the same GPU two days ago, repaired and back in service after an hour
+    old = led.open_incident("xid:79", attribution="hardware", tier="1", nodes=["node02"], gpu_serials=[SERIAL],
+                            first_evidence_at=T0 - 2 * DAY, detected_at=T0 - 2 * DAY + 3, at=T0 - 2 * DAY + 3)
+    for stage, dt in (("decided_at", 5), ("action_applied_at", 6), ("back_in_service_at", 3600)):
+        led.mark_timeline(old.id, stage, T0 - 2 * DAY + dt)
+    led.update_incident(old.id, status="closed")
+    # incident 2: today's Xid 79 on node02
+    led.record_finding("node02", "xid:gpu1:79", gpu_serial=SERIAL, attribution="hardware", tier="1", action="drain",
+                       summary="GPU 1 fell off the bus (Xid 79)", evidence=[{"kind": "kernel", "text": XID_LINE}], at=T0 + 0.2)
+    inc = led.open_incident("xid:79", attribution="hardware", tier="1", nodes=["node02"], gpu_serials=[SERIAL], jobs=["4242"],
+                            first_evidence_at=T0, detected_at=T0 + 1.5, at=T0 + 1.5)
+    ids["incident"] = inc.id
+    refused = led.record_decision(node="node02", kind="drain", tier="1", mode="auto", reason="healthd: GPU fell off the bus (Xid 79) [#2]",
+                                  outcome="refused", incident_id=inc.id, refused_gate="rate-limit",
+                                  refused_reason="10 node-removing actions in the last hour (max 10)", at=T0 + 2)
+    allowed = led.record_decision(node="node02", kind="drain", tier="1", mode="auto", reason="healthd: GPU fell off the bus (Xid 79) [#2]",
+                                  outcome="allowed", incident_id=inc.id, at=T0 + 4)
+    led.mark_timeline(inc.id, "decided_at", T0 + 4)
+    act = led.plan_action(decision_id=allowed.id, idempotency_key=f"drain:node02:{inc.id}", node="node02", partition="gpu",
+                          kind="drain", argv=DRAIN_ARGV, at=T0 + 4.5)
+    led.mark_applied(act.id, "scontrol rc=0", at=T0 + 5.5)
+    led.mark_timeline(inc.id, "action_applied_at", T0 + 5.5)
+    ids.update(refused=refused.id, allowed=allowed.id, action=act.id)
+    # incident 3: node03 ECC, open, waiting for approval (supervised)
+    ecc = led.open_incident("ecc:dbe", attribution="hardware", tier="2", nodes=["node03"], gpu_serials=["1650923099999"],
+                            first_evidence_at=T0 - 7200, detected_at=T0 - 7190, at=T0 - 7190)
+    ids["waiting"] = led.record_decision(node="node03", kind="drain", tier="2", mode="supervised", reason="healthd: ECC DBE [#3]",
+                                         outcome="waiting", incident_id=ecc.id, at=T0 - 7000).id
+    # incident 4: node01, judged a false positive (left out of MTBF and offenders)
+    fp = led.open_incident("pcie:aer", attribution="unknown", tier="2", nodes=["node01"], first_evidence_at=T0 - 3600,
+                           detected_at=T0 - 3590, at=T0 - 3590)
+    led.update_incident(fp.id, status="false_positive")
+    # observe-mode proposals: one rejected, one approved -> false-positive rate 50 %
+    p1 = led.record_decision(node="node01", kind="drain", tier="2", mode="observe", reason="healthd: PCIe AER [#4]", outcome="refused",
+                             incident_id=fp.id, refused_gate="mode", refused_reason="observe mode: decided and recorded, not applied", at=T0 - 3500)
+    p2 = led.record_decision(node="node04", kind="drain", tier="1", mode="observe", reason="healthd: Xid 48", outcome="refused",
+                             refused_gate="mode", refused_reason="observe mode: decided and recorded, not applied", at=T0 - 3400)
+    led.record_approval(p1.id, operator="alice", verdict="reject", why="AER storm from a BIOS setting", at=T0 - 3000)
+    led.record_approval(p2.id, operator="bob", verdict="approve", at=T0 - 2900)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def world():
+    d = tempfile.mkdtemp(prefix="healthctl-", dir="/tmp")
+    os.chmod(d, 0o755)
+    path = Path(d) / "ledger.db"
+    with Ledger(path) as led:
+        ids = populate(led)
+    yield path, ids
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = healthctl.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_status(world, capsys):
+    path, ids = world
+    code, out, err = run(capsys, "--ledger", str(path), "--now", str(NOW), "status", "--budget", "10")
+    assert code == 0 and err == ""
+    assert "mode:            auto" in out  # the latest policy decision's mode (observe proposals are older)
+    assert "breaker:         closed" in out
+    assert "actions (1h):    1 of 10" in out
+    assert "drained by healthd: node02" in out
+    assert "waiting approval: 1" in out and "healthd: ECC DBE [#3]" in out
+    code, out, _ = run(capsys, "--ledger", str(path), "--now", str(NOW), "--json", "status")
+    doc = json.loads(out)
+    assert doc["waiting_approvals"] == [ids["waiting"]] and doc["actions_last_hour"] == 1 and doc["budget_per_hour"] is None
+    assert doc["breaker"]["open"] is False and doc["healthd_drained_nodes"] == ["node02"]
+
+
+def test_nodes(world, capsys):
+    path, ids = world
+    code, out, _ = run(capsys, "--ledger", str(path), "nodes")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["node", "healthd", "incidents", "open", "last", "incident", "last", "action"]
+    node02 = next(line for line in lines if line.startswith("node02"))
+    assert "drained by healthd" in node02 and f"#{ids['action']} drain applied" in node02
+    code, out, _ = run(capsys, "--ledger", str(path), "--json", "nodes")
+    doc = {n["node"]: n for n in json.loads(out)}
+    assert doc["node02"]["incidents"] == 2 and doc["node02"]["gpu_serials"] == [SERIAL]
+    assert doc["node02"]["healthd_drained"] and not doc["node03"]["healthd_drained"]
+
+
+def test_incidents(world, capsys):
+    path, ids = world
+    code, out, _ = run(capsys, "--ledger", str(path), "incidents", "--open")
+    assert code == 0
+    rows = out.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == [str(ids["incident"]), "3"]
+    assert "xid:79" in rows[0] and SERIAL in rows[0] and "1.5s" in rows[0]
+    code, out, _ = run(capsys, "--ledger", str(path), "--json", "incidents")
+    doc = json.loads(out)
+    assert [i["status"] for i in doc] == ["closed", "open", "open", "false_positive"]
+    assert doc[0]["recovery_time"] == 3600 and doc[1]["detection_latency"] == 1.5
+
+
+def test_show(world, capsys):
+    path, ids = world
+    code, out, err = run(capsys, "--ledger", str(path), "show", str(ids["incident"]))
+    assert code == 0 and err == ""
+    assert f"where: node node02; GPU serial {SERIAL}; jobs 4242" in out
+    assert "detection latency:     1.5s" in out
+    assert "isolation granularity: 1 node, 1 GPU" in out
+    assert "recovery time:         -   (not back in service yet)" in out
+    assert "first evidence   2023-11-14 22:13:20Z" in out
+    assert XID_LINE in out
+    assert "REFUSED by rate-limit: 10 node-removing actions in the last hour (max 10)" in out
+    assert f"#{ids['action']} drain node02: applied at 2023-11-14 22:13:25Z (scontrol rc=0)" in out
+    assert "$ scontrol update NodeName=node02 State=DRAIN 'Reason=healthd: GPU fell off the bus (Xid 79) [#2]'" in out
+    assert f"`healthctl repaired node02`; if healthd was wrong, `healthctl undo {ids['action']} --why ...`" in out
+    code, out, _ = run(capsys, "--ledger", str(path), "--json", "show", str(ids["incident"]))
+    doc = json.loads(out)
+    assert doc["actions"][0]["argv"] == DRAIN_ARGV
+    assert doc["incident"]["isolation_granularity"] == {"nodes": 1, "gpus": 1}
+    assert [d["outcome"] for d in doc["decisions"]] == ["refused", "allowed"]
+    assert doc["decisions"][0]["refused_gate"] == "rate-limit"
+    code, _, err = run(capsys, "--ledger", str(path), "show", "99")
+    assert code == 1 and err == "healthctl: no incident 99 in the ledger\n"
+
+
+def test_report_matches_hand_computed(world, capsys):
+    path, _ = world
+    code, out, _ = run(capsys, "--ledger", str(path), "--now", str(NOW), "--json", "report")
+    assert code == 0
+    doc = json.loads(out)
+    assert [(o["key"], o["incidents"]) for o in doc["repeat_offenders"]["nodes"]] == [("node02", 2)]
+    assert [(o["key"], o["incidents"]) for o in doc["repeat_offenders"]["gpus"]] == [(SERIAL, 2)]
+    assert doc["false_positive_rate"] == {"approved": 1, "rejected": 1, "rate": 0.5}
+    # 30-day window = 2,592,000 s; node02 2 failures, node03 1; node01 was a false positive
+    assert [(m["node"], m["failures"], m["mtbf_s"]) for m in doc["mtbf"]] == [("node02", 2, 1_296_000.0), ("node03", 1, 2_592_000.0)]
+    lat = doc["latency"]
+    # detection: [1.5, 3, 10] -> nearest rank p50 = 3, p90 = p99 = 10
+    assert (lat["detection"]["n"], lat["detection"]["p50"], lat["detection"]["p90"], lat["detection"]["p99"]) == (3, 3.0, 10.0, 10.0)
+    assert (lat["decision"]["n"], lat["decision"]["p50"]) == (2, 2.0)  # [2, 2.5]
+    assert (lat["recovery"]["n"], lat["recovery"]["p50"]) == (1, 3600.0)
+    code, out, _ = run(capsys, "--ledger", str(path), "--now", str(NOW), "report")
+    assert "False-positive rate of observe-mode proposals: 50.0%  (1 rejected, 1 approved)" in out
+    assert any(line.split() == ["node02", "2", "15.0d"] for line in out.splitlines())
+    assert any(line.split()[:3] == ["detection", "3", "3.0s"] for line in out.splitlines())
+
+
+def test_reads_leave_the_ledger_untouched(world, capsys):
+    path, _ = world
+    before = path.stat().st_mtime_ns
+    os.chmod(path, 0o444)
+    try:
+        assert run(capsys, "--ledger", str(path), "status")[0] == 0
+    finally:
+        os.chmod(path, 0o644)
+    assert path.stat().st_mtime_ns == before
+
+
+def test_missing_and_corrupt_ledger_exit_3(tmp_path: Path, capsys):
+    code, out, err = run(capsys, "--ledger", str(tmp_path / "nope.db"), "status")
+    assert code == 3 and out == "" and err.count("\n") == 1 and "no ledger there" in err
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"this is not sqlite at all" * 100)
+    code, out, err = run(capsys, "--ledger", str(bad), "incidents")
+    assert code == 3 and out == "" and err.count("\n") == 1 and str(bad) in err
+    other = tmp_path / "other.db"
+    import sqlite3
+
+    sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
+    code, _, err = run(capsys, "--ledger", str(other), "report")
+    assert code == 3 and "not a healthd ledger" in err
+
+
+def test_usage_exit_2(capsys):
+    code, out, err = run(capsys, "reject", "5")
+    assert code == 2 and err.startswith("healthctl: ") and err.count("\n") == 1 and "--why" in err
+    assert run(capsys, "frobnicate")[0] == 2
+    assert run(capsys, "breaker", "reset", "--why", " ")[0] == 2
+
+
+def test_changes_go_through_the_socket(tmp_path: Path, capsys):
+    sockdir = Path(tempfile.mkdtemp(prefix="healthctl-sock-", dir="/tmp"))
+    try:
+        with Ledger(tmp_path / "ledger.db") as led:
+            ids = populate(led)
+            led.open_breaker("switch:leaf3", nodes=["node01", "node02", "node03"], at=T0 + 50)
+            with serve_admin_socket(str(sockdir / "admin.sock"), led) as srv:
+                sock = ["--socket", srv.path]
+                code, out, err = run(capsys, *sock, "approve", str(ids["waiting"]))
+                assert code == 0 and "approved" in out and led.approval(ids["waiting"]) is not None
+                code, out, err = run(capsys, *sock, "reject", str(ids["allowed"]), "--why", "x")
+                assert code == 1 and out == "" and err.count("\n") == 1 and "is allowed" in err
+                code, out, _ = run(capsys, *sock, "--json", "undo", str(ids["action"]), "--why", "GPU reseated, false alarm")
+                assert code == 0 and json.loads(out)["data"]["argv"] == ["scontrol", "update", "NodeName=node02", "State=RESUME"]
+                code, out, _ = run(capsys, *sock, "repaired", "node02", "--why", "GPU swapped")
+                assert code == 0 and "node02 enters reintegration" in out
+                code, out, _ = run(capsys, *sock, "breaker", "reset", "--why", "leaf3 replaced")
+                assert code == 0 and not led.breaker_state().open
+                code, _, err = run(capsys, *sock, "breaker", "reset", "--why", "again")
+                assert code == 1 and "already closed" in err
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
+    code, _, err = run(capsys, "--socket", str(sockdir / "admin.sock"), "approve", "1")
+    assert code == 3 and err.startswith("healthctl: cannot reach the controller") and err.count("\n") == 1
+
+
+def test_console_script_installed():
+    exe = Path(sys.executable).with_name("healthctl")
+    assert exe.exists()
+    proc = subprocess.run([str(exe), "--ledger", "/nonexistent/ledger.db", "status"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1
+
+
+def test_reads_while_the_controller_writes(tmp_path: Path, capsys):
+    """The controller holds the ledger open (WAL files present) and is mid-transaction: healthctl
+    reads the last committed state and never waits for the writer."""
+    with Ledger(tmp_path / "ledger.db") as led:
+        ids = populate(led)
+        with led.transaction():
+            led.open_breaker("rack:r12", nodes=["node01", "node02", "node03"], at=NOW)
+            code, out, _ = run(capsys, "--ledger", str(led.path), "--json", "status")
+            assert code == 0 and json.loads(out)["breaker"]["open"] is False  # not committed yet
+        code, out, _ = run(capsys, "--ledger", str(led.path), "--json", "status")
+        assert json.loads(out)["breaker"]["cause"] == "rack:r12"
+        assert json.loads(out)["waiting_approvals"] == [ids["waiting"]]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="setuid to nobody needs root")
+def test_any_local_user_may_read(world):
+    """A user who cannot write the ledger (nor its -shm) still reads it."""
+    path, ids = world
+    with Ledger(path):  # the controller is running: -wal and -shm exist, owned by root
+        code = subprocess.run(
+            [sys.executable, "-c",
+             # import (and build the parser) first: this interpreter's own files are unreadable to nobody here
+             "import os, pwd, sys; from healthd.controller.healthctl import build_parser, main; build_parser().format_help();"
+             "n = pwd.getpwnam('nobody');"
+             "os.setgroups([]); os.setgid(n.pw_gid); os.setuid(n.pw_uid); sys.exit(main(sys.argv[1:]))",
+             "--ledger", str(path), "--json", "show", str(ids["incident"])],
+            capture_output=True, text=True, timeout=60, cwd="/",
+        )
+    assert code.returncode == 0, code.stderr
+    assert json.loads(code.stdout)["actions"][0]["argv"] == DRAIN_ARGV
