@@ -97,7 +97,8 @@ def epilog(ctx: Context) -> int:
         return OK
     reason = healthd_reason(summary(t1[0]), f"[job {job}]" if job else "")
     if h.gating != "local":
-        log.warning(f"would fail the epilog (drain the node): {reason} (hooks.gating off)")
+        log.warning(f"would fail the epilog (drain the node): {reason} (hooks.gating {h.gating}: "
+                    f"{'the controller decides' if h.gating == 'controller' else 'report only'})")
         return OK
     if take_node(ctx, reason):
         log.error(f"epilog exits 1 (node drained): {reason}")
