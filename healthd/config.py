@@ -38,23 +38,21 @@ def default_node_name() -> str:
     return os.uname().nodename.split(".")[0]  # gethostname(2), without importing socket (hooks start fast)
 
 
-def load(path: str | None = None, *, required: bool | None = None) -> Settings:
-    """Read and validate a config file. With path=None the default path is used and may be absent
-    (then every default applies); an explicitly named file must exist."""
-    file = path or DEFAULT_PATH
-    must_exist = required if required is not None else path is not None
+def read_config_text(file: str, *, must_exist: bool) -> str | None:
+    """The file's text; None when it is absent and may be (then every default applies)."""
     try:
-        text = Path(file).read_text(encoding="utf-8")
+        return Path(file).read_text(encoding="utf-8")
     except FileNotFoundError:
         if must_exist:
             raise ConfigError(file, "", "a readable YAML file", "<no such file>") from None
-        return Settings(node_name=default_node_name())
+        return None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(file, "", "a readable UTF-8 YAML file", f"<{e}>") from None
-    return parse(text, file)
 
 
-def parse(text: str, file: str = "<config>") -> Settings:
+def yaml_mapping(text: str, file: str) -> dict[str, Any]:
+    """YAML text -> a top-level mapping (empty text is an empty mapping), or a ConfigError naming the
+    line of a syntax error."""
     try:
         # libyaml's loader when present: several times faster, and the hooks parse this file on every run
         raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
@@ -63,10 +61,24 @@ def parse(text: str, file: str = "<config>") -> Settings:
         where = f"line {mark.line + 1} column {mark.column + 1}" if mark else "somewhere"
         raise ConfigError(file, "", "valid YAML", f"<a syntax error at {where}: {getattr(e, 'problem', e)}>") from None
     if raw is None:
-        raw = {}
+        return {}
     if not isinstance(raw, dict):
         raise ConfigError(file, "", "a mapping of keys", raw)
-    raw = dict(raw)
+    return dict(raw)
+
+
+def load(path: str | None = None, *, required: bool | None = None) -> Settings:
+    """Read and validate a config file. With path=None the default path is used and may be absent
+    (then every default applies); an explicitly named file must exist."""
+    file = path or DEFAULT_PATH
+    text = read_config_text(file, must_exist=required if required is not None else path is not None)
+    if text is None:
+        return Settings(node_name=default_node_name())
+    return parse(text, file)
+
+
+def parse(text: str, file: str = "<config>") -> Settings:
+    raw = yaml_mapping(text, file)
     raw.setdefault("node_name", default_node_name())
     if isinstance(raw.get("hooks"), dict) and raw["hooks"].get("gating") is False:
         raw["hooks"] = {**raw["hooks"], "gating": "off"}  # YAML 1.1 reads a bare `off` as false

@@ -10,12 +10,10 @@ import dataclasses
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
 
-from healthd.config import ConfigError, _build, _convert
+from healthd.config import ConfigError, _build, _convert, read_config_text, yaml_mapping
 from healthd.controller.policy import MODES, ControllerPolicySettings
 
 DEFAULT_PATH = "/etc/healthd/controller.yaml"
@@ -100,17 +98,7 @@ def _check_hostport(file: str, key: str, value: str | None) -> None:
 
 
 def parse_controller_settings(text: str, file: str = "<controller config>") -> ControllerSettings:
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1} column {mark.column + 1}" if mark else "somewhere"
-        raise ConfigError(file, "", "valid YAML", f"<a syntax error at {where}: {getattr(e, 'problem', e)}>") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(file, "", "a mapping of keys", raw)
-    raw = dict(raw)
+    raw = yaml_mapping(text, file)
     policy_raw = raw.pop("policy", None)
     policy = _build_policy(policy_raw, file, "policy")
     settings = _build(ControllerSettings, raw, file, "")
@@ -134,12 +122,7 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
 def load_controller_settings(path: str | None = None) -> ControllerSettings:
     """Read and validate the controller config; a named file must exist, the default may be absent."""
     file = path or DEFAULT_PATH
-    try:
-        text = Path(file).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        if path is not None:
-            raise ConfigError(file, "", "a readable YAML file", "<no such file>") from None
+    text = read_config_text(file, must_exist=path is not None)
+    if text is None:
         return ControllerSettings()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(file, "", "a readable UTF-8 YAML file", f"<{e}>") from None
     return parse_controller_settings(text, file)
