@@ -20,6 +20,7 @@ from healthd.reporter import Reporter, change_key, request_drain
 from healthd.settings import ControllerClientSettings, HookSettings
 from tests.classify.builders import CATALOG, NOW, gpu, kernel, nvml, settings, xid
 from tests.controller.munge_support import MungeFleet, munged_path
+from tests.support.fake_sources import FakeCollector
 
 pytestmark = pytest.mark.skipif(munged_path() is None, reason="munged not installed (apt-get install munge)")
 
@@ -124,26 +125,11 @@ def quiet(r: Reporter, timeout: float = 5.0) -> None:
 # --------------------------------------------------------------------------- the agent, end to end
 
 
-class Fake:
-    def __init__(self, name, sample):
-        self.name, self.sample = name, sample
-
-    def collect(self, now):
-        return self.sample
-
-    def read(self, timeout_s):
-        s, self.sample = self.sample, kernel()
-        return s
-
-    def close(self):
-        pass
-
-
 def test_the_agents_report_arrives_signed_and_verifies(fleet, controller, tmp_path: Path):
     cfg = settings(nvml={"expected_gpus": 4}, hooks=HookSettings(run_dir=str(tmp_path / "run")),
                    state_file=str(tmp_path / "state.json"), state_dir=str(tmp_path))
-    sources = Sources(nvml=Fake("nvml", nvml(*(gpu(i) for i in range(4)))),
-                      kernel=Fake("kernel_log", kernel(xid(79, 1, NOW - 5))))
+    sources = Sources(nvml=FakeCollector("nvml", nvml(*(gpu(i) for i in range(4)))),
+                      kernel=FakeCollector("kernel_log", kernel(xid(79, 1, NOW - 5))))
     rep = reporter(fleet, controller.url)
     agent = Agent(cfg, CATALOG, sources, Memory(history=History()), dry_run=False, clock=lambda: NOW, reporter=rep)
     try:

@@ -21,23 +21,9 @@ from healthd.hooks.checks import merged_doc, result
 from healthd.hooks.common import iso
 from healthd.settings import HookSettings
 from tests.classify.builders import CATALOG, NOW, gpu, kernel, nvml, settings, xid
+from tests.support.fake_sources import FakeCollector
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class FakeCollector:
-    def __init__(self, name, sample):
-        self.name, self.sample = name, sample
-
-    def collect(self, now):
-        return self.sample
-
-    def read(self, timeout_s):
-        s, self.sample = self.sample, kernel()
-        return s
-
-    def close(self):
-        pass
 
 
 def make_agent(run_dir: Path, *events) -> Agent:
