@@ -110,22 +110,26 @@ def breaker_reset(ledger: Ledger, operator: str, why: str | None) -> AdminResult
 
 
 def repaired(ledger: Ledger, node: str, operator: str, why: str | None = None) -> AdminResult:
-    """Record that `node` (drained by healthd) was repaired and enters reintegration: the daemon
-    puts it in a maintenance reservation, validates it and resumes it only if it passes."""
+    """Record that `node` (drained by healthd) was repaired: it enters reintegration. The daemon puts
+    it in a maintenance reservation, runs the validation, and resumes it only if that passes. The
+    evidence the node had up to now no longer counts (its agent is told to drop it too)."""
     drains = ledger.healthd_drains()
     if node not in drains:
         return _refuse(f"{node} is not drained by healthd; healthd never resumes a drain it did not make")
+    active = ledger.active_reintegration(node)
+    if active is not None:
+        return _refuse(f"{node} is already in reintegration {active.id} ({active.state})")
     incident_id = drains[node]
     why_text = (why or "").strip() or "marked repaired"
-    with ledger.transaction():
-        decision = ledger.record_decision(
-            node=node, kind="reintegrate", tier="operator", mode=OPERATOR_MODE, reason=f"healthctl repaired: {why_text}",
-            outcome="allowed", incident_id=incident_id, evidence={"operator": operator, "why": why_text},
-        )
-        if incident_id is not None:
-            ledger.update_incident(incident_id, status="reintegrating")
-    return AdminResult(True, f"{node} enters reintegration (validation in a maintenance reservation, then resume if it passes)",
-                       {"node": node, "incident_id": incident_id, "decision_id": decision.id})
+    findings = {f.finding_id for f in ledger.findings(node)}
+    incident = ledger.incident(incident_id) if incident_id is not None else None
+    if incident is not None and not incident.signature.startswith("group:"):
+        findings.add(incident.signature)
+    r = ledger.request_reintegration(node, incident_id=incident_id, trigger="repaired", findings=sorted(findings),
+                                     operator=operator, why=why_text)
+    return AdminResult(True, f"{node} enters reintegration {r.id}: validation in a maintenance reservation, "
+                             "then resume only if it passes",
+                       {"node": node, "incident_id": incident_id, "reintegration_id": r.id, "clears": sorted(findings)})
 
 
 def _reverse_argv(argv: tuple[str, ...], call: str, node: str) -> list[str]:

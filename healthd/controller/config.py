@@ -15,6 +15,7 @@ from typing import Any
 
 from healthd.config import ConfigError, _build, _convert, read_config_text, yaml_mapping
 from healthd.controller.policy import MODES, ControllerPolicySettings
+from healthd.controller.reintegrate import ReintegrationSettings
 
 DEFAULT_PATH = "/etc/healthd/controller.yaml"
 REQUEUE_COMMENT_TAG = "healthd:requeue"
@@ -49,6 +50,8 @@ class ControllerSettings:
     """Mode, rate limits, breaker, correlation and capacity floors (see ControllerPolicySettings)."""
     metrics_listen: str | None = None
     """HOST:PORT for the Prometheus endpoint; None: no metrics endpoint."""
+    reintegration: ReintegrationSettings = field(default_factory=ReintegrationSettings)
+    """Validation in a maintenance reservation, probation and escalation (see ReintegrationSettings)."""
 
 
 # ControllerPolicySettings uses types the generic mapper does not know (Literal, frozenset values):
@@ -101,8 +104,16 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
     raw = yaml_mapping(text, file)
     policy_raw = raw.pop("policy", None)
     policy = _build_policy(policy_raw, file, "policy")
+    reintegration_raw = raw.pop("reintegration", None)
+    try:
+        reintegration = (ReintegrationSettings() if reintegration_raw is None
+                         else _build(ReintegrationSettings, reintegration_raw, file, "reintegration"))
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(file, "reintegration", "valid reintegration values", f"<{exc}>") from None
     settings = _build(ControllerSettings, raw, file, "")
-    settings = dataclasses.replace(settings, policy=policy)
+    settings = dataclasses.replace(settings, policy=policy, reintegration=reintegration)
     _check_hostport(file, "listen", settings.listen)
     _check_hostport(file, "metrics_listen", settings.metrics_listen)
     for key in ("ledger", "slurm_conf", "admin_socket"):

@@ -33,7 +33,17 @@ from healthd.controller.executor import ExecResult, Executor
 from healthd.controller.gates import BreakerState, GroupIncident, Outcome, apply_gates, build_context
 from healthd.controller.ledger import Ledger
 from healthd.controller.metrics import ControllerMetrics
-from healthd.controller.policy import FleetView, LedgerView, NodeReport, decide, finding_from_json, parse_topology_conf
+from healthd.controller.policy import (
+    FleetView,
+    LedgerView,
+    NodeReport,
+    decide,
+    finding_from_json,
+    is_actionable,
+    parse_topology_conf,
+    without_cleared,
+)
+from healthd.controller.reintegrate import Reintegrator
 from healthd.controller.server import ControllerHTTPServer
 from healthd.slurm import default_backend
 from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
@@ -101,6 +111,8 @@ class Controller:
         self.decode = decode
         self.executor = executor or Executor(backend, ledger, dry_run=dry_run, requeue_opt_in=settings.requeue_opt_in,
                                              slurm_conf=settings.slurm_conf, out=out)
+        self.reintegrator = Reintegrator(settings.reintegration, backend, ledger, slurm_conf=settings.slurm_conf,
+                                         dry_run=dry_run, out=out)
         self.topology_text = topology_text
         self._node_addrs = node_addrs
         self._addr_cache: dict[str, str] = {}
@@ -110,7 +122,9 @@ class Controller:
         self.reports_lock = threading.Lock()
         self.round_lock = threading.Lock()  # one evaluation at a time (control loop or a request)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="healthd-eval")
-        self._recorded: dict[str, tuple[str, int]] = {}  # policy decision id -> (ledger outcome, ledger row id)
+        # (policy decision id, incident) -> (ledger outcome, ledger row id): the same decision id recurs for
+        # a later incident of the same fault, which is a new ledger row
+        self._recorded: dict[tuple[str, str], tuple[str, int]] = {}
         self._incidents: dict[tuple[str, str], int] = {}
         self._load_incidents()
 
@@ -167,9 +181,14 @@ class Controller:
             return 400, {"accepted": False, "error": reason}
         with self.reports_lock:
             self.reports[report.node] = report
+        try:
+            instructions = self.reintegrator.instructions_for(report)
+        except Exception:  # the ledger busy or broken: the report is still accepted
+            _log.exception("instructions for %s", report.node)
+            instructions = []
         self.metrics.reports.labels(result="accepted").inc()
         self.metrics.report_latency.observe(time.monotonic() - started)
-        return 200, {"accepted": True, "instructions": []}
+        return 200, {"accepted": True, "instructions": instructions}
 
     def receive_request(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]:
         try:
@@ -240,10 +259,13 @@ class Controller:
                     if jobs and node in jobs:
                         self.ledger.update_incident(self._incidents[key], add_jobs=[jobs[node]])
                     continue
-                self.ledger.record_finding(node, f.id, attribution=f.attribution, tier=f"T{f.tier}", action=f.action,
-                                           summary=f.summary, evidence=[e.to_json() for e in f.evidence], at=now)
+                serial = f.component.serial or None  # the board to RMA, for the repeat-offender report
+                self.ledger.record_finding(node, f.id, gpu_serial=serial, attribution=f.attribution, tier=f"T{f.tier}",
+                                           action=f.action, summary=f.summary,
+                                           evidence=[e.to_json() for e in f.evidence], at=now)
                 inc = self.ledger.open_incident(
                     f.id, attribution=f.attribution, tier=f"T{f.tier}", nodes=[node],
+                    gpu_serials=[serial] if serial else (),
                     jobs=[jobs[node]] if jobs and node in jobs else (),
                     first_evidence_at=f.first_seen if f.first_seen is not None else report.received_at,
                     detected_at=report.received_at, at=now)
@@ -283,7 +305,7 @@ class Controller:
     def _record(self, outcome: Outcome, now: float) -> int:
         d = outcome.decision
         status, gate, reason = ledger_outcome(outcome)
-        prev = self._recorded.get(d.id)
+        prev = self._recorded.get((d.id, d.incident))
         if prev is not None and prev[0] == status:
             return prev[1]
         if prev is not None and prev[0] == "waiting" and status == "allowed":
@@ -296,7 +318,7 @@ class Controller:
                 evidence={"decision": d.id, "findings": list(d.finding_ids)},
                 refused_gate=gate, refused_reason=reason, at=now)
             row_id = row.id
-        self._recorded[d.id] = (status, row_id)
+        self._recorded[(d.id, d.incident)] = (status, row_id)
         if status == "refused" and outcome.status == "refused":
             self.metrics.refusals.labels(gate=gate or "error").inc()
         return row_id
@@ -318,11 +340,13 @@ class Controller:
                 return None
             with self.reports_lock:
                 reports = dict(self.reports)
+            cleared = self.reintegrator.cleared(now)
+            reports = {n: without_cleared(r, cleared.get(n, {})) for n, r in reports.items()}
             self._load_incidents()
             self._ensure_incidents(reports, now, jobs)
             drains = {n: "" if i is None else str(i) for n, i in self.ledger.healthd_drains().items()}
-            lview = LedgerView(healthd_drains=drains,
-                               incidents={k: str(v) for k, v in self._incidents.items()})
+            lview = LedgerView(healthd_drains=drains, incidents={k: str(v) for k, v in self._incidents.items()},
+                               escalations=self._escalations(reports, now))
             fleet = FleetView.build(reports.values(), nodes, self.topology_text, self.policy)
             hour = now - 3600.0
             by_part = {p: self.ledger.actions_applied_since(hour, p) for p in fleet.partitions}
@@ -348,8 +372,50 @@ class Controller:
                 if outcome.status == "allowed" and self.policy.mode != "observe":
                     result = self.executor.apply(outcome, now, decision_id=row_id, mode=self.policy.mode)
                     self.metrics.actions.labels(kind=outcome.decision.kind, status=result.status).inc()
+                    if result.status == "applied" and outcome.decision.escalation:
+                        self._escalate(outcome.decision)
                 results.append((outcome, result))
+            if only is None and self.policy.mode != "observe":
+                self._reintegrate(fleet, ctx.breaker.open, now)
             return results
+
+    def _escalations(self, reports: Mapping[str, NodeReport], now: float) -> dict[tuple[str, str], str]:
+        """(node, finding id) -> escalation for the actionable findings of fresh reports, from the
+        ledger's remediation counts (the same fault after `inspect_after` remediations, or
+        `support_after` remediations of the node within the support window)."""
+        rs = self.settings.reintegration
+        out: dict[tuple[str, str], str] = {}
+        for node, report in reports.items():
+            if now - report.received_at > self.policy.report_ttl_s:
+                continue
+            actionable = [f for f in report.findings if is_actionable(f)]
+            if not actionable:
+                continue
+            on_node = self.ledger.remediations_on_node(node, now - rs.support_window_s)
+            for f in actionable:
+                if on_node + 1 >= rs.support_after:
+                    out[(node, f.id)] = "contact-support"
+                elif self.ledger.remediation_count(node, f.id, now - rs.inspect_window_s) >= rs.inspect_after:
+                    out[(node, f.id)] = "inspect-hardware"
+        return out
+
+    def _escalate(self, decision) -> None:
+        if not decision.incident.isdigit():
+            return
+        self.ledger.set_escalation(int(decision.incident), decision.escalation)
+        _log.error("ALERT %s: %s [#%s]: %s", decision.node, decision.escalation, decision.incident, decision.reason)
+
+    def _reintegrate(self, fleet: FleetView, breaker_open: bool, now: float) -> None:
+        """Queue nodes whose fault cleared (auto mode, breaker closed), then move every reintegration on."""
+        try:
+            if not breaker_open:
+                self.reintegrator.auto_requests(fleet, self.ledger.healthd_drains(), self.policy.mode, now,
+                                                self.policy.report_ttl_s)
+            for r, what in self.reintegrator.step(now, self.policy.mode):
+                self.metrics.actions.labels(kind="reintegrate", status=r.state).inc()
+                _log.info("%s: reintegration %s: %s", r.node, r.id, what)
+        except Exception:  # a reintegration problem must not stop drains
+            _log.exception("reintegration step failed")
 
     def recover(self, now: float) -> None:
         if self.policy.mode == "observe":

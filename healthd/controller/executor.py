@@ -137,17 +137,7 @@ class Executor:
             return "drained"
         if decision.kind == "drain-and-requeue":
             self.backend.drain(node, decision.reason)
-            if not self.requeue_opt_in:
-                return "drained (requeue disabled)"
-            jobs = [j for j in self.list_jobs(node) if j.batch and self.requeue_opt_in in j.comment]
-            requeued = []
-            for job in jobs:
-                try:
-                    self.backend.requeue(job.job_id)
-                    requeued.append(job.job_id)
-                except SlurmError as exc:
-                    _log.warning("requeue of job %s on %s failed: %s", job.job_id, node, exc)
-            return f"drained; requeued {', '.join(requeued) or 'no opted-in job'}"
+            return f"drained; {self._requeue(node)}"
         if decision.kind == "reboot-asap":
             self.backend.reboot_asap(node, decision.reason)
             return "reboot ASAP requested (nextstate=RESUME)"
@@ -155,6 +145,21 @@ class Executor:
             self.backend.resume(node)
             return "resumed"
         raise ValueError(f"decision kind {decision.kind!r} has no Slurm call")
+
+    def _requeue(self, node: str) -> str:
+        """Requeue the opted-in batch jobs still running on `node` (a job already requeued is no
+        longer running there, so a second pass after a crash requeues nothing twice)."""
+        if not self.requeue_opt_in:
+            return "requeue disabled"
+        jobs = [j for j in self.list_jobs(node) if j.batch and self.requeue_opt_in in j.comment]
+        requeued = []
+        for job in jobs:
+            try:
+                self.backend.requeue(job.job_id)
+                requeued.append(job.job_id)
+            except SlurmError as exc:
+                _log.warning("requeue of job %s on %s failed: %s", job.job_id, node, exc)
+        return f"requeued {', '.join(requeued) or 'no opted-in job'}"
 
     def _incident_int(self, decision: Decision) -> int | None:
         return int(decision.incident) if decision.incident.isdigit() else None
@@ -304,7 +309,14 @@ class Executor:
                 results.append(ExecResult("skipped", str(exc), action.id, action.argv))
                 continue
             if _done_in_slurm(action.kind, reason, fresh):
-                self.ledger.mark_applied(action.id, "found applied in Slurm at recovery", at=now)
+                detail = "found applied in Slurm at recovery"
+                if action.kind == "drain-and-requeue" and not self.dry_run:
+                    # the crash may have come between the drain and the requeue: finish the second half
+                    try:
+                        detail += f"; {self._requeue(action.node)}"
+                    except SlurmError as exc:
+                        detail += f"; requeue failed: {exc}"
+                self.ledger.mark_applied(action.id, detail, at=now)
                 self._timeline(decision, "action_applied_at", now)
                 results.append(ExecResult("already-applied", "Slurm shows it done", action.id, action.argv))
                 continue

@@ -27,6 +27,7 @@ from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import APPLICATION_ID, REMEDIATION_KINDS, SCHEMA_VERSION, Incident, Ledger, LedgerError
 from healthd.render import _table
 
+DEFAULT_CONFIG = "/etc/healthd/controller.yaml"
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
 DEFAULT_SOCKET = "/run/healthd/controller.sock"  # ... and its `admin_socket` default
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -119,6 +120,8 @@ def cmd_status(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
     mode = max(decisions, key=lambda d: (d.decided_at, d.id)).mode if decisions else None
     b = led.breaker_state()
     last_hour = led.actions_applied_since(now - 3600)  # the count the controller holds against its budget
+    if args.budget is None:
+        args.budget = _configured_budget(args.config)
     waiting = led.waiting_decisions()
     open_incidents = [i for i in led.incidents() if i.status not in ("closed", "resolved", "false_positive")]
     drains = led.healthd_drains()
@@ -217,6 +220,17 @@ def _next_steps(inc: Incident, decisions: list, actions: list, led: Ledger) -> l
     return steps
 
 
+def _configured_budget(path: str | None) -> int | None:
+    """max_actions_per_hour from the controller's config (the default file when present)."""
+    from healthd.config import ConfigError
+    from healthd.controller.config import load_controller_settings
+
+    try:
+        return load_controller_settings(path).policy.max_actions_per_hour if path or os.path.exists(DEFAULT_CONFIG) else None
+    except (ConfigError, OSError):
+        return None
+
+
 def cmd_show(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
     inc = led.incident(args.incident)
     if inc is None:
@@ -228,9 +242,10 @@ def cmd_show(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
                 and (inc.first_evidence_at is None or f.last_seen >= inc.first_evidence_at - 3600)]
     approvals = {d.id: led.approval(d.id) for d in decisions}
     steps = _next_steps(inc, decisions, actions, led)
+    reints = led.reintegrations(incident_id=inc.id)
     doc = {"incident": _incident_json(inc), "findings": [_js(f) for f in findings],
            "decisions": [dict(_js(d), approval=(None if approvals[d.id] is None else _js(approvals[d.id]))) for d in decisions],
-           "actions": [_js(a) for a in actions], "next": steps}
+           "actions": [_js(a) for a in actions], "reintegrations": [_js(r) for r in reints], "next": steps}
     g_nodes, g_gpus = inc.isolation_granularity
     out = [f"Incident {inc.id}: {inc.signature}  [{inc.status}]",
            f"  what:  {tier(inc.tier)}, attribution {inc.attribution}",
@@ -274,6 +289,21 @@ def cmd_show(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
         when = {"applied": a.applied_at, "failed": a.failed_at, "undone": a.undone_at}.get(a.status, a.planned_at)
         out.append(f"  #{a.id} {a.kind} {a.node}: {a.status} at {ts(when)}" + (f" ({a.outcome})" if a.outcome else ""))
         out.append(f"      $ {' '.join(_shell_quote(x) for x in a.argv)}")
+    out += ["", "Reintegration"]
+    if not reints:
+        out.append("  none")
+    for r in reints:
+        who = f" by {r.operator}" + (f" ({r.why})" if r.why else "") if r.operator else ""
+        out.append(f"  #{r.id} {r.node}: {r.state}; {r.trigger}{who} at {ts(r.requested_at)}"
+                   + (f"; reservation {r.reservation}" if r.reservation else "")
+                   + (f"; probation until {ts(r.probation_until)}" if r.state == "probation" else ""))
+        for res in r.results if isinstance(r.results, list) else []:
+            out.append(f"      {'PASS' if res.get('rc') == 0 else 'FAIL'} rc={res.get('rc')} {res.get('seconds', 0):.1f}s "
+                       f"$ {' '.join(_shell_quote(str(x)) for x in res.get('argv', []))}")
+        if r.detail:
+            out.append(f"      {r.detail}")
+    if inc.escalation:
+        out += ["", f"ESCALATED: {inc.escalation}"]
     out += ["", "Next"] + [f"  - {s}" for s in steps]
     return doc, out
 
@@ -332,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ledger", default=os.environ.get("HEALTHCTL_LEDGER", DEFAULT_LEDGER), help="the controller's ledger (read-only)")
     p.add_argument("--socket", default=os.environ.get("HEALTHCTL_SOCKET", DEFAULT_SOCKET), help="the controller's admin socket")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--config", default=os.environ.get("HEALTHCTL_CONFIG"),
+                   help=f"the controller's config, for its budget (default {DEFAULT_CONFIG} when present)")
     p.add_argument("--now", type=float, default=None, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     s = sub.add_parser("status", help="fleet summary")

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x68446C67  # "hDlg": marks a healthd ledger (PRAGMA application_id)
 DEFAULT_BUSY_TIMEOUT_S = 5.0
 
@@ -56,6 +56,14 @@ REMEDIATION_KINDS = ("drain", "drain-and-requeue", "reboot-asap")
 for escalation; `resume` puts it back, and other kinds (e.g. a job `requeue`) are neither."""
 RESUME_KIND = "resume"
 EXCLUDED_INCIDENT_STATUSES = ("false_positive",)
+REINTEGRATION_STATES = ("requested", "validating", "probation", "passed", "failed", "recurred", "aborted")
+"""requested -> validating (reserved, resumed inside the reservation, validation running) -> probation
+(validation passed, back in service) -> passed (probation over). `failed`: validation failed, node
+re-drained. `recurred`: the fault came back during probation. `aborted`: the node was taken over or
+can no longer be reintegrated (the detail says why)."""
+ACTIVE_REINTEGRATION_STATES = ("requested", "validating", "probation")
+ESCALATIONS = ("inspect-hardware", "contact-support")
+"""Escalation levels, weakest first."""
 """Incidents with these statuses are left out of MTBF and repeat-offender figures."""
 
 
@@ -97,6 +105,9 @@ class Incident:
     action_applied_at: float | None
     back_in_service_at: float | None
     created_at: float
+    escalation: str | None = None
+    """None, `inspect-hardware` (the same fault after `inspect_after` remediations) or
+    `contact-support` (`support_after` remediations on the node within the support window)."""
 
     @property
     def detection_latency(self) -> float | None:
@@ -166,6 +177,33 @@ class Approval:
     verdict: str
     why: str | None
     at: float
+
+
+@dataclass(frozen=True)
+class Reintegration:
+    id: int
+    node: str
+    incident_id: int | None
+    trigger: str
+    """`repaired` (an operator's healthctl repaired) or `cleared` (the agent reported the fault gone)."""
+    operator: str | None
+    why: str | None
+    state: str
+    reservation: str | None
+    findings: tuple[str, ...]
+    """Finding ids this reintegration clears (evidence up to `requested_at` no longer counts)."""
+    requested_at: float
+    started_at: float | None
+    validated_at: float | None
+    probation_until: float | None
+    ended_at: float | None
+    results: Any
+    """Validation step results: [{"argv": [...], "rc": int, "seconds": float, "output": str}, ...]."""
+    detail: str | None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_REINTEGRATION_STATES
 
 
 @dataclass(frozen=True)
@@ -335,7 +373,36 @@ def _migrate_0_to_1(conn: sqlite3.Connection) -> None:
         conn.execute(sql)
 
 
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_0_to_1}
+def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
+    statements = [
+        "ALTER TABLE incidents ADD COLUMN escalation TEXT",
+        f"""CREATE TABLE reintegrations (
+            id INTEGER PRIMARY KEY,
+            node TEXT NOT NULL,
+            incident_id INTEGER REFERENCES incidents (id),
+            trigger TEXT NOT NULL CHECK (trigger IN ('repaired', 'cleared')),
+            operator TEXT,
+            why TEXT,
+            state TEXT NOT NULL CHECK (state IN ({", ".join(repr(s) for s in REINTEGRATION_STATES)})),
+            reservation TEXT,
+            findings TEXT NOT NULL DEFAULT '[]',
+            requested_at REAL NOT NULL,
+            started_at REAL,
+            validated_at REAL,
+            probation_until REAL,
+            ended_at REAL,
+            results TEXT NOT NULL DEFAULT '[]',
+            detail TEXT
+        )""",
+        # one reintegration in flight per node
+        "CREATE UNIQUE INDEX reintegrations_active ON reintegrations (node) "
+        "WHERE state IN ('requested', 'validating', 'probation')",
+    ]
+    for sql in statements:
+        conn.execute(sql)
+
+
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_0_to_1, 2: _migrate_1_to_2}
 """MIGRATIONS[n] takes a schema at version n-1 to version n."""
 
 
@@ -640,7 +707,7 @@ class Ledger:
 
     _INCIDENT_COLS = (
         "id, signature, attribution, tier, status, jobs, first_evidence_at, detected_at, decided_at, "
-        "action_applied_at, back_in_service_at, created_at"
+        "action_applied_at, back_in_service_at, created_at, escalation"
     )
 
     def _incident(self, row: tuple[Any, ...]) -> Incident:
@@ -650,7 +717,7 @@ class Ledger:
         return Incident(
             id=iid, signature=row[1], attribution=row[2], tier=row[3], status=row[4], nodes=nodes, gpu_serials=gpus,
             jobs=tuple(json.loads(row[5])), first_evidence_at=row[6], detected_at=row[7], decided_at=row[8],
-            action_applied_at=row[9], back_in_service_at=row[10], created_at=row[11],
+            action_applied_at=row[9], back_in_service_at=row[10], created_at=row[11], escalation=row[12],
         )
 
     def incident(self, incident_id: int) -> Incident | None:
@@ -835,11 +902,13 @@ class Ledger:
     # -- budgets and escalation --------------------------------------------------------------------
 
     def actions_applied_since(self, since: float, partition: str | None = None) -> int:
-        """Actions applied at or after `since` (fleet-wide, or in one partition). Undone actions
-        still count: they spent the budget when they were applied."""
+        """Node-removing actions (REMEDIATION_KINDS) applied at or after `since` (fleet-wide, or in
+        one partition): the rate limiter's budget. Undone actions still count: they spent the budget
+        when they were applied. Resumes and requeues do not take capacity away and do not count."""
         row = self._one(
-            "SELECT COUNT(*) FROM actions WHERE applied_at IS NOT NULL AND applied_at >= ? AND (? IS NULL OR partition = ?)",
-            (since, partition, partition),
+            "SELECT COUNT(*) FROM actions WHERE applied_at IS NOT NULL AND applied_at >= ? AND (? IS NULL OR partition = ?) "
+            f"AND kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
+            (since, partition, partition, *REMEDIATION_KINDS),
         )
         assert row is not None
         return int(row[0])
@@ -878,6 +947,132 @@ class Ledger:
             for node, (kind, status, incident_id) in sorted(latest.items())
             if kind in REMEDIATION_KINDS and status == "applied"
         }
+
+    def remediations_on_node(self, node: str, since: float) -> int:
+        """Remediated incidents on `node` (any signature) at or after `since`: the `contact-support`
+        counter (5 in 7 days by default)."""
+        row = self._one(
+            "SELECT COUNT(DISTINCT d.incident_id) FROM actions a JOIN decisions d ON a.decision_id = d.id "
+            f"WHERE a.node = ? AND a.status = 'applied' AND a.applied_at >= ? AND d.incident_id IS NOT NULL "
+            f"AND a.kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
+            (node, since, *REMEDIATION_KINDS),
+        )
+        assert row is not None
+        return int(row[0])
+
+    def set_escalation(self, incident_id: int, escalation: str) -> Incident:
+        """Record the incident's escalation; a stronger one (contact-support) is never downgraded."""
+        if escalation not in ESCALATIONS:
+            raise LedgerError(f"{self.path}: unknown escalation {escalation!r}; expected one of {ESCALATIONS}")
+        with self.transaction():
+            current = self.incident(incident_id)
+            if current is None:
+                raise LedgerError(f"{self.path}: no incident {incident_id}")
+            if current.escalation is None or ESCALATIONS.index(escalation) > ESCALATIONS.index(current.escalation):
+                self._exec("UPDATE incidents SET escalation = ? WHERE id = ?", (escalation, incident_id))
+        return self.incident(incident_id)  # type: ignore[return-value]
+
+    # -- reintegration -------------------------------------------------------------------------------
+
+    _REINTEGRATION_COLS = (
+        "id, node, incident_id, trigger, operator, why, state, reservation, findings, requested_at, started_at, "
+        "validated_at, probation_until, ended_at, results, detail"
+    )
+
+    @staticmethod
+    def _reintegration(row: tuple[Any, ...]) -> Reintegration:
+        return Reintegration(
+            id=row[0], node=row[1], incident_id=row[2], trigger=row[3], operator=row[4], why=row[5], state=row[6],
+            reservation=row[7], findings=tuple(json.loads(row[8])), requested_at=row[9], started_at=row[10],
+            validated_at=row[11], probation_until=row[12], ended_at=row[13], results=json.loads(row[14]), detail=row[15],
+        )
+
+    def request_reintegration(
+        self,
+        node: str,
+        *,
+        incident_id: int | None,
+        trigger: str,
+        findings: Iterable[str] = (),
+        operator: str | None = None,
+        why: str | None = None,
+        at: float | None = None,
+    ) -> Reintegration:
+        """Queue `node` for reintegration; the node's reintegration already in flight is returned
+        unchanged instead of a second one."""
+        with self.transaction():
+            active = self.active_reintegration(node)
+            if active is not None:
+                return active
+            cur = self._exec(
+                "INSERT INTO reintegrations (node, incident_id, trigger, operator, why, state, findings, requested_at) "
+                "VALUES (?, ?, ?, ?, ?, 'requested', ?, ?)",
+                (node, incident_id, trigger, operator, why, _dump(sorted(set(findings))), _now(at)),
+            )
+            rid = int(cur.lastrowid or 0)
+            if incident_id is not None:
+                self._exec("UPDATE incidents SET status = 'reintegrating' WHERE id = ?", (incident_id,))
+        return self.reintegration(rid)  # type: ignore[return-value]
+
+    def update_reintegration(
+        self,
+        rid: int,
+        *,
+        state: str | None = None,
+        reservation: str | None = None,
+        results: Any = None,
+        detail: str | None = None,
+        probation_until: float | None = None,
+        stamp: str | None = None,
+        incident_status: str | None = None,
+        at: float | None = None,
+    ) -> Reintegration:
+        """Move a reintegration on (and its incident's status with it, in the same transaction).
+        `stamp` is one of started_at, validated_at, ended_at."""
+        if state is not None and state not in REINTEGRATION_STATES:
+            raise LedgerError(f"{self.path}: unknown reintegration state {state!r}")
+        if stamp is not None and stamp not in ("started_at", "validated_at", "ended_at"):
+            raise LedgerError(f"{self.path}: unknown reintegration stamp {stamp!r}")
+        ts = _now(at)
+        with self.transaction():
+            current = self.reintegration(rid)
+            if current is None:
+                raise LedgerError(f"{self.path}: no reintegration {rid}")
+            self._exec(
+                "UPDATE reintegrations SET state = COALESCE(?, state), reservation = COALESCE(?, reservation), "
+                "results = COALESCE(?, results), detail = COALESCE(?, detail), "
+                "probation_until = COALESCE(?, probation_until) WHERE id = ?",
+                (state, reservation, None if results is None else _dump(results), detail, probation_until, rid),
+            )
+            if stamp is not None:
+                # `stamp` is one of the fixed column names checked above, never caller text.
+                self._exec(f"UPDATE reintegrations SET {stamp} = ? WHERE id = ?", (ts, rid))
+            if incident_status is not None and current.incident_id is not None:
+                self._exec("UPDATE incidents SET status = ? WHERE id = ?", (incident_status, current.incident_id))
+        return self.reintegration(rid)  # type: ignore[return-value]
+
+    def reintegration(self, rid: int) -> Reintegration | None:
+        row = self._one(f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE id = ?", (rid,))
+        return None if row is None else self._reintegration(row)
+
+    def active_reintegration(self, node: str) -> Reintegration | None:
+        row = self._one(
+            f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE node = ? "
+            "AND state IN ('requested', 'validating', 'probation')",
+            (node,),
+        )
+        return None if row is None else self._reintegration(row)
+
+    def reintegrations(self, *, state: str | None = None, node: str | None = None,
+                       incident_id: int | None = None) -> list[Reintegration]:
+        """Reintegrations, oldest first; `state="active"` selects those in flight."""
+        states = ACTIVE_REINTEGRATION_STATES if state == "active" else (state,) if state else REINTEGRATION_STATES
+        rows = self._rows(
+            f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE state IN ({', '.join('?' for _ in states)}) "
+            "AND (? IS NULL OR node = ?) AND (? IS NULL OR incident_id = ?) ORDER BY id",
+            (*states, node, node, incident_id, incident_id),
+        )
+        return [self._reintegration(r) for r in rows]
 
     # -- approvals ---------------------------------------------------------------------------------
 

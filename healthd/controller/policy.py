@@ -9,6 +9,7 @@ ledger can tell "decided again" from "decided anew".
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
@@ -252,6 +253,13 @@ def parse_topology_conf(text: str) -> dict[str, frozenset[str]]:
     return {name: frozenset(nodes_of(name, frozenset())) for name in direct}
 
 
+@functools.lru_cache(maxsize=4)
+def _topology_cached(text: str) -> Mapping[str, frozenset[str]]:
+    # the controller hands the same topology.conf text every round; parsing it was ~40% of a
+    # 10,000-node round (bench/controller_path.py)
+    return MappingProxyType(parse_topology_conf(text))
+
+
 # --------------------------------------------------------------------------- fleet and ledger
 
 
@@ -290,7 +298,7 @@ class FleetView:
         """Assemble a view: topology.conf switches plus the racks/PDUs of `settings` as groups."""
         settings = settings or ControllerPolicySettings()
         groups: dict[str, frozenset[str]] = {}
-        for name, members in parse_topology_conf(topology_conf).items():
+        for name, members in _topology_cached(topology_conf).items():
             groups[f"switch:{name}"] = members
         for name, members in settings.racks.items():
             groups[f"rack:{name}"] = frozenset(members)
@@ -322,10 +330,14 @@ class LedgerView:
     """node -> incident id, for nodes healthd drained (or rebooted) and has not yet resumed."""
     incidents: Mapping[tuple[str, str], str] = field(default_factory=dict)
     """(node, finding id) -> the open incident id it belongs to."""
+    escalations: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    """(node, finding id) -> `inspect-hardware` or `contact-support` when the remediation counters
+    say a drain for it is no longer routine (reintegrate.ReintegrationSettings)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "healthd_drains", _frozen_map(self.healthd_drains))
         object.__setattr__(self, "incidents", _frozen_map(self.incidents))
+        object.__setattr__(self, "escalations", _frozen_map(self.escalations))
 
 
 # --------------------------------------------------------------------------- decisions
@@ -356,6 +368,8 @@ class Decision:
     """The `now` decide() ran with; decisions older than a breaker reset are never applied."""
     note: str = ""
     """For `none`: why nothing is done (T3 only, user code, already drained, fault cleared...)."""
+    escalation: str = ""
+    """`inspect-hardware` or `contact-support` when this drain repeats a fault (shown first in the reason)."""
 
     @property
     def acts(self) -> bool:
@@ -382,8 +396,37 @@ def make_reason(cause: str, incident: str) -> str:
     return f"{REASON_PREFIX} {cause}{suffix}"
 
 
-def _is_actionable(f: Finding) -> bool:
+def is_actionable(f: Finding) -> bool:
+    """A finding the controller may act on: T1/T2, not user code, with a remedy."""
     return f.tier in (1, 2) and f.attribution != "user" and f.action in _ACTION_TO_KIND
+
+
+_is_actionable = is_actionable
+
+
+def without_cleared(report: NodeReport, cleared: Mapping[str, float]) -> NodeReport:
+    """The report without the findings a reintegration cleared (finding id -> before): a finding
+    whose latest evidence is not newer than the clear no longer counts; new evidence brings it back."""
+    if not cleared:
+        return report
+    kept = []
+    for f in report.findings:
+        before = cleared.get(f.id)
+        last = f.last_seen if f.last_seen is not None else f.first_seen
+        if before is not None and (last is None or last <= before):
+            continue
+        kept.append(f)
+    if len(kept) == len(report.findings):
+        return report
+    verdict = report.verdict
+    if not any(f.tier == 1 for f in kept) and verdict == "failed":
+        verdict = "degraded" if kept else "healthy"
+    return NodeReport(node=report.node, verdict=verdict, findings=tuple(kept), received_at=report.received_at)
+
+
+ESCALATION_TEXT: Mapping[str, str] = MappingProxyType(
+    {"inspect-hardware": "INSPECT HARDWARE (recurring)", "contact-support": "CONTACT SUPPORT (repeated failures)"}
+)
 
 
 def _primary_order(f: Finding) -> tuple:
@@ -479,18 +522,21 @@ def decide(
                 out.append(_none(node, primary.id, f"reboot already requested by healthd [#{drained_incident}]",
                                  now, tier=primary.tier, findings=tuple(actionable), incident=drained_incident))
                 continue
+        escalation = ledger.escalations.get((node, primary.id), "")
+        cause = f"{ESCALATION_TEXT.get(escalation, escalation)}: {primary.summary}" if escalation else primary.summary
         out.append(
             Decision(
                 id=f"{kind}:{node}:{primary.id}",
                 kind=kind,  # type: ignore[arg-type]
                 node=node,
-                reason=make_reason(primary.summary, incident),
+                reason=make_reason(cause, incident),
                 tier=primary.tier,
                 attribution=primary.attribution,
                 evidence=tuple(e for f in actionable for e in f.evidence),
                 finding_ids=tuple(f.id for f in actionable),
                 incident=incident,
                 decided_at=now,
+                escalation=escalation,
             )
         )
     return tuple(out)

@@ -93,9 +93,12 @@ def test_repaired(led: Ledger):
     inc, _ = _applied(led)
     r = admin.repaired(led, "node02", "root", "GPU 1650923012345 replaced")
     assert r.ok and r.data["incident_id"] == inc
-    d = led.decision(r.data["decision_id"])
-    assert (d.kind, d.mode, d.node, d.evidence["operator"]) == ("reintegrate", "operator", "node02", "root")
+    ri = led.reintegration(r.data["reintegration_id"])
+    assert (ri.node, ri.trigger, ri.operator, ri.state) == ("node02", "repaired", "root", "requested")
+    assert led.incident(inc).signature in ri.findings  # its old evidence no longer counts
     assert led.incident(inc).status == "reintegrating"
+    again = admin.repaired(led, "node02", "root", "twice")
+    assert not again.ok and "already in reintegration" in again.message
 
 
 def test_undo_drain_and_reboot(led: Ledger):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -29,29 +28,6 @@ pytestmark = pytest.mark.skipif(
     munged_path() is None or shutil.which("slurmctld") is None or shutil.which("slurmd") is None,
     reason="needs munged, slurmctld and slurmd (apt-get install slurm-wlm munge)",
 )
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    # tests/slurm/conftest.py's make_slurm_cluster is not visible here: a cluster of our own,
-    # under /tmp with mode 0755 (munged and slurmctld must traverse it), always stopped
-    root = Path(tempfile.mkdtemp(prefix="healthd-ctl-slurm-", dir="/tmp"))
-    root.chmod(0o755)
-    c = SlurmCluster(root)
-    try:
-        c.up()
-        yield c
-    finally:
-        try:
-            c.down()
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    with MungeFleet(NODES) as f:
-        yield f
 
 
 def snapshot(backend: ScontrolBackend) -> dict:

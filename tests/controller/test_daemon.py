@@ -19,7 +19,7 @@ from healthd.controller.policy import ControllerPolicySettings
 from healthd.controller.server import ControllerHTTPServer
 from healthd.model import iso
 from tests.controller.munge_support import MungeFleet, munged_path
-from tests.controller.test_executor import FakeBackend
+from tests.support.fake_slurm import FakeBackend
 
 NODES = ["node01", "node02", "node03", "node04"]
 

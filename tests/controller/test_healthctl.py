@@ -5,6 +5,7 @@ incident on the same GPU; observe-mode proposals judged by operators. Every comm
 
 from __future__ import annotations
 
+import sqlite3
 import json
 import os
 import shutil
@@ -101,6 +102,35 @@ def test_status(world, capsys):
     doc = json.loads(out)
     assert doc["waiting_approvals"] == [ids["waiting"]] and doc["actions_last_hour"] == 1 and doc["budget_per_hour"] is None
     assert doc["breaker"]["open"] is False and doc["healthd_drained_nodes"] == ["node02"]
+
+
+def test_status_reads_the_budget_from_the_controller_config(world, capsys, tmp_path):
+    path, _ = world
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text("policy:\n  mode: auto\n  max_actions_per_hour: 7\n")
+    code, out, _ = run(capsys, "--ledger", str(path), "--config", str(cfg), "--now", str(NOW), "status")
+    assert code == 0 and "actions (1h):    1 of 7" in out
+
+
+def test_show_tells_the_reintegration_and_the_escalation(world, capsys, tmp_path):
+    src, _ = world
+    path = tmp_path / "copy.sqlite"  # the world is shared by the module's tests: change a copy
+    with sqlite3.connect(src) as a, sqlite3.connect(path) as b:
+        a.backup(b)
+    with Ledger(path) as led:
+        inc = led.healthd_drains()["node02"]
+        r = led.request_reintegration("node02", incident_id=inc, trigger="repaired", operator="root", why="GPU 0 reseated",
+                                      findings=["xid:gpu0:79"], at=NOW)
+        led.update_reintegration(r.id, state="failed", detail="gpu_check.sh rc=3: GPU 0 bad", at=NOW,
+                                 results=[{"argv": ["/opt/gpu_check.sh", "node02"], "rc": 3, "seconds": 1.5, "output": "bad"}])
+        led.set_escalation(inc, "inspect-hardware")
+    code, out, _ = run(capsys, "--ledger", str(path), "--now", str(NOW), "show", str(inc))
+    assert code == 0
+    assert f"#{r.id} node02: failed; repaired by root (GPU 0 reseated)" in out
+    assert "FAIL rc=3 1.5s $ /opt/gpu_check.sh node02" in out and "gpu_check.sh rc=3: GPU 0 bad" in out
+    assert "ESCALATED: inspect-hardware" in out
+    doc = json.loads(run(capsys, "--ledger", str(path), "--json", "show", str(inc))[1])
+    assert doc["reintegrations"][0]["state"] == "failed" and doc["incident"]["escalation"] == "inspect-hardware"
 
 
 def test_nodes(world, capsys):

@@ -311,6 +311,9 @@ def test_budget_counts_applied_actions_by_window_and_partition(led: Ledger) -> N
     assert led.actions_applied_since(200, partition="gpu") == 2
     assert led.actions_applied_since(0, partition="cpu") == 1
     assert led.actions_applied_since(301) == 0
+    resume = led.plan_action(decision_id=d.id, idempotency_key="r1", node="n0", partition="gpu", kind="resume", argv=["x"], at=50)
+    led.mark_applied(resume.id, at=500)
+    assert led.actions_applied_since(450) == 0  # a resume gives capacity back: not charged to the budget
 
 
 def test_remediation_count_for_escalation(led: Ledger) -> None:

@@ -1,0 +1,414 @@
+"""Reintegration: a node healthd drained comes back only after it proves itself (guilty until proven innocent).
+
+A reintegration starts when an operator runs `healthctl repaired NODE` (trigger `repaired`) or, in
+`auto` mode with `auto_on_clear`, when the agent of a node healthd drained reports its fault gone
+(trigger `cleared`). Then, one step per control round, each recorded in the ledger before the next:
+
+1. requested: wait until the node is DRAINED (its jobs have ended), create the MAINT reservation
+   `healthd_validate_<node>` (users root) on it, and resume it inside the reservation (a ledger
+   action keyed `reintegrate:<id>:resume`, after the same ownership re-read as every healthd write).
+   Only validation can run there; user jobs cannot land on it.
+2. validating: the configured validation commands run one after another (argv templates, no shell,
+   each with a hard timeout, on a background thread so control rounds keep going). A controller
+   restart re-runs them (validation is repeatable; a result is recorded only when complete).
+3. passed validation: the reservation is deleted (the node is back in service: `back_in_service_at`
+   on the incident's timeline), probation starts. Failed: the node is drained again with the failing
+   step in its reason (`reintegrate:<id>:drain`) and stays drained for a human.
+4. probation: a new healthd drain of the node within `probation_s` marks the reintegration `recurred`
+   (the escalation counters then turn the next drain into inspect-hardware / contact-support, see
+   policy.decide); at the end of the window it is `passed` and the incident `resolved`.
+
+While a reintegration is in flight, evidence of the findings it clears that is older than the request
+no longer counts (policy.without_cleared), and the agent is told to drop it (a `clear-finding`
+instruction on its report's response): a repaired GPU's old Xid 79 line must not re-drain it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from healthd.controller.gates import still_safe
+from healthd.controller.ledger import Ledger, Reintegration
+from healthd.controller.policy import Decision, FleetView, LedgerView, NodeReport, is_actionable, make_reason
+from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
+from healthd.slurm.scontrol import CommandResult, CommandTimeout, run_command
+
+_log = logging.getLogger("healthd.controller.reintegrate")
+
+SAFE_PATH = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin"
+RESERVATION_PREFIX = "healthd_validate_"
+DEFAULT_VALIDATION: tuple[tuple[str, ...], ...] = (
+    ("srun", "--reservation={reservation}", "--nodelist={node}", "--nodes=1", "--exclusive", "--time=30",
+     "--job-name=healthd-validate", "healthd", "validate", "--dcgm-level=2"),
+)
+PLACEHOLDERS = ("node", "reservation", "incident", "slurm_conf")
+OUTPUT_TAIL = 2000
+
+Runner = Callable[[list[str], dict[str, str], float], CommandResult]
+
+
+@dataclass(frozen=True)
+class ReintegrationSettings:
+    """How a node healthd drained is validated and put back (controller.yaml `reintegration:`)."""
+
+    auto_on_clear: bool = True
+    """In `auto` mode, start reintegration by itself when the agent of a node healthd drained reports
+    the fault cleared (never for an escalated incident or after a failed validation; those wait for
+    `healthctl repaired`)."""
+    reservation_minutes: int = 120
+    """Length of the MAINT reservation the validation runs in (it is deleted as soon as validation ends)."""
+    validation: tuple[tuple[str, ...], ...] = DEFAULT_VALIDATION
+    """Commands run in order by the controller, each an argv list (no shell) with the placeholders
+    {node}, {reservation}, {incident}, {slurm_conf}; all must exit 0. The default runs
+    `healthd validate --dcgm-level=2` on the node through srun in the reservation (dcgmi diag -r 2
+    when DCGM is installed there). Add the site's all-reduce test as another entry."""
+    validation_timeout_s: float = 1800.0
+    """Hard limit for each validation command; a command still running then is killed and fails."""
+    probation_s: float = 86400.0
+    """After a passed validation, a recurrence within this many seconds counts against the repair."""
+    inspect_after: int = 2
+    """The same fault (finding signature) on a node after this many remediations within
+    `inspect_window_s` escalates the next drain to inspect-hardware."""
+    inspect_window_s: float = 30 * 86400.0
+    """Window for `inspect_after`."""
+    support_after: int = 5
+    """This many remediations of a node (any fault) within `support_window_s` escalate to contact-support."""
+    support_window_s: float = 7 * 86400.0
+    """Window for `support_after` (7 days)."""
+
+    def __post_init__(self) -> None:
+        if not self.validation or not all(self.validation):
+            raise ValueError("reintegration validation: expected at least one non-empty command")
+        for argv in self.validation:
+            for arg in argv:
+                for name in re.findall(r"{([^{}]*)}", arg):
+                    if name not in PLACEHOLDERS:
+                        raise ValueError(f"reintegration validation: unknown placeholder {{{name}}} in {arg!r}; "
+                                         f"known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
+        for name in ("reservation_minutes", "inspect_after", "support_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"reintegration {name}: expected an integer of 1 or more, found {value!r}")
+        for name in ("validation_timeout_s", "probation_s", "inspect_window_s", "support_window_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"reintegration {name}: expected a number greater than 0")
+
+
+def reservation_name(node: str, rid: int) -> str:
+    """`healthd_validate_<node>`, or `healthd_validate_r<id>` when the node name has characters a
+    reservation name cannot take."""
+    name = f"{RESERVATION_PREFIX}{node}"
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        return name
+    return f"{RESERVATION_PREFIX}r{rid}"
+
+
+def expand(argv: tuple[str, ...], values: Mapping[str, str]) -> list[str]:
+    """Fill the placeholders of one validation command (pure; unknown ones were refused at load)."""
+    return [re.sub(r"{(" + "|".join(PLACEHOLDERS) + r")}", lambda m: values[m.group(1)], a) for a in argv]
+
+
+def run_validation(commands: list[list[str]], env: dict[str, str], timeout_s: float,
+                   runner: Runner = run_command) -> list[dict[str, Any]]:
+    """Run the commands in order, stopping at the first failure. One result per command run."""
+    results = []
+    for argv in commands:
+        started = time.monotonic()
+        try:
+            done = runner(argv, env, timeout_s)
+            rc, output = done.returncode, (done.stdout + done.stderr)
+        except CommandTimeout as exc:
+            rc, output = 124, str(exc)
+        except (OSError, ValueError) as exc:  # not found, not executable
+            rc, output = 127, f"{type(exc).__name__}: {exc}"
+        results.append({"argv": argv, "rc": rc, "seconds": round(time.monotonic() - started, 3),
+                        "output": output[-OUTPUT_TAIL:]})
+        if rc != 0:
+            break
+    return results
+
+
+def failure_summary(results: list[dict[str, Any]]) -> str:
+    """One line naming the failed command and the last line it printed."""
+    failed = next((r for r in results if r.get("rc") != 0), None)
+    if failed is None:
+        return "no command failed"
+    argv = failed.get("argv") or ["?"]
+    name = next((a.rsplit("/", 1)[-1] for a in argv if not a.startswith("-") and a.rsplit("/", 1)[-1] != "srun"), argv[0])
+    lines = [ln.strip() for ln in str(failed.get("output", "")).splitlines() if ln.strip()]
+    last = f": {lines[-1]}" if lines else ""
+    return f"{name} rc={failed.get('rc')}{last}"
+
+
+def cleared_findings(reintegrations: list[Reintegration]) -> dict[str, dict[str, float]]:
+    """node -> finding id -> the time before which its evidence no longer counts."""
+    out: dict[str, dict[str, float]] = {}
+    for r in reintegrations:
+        for fid in r.findings:
+            per = out.setdefault(r.node, {})
+            per[fid] = max(per.get(fid, 0.0), r.requested_at)
+    return out
+
+
+class Reintegrator:
+    """Moves reintegrations on, one step per control round (called from the daemon under its round lock)."""
+
+    def __init__(self, settings: ReintegrationSettings, backend: SlurmBackend, ledger: Ledger, *,
+                 slurm_conf: str, dry_run: bool = False, runner: Runner = run_command,
+                 out: Callable[[str], None] | None = None):
+        self.settings = settings
+        self.backend = backend
+        self.ledger = ledger
+        self.slurm_conf = slurm_conf
+        self.dry_run = dry_run
+        self.runner = runner
+        self.out = out or (lambda line: print(line, flush=True))
+        self._threads: dict[int, threading.Thread] = {}
+        self._results: dict[int, list[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._printed: set[str] = set()
+
+    # -- what other parts ask ------------------------------------------------------------------------
+
+    def cleared(self, now: float) -> dict[str, dict[str, float]]:
+        """Findings whose older evidence no longer counts: those of reintegrations in flight, and of
+        those that ended within the support window (a finding the agent still echoes must not
+        re-drain a node that passed)."""
+        recent = [r for r in self.ledger.reintegrations()
+                  if r.active or (r.state == "passed" and now - r.requested_at <= self.settings.support_window_s)]
+        return cleared_findings(recent)
+
+    def instructions_for(self, report: NodeReport) -> list[dict[str, Any]]:
+        """`clear-finding` for the agent while its report still carries evidence a reintegration cleared."""
+        active = self.ledger.active_reintegration(report.node)
+        if active is None or not active.findings:
+            return []
+        stale = []
+        for f in report.findings:
+            last = f.last_seen if f.last_seen is not None else f.first_seen
+            if f.id in active.findings and last is not None and last <= active.requested_at:
+                stale.append(f.id)
+        if not stale:
+            return []
+        return [{"kind": "clear-finding", "findings": sorted(stale), "before": active.requested_at,
+                 "incident": active.incident_id, "reintegration": active.id}]
+
+    # -- the round ---------------------------------------------------------------------------------
+
+    def auto_requests(self, fleet: FleetView, drains: Mapping[str, int | None], mode: str, now: float,
+                      report_ttl_s: float) -> list[Reintegration]:
+        """In auto mode, queue the nodes healthd drained whose agent now reports nothing actionable
+        (evidence cleared by a reintegration already filtered out of `fleet`)."""
+        if mode != "auto" or not self.settings.auto_on_clear:
+            return []
+        started = []
+        for node, incident_id in drains.items():
+            report, info = fleet.reports.get(node), fleet.nodes.get(node)
+            if incident_id is None or report is None or info is None or now - report.received_at > report_ttl_s:
+                continue
+            if not info.reason.startswith("healthd:") or not info.drain_requested or info.reboot_requested:
+                continue
+            if report.verdict == "unknown" or any(is_actionable(f) for f in report.findings):
+                continue
+            incident = self.ledger.incident(incident_id)
+            if incident is None or incident.escalation is not None:
+                continue
+            if incident.action_applied_at is not None and report.received_at <= incident.action_applied_at:
+                continue  # no observation since the drain yet
+            if self.ledger.active_reintegration(node) is not None:
+                continue
+            if any(r.state in ("failed", "aborted") for r in self.ledger.reintegrations(incident_id=incident_id)):
+                continue  # a human looks at it first (`healthctl repaired`)
+            r = self.ledger.request_reintegration(node, incident_id=incident_id, trigger="cleared", at=now)
+            _log.info("%s: fault cleared on a node healthd drained [#%s]: reintegration %s requested", node,
+                      incident_id, r.id)
+            started.append(r)
+        return started
+
+    def step(self, now: float, mode: str) -> list[tuple[Reintegration, str]]:
+        """Advance every reintegration in flight by at most one step. Returns (reintegration, what
+        happened) for those that moved. Nothing is written in observe mode."""
+        if mode == "observe":
+            return []
+        moved = []
+        for r in self.ledger.reintegrations(state="active"):
+            try:
+                what = {"requested": self._start, "validating": self._validating, "probation": self._probation}[r.state](r, now, mode)
+            except SlurmError as exc:
+                _log.warning("%s: reintegration %s waits: Slurm: %s", r.node, r.id, exc)
+                what = None
+            if what:
+                moved.append((self.ledger.reintegration(r.id) or r, what))
+        return moved
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def _abort(self, r: Reintegration, why: str, now: float) -> str:
+        self.ledger.update_reintegration(r.id, state="aborted", detail=why, stamp="ended_at",
+                                         incident_status="open" if r.incident_id is not None else None, at=now)
+        _log.warning("%s: reintegration %s aborted: %s", r.node, r.id, why)
+        return f"aborted: {why}"
+
+    def _decision(self, r: Reintegration, kind: str, reason: str, now: float) -> Decision:
+        return Decision(id=f"reintegrate:{r.id}:{kind}", kind=kind, node=r.node, reason=reason, tier=1,  # type: ignore[arg-type]
+                        incident="" if r.incident_id is None else str(r.incident_id), decided_at=now)
+
+    def _write(self, r: Reintegration, decision: Decision, fresh: NodeInfo, mode: str, now: float,
+               call: Callable[[], None]) -> tuple[bool, str]:
+        """One Slurm write of a reintegration, with the executor's discipline: ownership re-check on
+        the fresh read, a ledger decision and a planned action under a fixed key, the call, the outcome."""
+        key = decision.id
+        existing = self.ledger.action_by_key(key)
+        if existing is not None and existing.status == "applied":
+            return True, "already applied"
+        drains = {n: "" if i is None else str(i) for n, i in self.ledger.healthd_drains().items()}
+        refusal = still_safe(decision, fresh, LedgerView(healthd_drains=drains))
+        if refusal is not None:
+            return False, refusal.reason
+        argv = (self.backend.describe("resume", nodes=r.node) if decision.kind == "resume"
+                else self.backend.describe("drain", nodes=r.node, reason=decision.reason))
+        if self.dry_run:
+            if key not in self._printed:
+                self._printed.add(key)
+                self.out("dry-run: would run: " + " ".join(argv))
+            return False, "dry run"
+        if existing is None:
+            row = self.ledger.record_decision(node=r.node, kind=decision.kind, tier="T1", mode=mode, reason=decision.reason,
+                                              outcome="allowed", incident_id=r.incident_id,
+                                              evidence={"decision": key, "reintegration": r.id}, at=now)
+            partition = fresh.partitions[0] if fresh.partitions else None
+            existing = self.ledger.plan_action(decision_id=row.id, idempotency_key=key, node=r.node, kind=decision.kind,
+                                               argv=argv, partition=partition, evidence={"reintegration": r.id}, at=now)
+        try:
+            call()
+        except (SlurmError, ValueError) as exc:
+            msg = " ".join(str(getattr(exc, "stderr", "") or exc).split())[:500] or type(exc).__name__
+            self.ledger.mark_failed(existing.id, msg, at=now)
+            return False, msg
+        self.ledger.mark_applied(existing.id, decision.kind, at=now)
+        return True, "applied"
+
+    def _start(self, r: Reintegration, now: float, mode: str) -> str | None:
+        fresh = self.backend.node(r.node)
+        name = reservation_name(r.node, r.id)
+        resumed = self.ledger.action_by_key(f"reintegrate:{r.id}:resume")
+        if resumed is None or resumed.status != "applied":
+            if r.node not in self.ledger.healthd_drains() or not fresh.reason.startswith("healthd:"):
+                who = f"{fresh.reason[:80]!r} by {fresh.reason_user or 'someone else'}" if fresh.reason else "no reason"
+                return self._abort(r, f"{r.node} is no longer drained by healthd ({fresh.state}, {who})", now)
+            if not fresh.drained:
+                return None  # jobs still running on the draining node: validation waits for them
+            if self.dry_run:
+                self._would(f"reservation:{r.id}", ["scontrol", "create", "reservation", f"ReservationName={name}",
+                                                    f"Nodes={r.node}", "Users=root", "Flags=MAINT,IGNORE_JOBS"])
+                return None
+            try:
+                self.backend.delete_reservation(name)  # left by a controller that died after creating it
+            except SlurmError:
+                pass
+            self.backend.create_reservation(name, r.node, self.settings.reservation_minutes, users=("root",),
+                                            flags=("MAINT", "IGNORE_JOBS"))
+            decision = self._decision(r, "resume", "", now)
+            ok, detail = self._write(r, decision, fresh, mode, now, lambda: self.backend.resume(r.node))
+            if not ok:
+                self._delete_reservation(name)
+                return self._abort(r, f"cannot resume {r.node} for validation: {detail}", now)
+        self.ledger.update_reintegration(r.id, state="validating", reservation=name, stamp="started_at", at=now)
+        self._launch(r.id, r.node, name, r.incident_id)
+        _log.info("%s: reintegration %s: resumed inside reservation %s; validating", r.node, r.id, name)
+        return f"validating in reservation {name}"
+
+    def _would(self, key: str, argv: list[str]) -> None:
+        if key not in self._printed:
+            self._printed.add(key)
+            self.out("dry-run: would run: " + " ".join(argv))
+
+    def _launch(self, rid: int, node: str, reservation: str, incident_id: int | None) -> None:
+        values = {"node": node, "reservation": reservation, "incident": "" if incident_id is None else str(incident_id),
+                  "slurm_conf": self.slurm_conf}
+        commands = [expand(argv, values) for argv in self.settings.validation]
+        env = {"PATH": SAFE_PATH, "LANG": "C", "SLURM_CONF": self.slurm_conf}
+
+        def run() -> None:
+            results = run_validation(commands, env, self.settings.validation_timeout_s, self.runner)
+            with self._lock:
+                self._results[rid] = results
+
+        with self._lock:
+            if rid in self._threads:
+                return
+            thread = threading.Thread(target=run, name=f"healthd-validate-{node}", daemon=True)
+            self._threads[rid] = thread
+        thread.start()
+
+    def _delete_reservation(self, name: str | None) -> bool:
+        if not name:
+            return True
+        try:
+            self.backend.delete_reservation(name)
+            return True
+        except SlurmError as exc:
+            _log.warning("cannot delete reservation %s (retrying next round): %s", name, exc)
+            return False
+
+    def _validating(self, r: Reintegration, now: float, mode: str) -> str | None:
+        if r.validated_at is not None and r.results:
+            results = list(r.results)  # recorded, only the finishing step failed before
+        else:
+            with self._lock:
+                results = self._results.pop(r.id, None)
+                running = r.id in self._threads
+            if results is None:
+                if not running:  # a restart: validation is repeatable, run it again
+                    self._launch(r.id, r.node, r.reservation or reservation_name(r.node, r.id), r.incident_id)
+                return None
+            with self._lock:
+                self._threads.pop(r.id, None)
+            r = self.ledger.update_reintegration(r.id, results=results, stamp="validated_at", at=now)
+        passed = bool(results) and all(x.get("rc") == 0 for x in results)
+        if passed:
+            if not self._delete_reservation(r.reservation):
+                return None
+            self.ledger.update_reintegration(r.id, state="probation", probation_until=now + self.settings.probation_s,
+                                             incident_status="probation", at=now)
+            if r.incident_id is not None:
+                self.ledger.mark_timeline(r.incident_id, "back_in_service_at", now)
+            _log.info("%s: reintegration %s: validation passed (%d command(s)); back in service, probation %.0f s",
+                      r.node, r.id, len(results), self.settings.probation_s)
+            return "validation passed: back in service, probation"
+        summary = failure_summary(results)
+        reason = make_reason(f"validation failed: {summary}", "" if r.incident_id is None else str(r.incident_id))
+        fresh = self.backend.node(r.node)
+        decision = self._decision(r, "drain", reason, now)
+        ok, detail = self._write(r, decision, fresh, mode, now, lambda: self.backend.drain(r.node, reason))
+        if not ok and detail != "already applied":
+            if detail == "dry run":
+                return None
+            self._delete_reservation(r.reservation)
+            return self._abort(r, f"validation failed ({summary}) but the node could not be drained again: {detail}", now)
+        self._delete_reservation(r.reservation)
+        self.ledger.update_reintegration(r.id, state="failed", detail=summary, stamp="ended_at",
+                                         incident_status="validation-failed", at=now)
+        _log.error("%s: reintegration %s: validation failed: %s; drained again", r.node, r.id, summary)
+        return f"validation failed: {summary}"
+
+    def _probation(self, r: Reintegration, now: float, mode: str) -> str | None:
+        if r.node in self.ledger.healthd_drains():
+            self.ledger.update_reintegration(r.id, state="recurred", detail="drained again by healthd during probation",
+                                             stamp="ended_at", incident_status="recurred", at=now)
+            _log.error("%s: reintegration %s: the node failed again during probation", r.node, r.id)
+            return "recurred during probation"
+        if r.probation_until is not None and now >= r.probation_until:
+            self.ledger.update_reintegration(r.id, state="passed", stamp="ended_at", incident_status="resolved", at=now)
+            _log.info("%s: reintegration %s: probation over; incident resolved", r.node, r.id)
+            return "probation passed: resolved"
+        return None
+
+    def close(self) -> None:
+        """Validation threads are daemons: a stopping controller does not wait for them (a restart re-runs)."""

@@ -1,0 +1,85 @@
+"""An in-memory Slurm implementing the SlurmBackend Protocol, for controller tests and benches that are
+about the controller, not Slurm (the real cluster is tests/support/slurm_cluster.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from healthd.slurm.backend import NodeInfo, SlurmRefused, filter_nodes, slurm_hostlist
+
+
+class FakeBackend:
+    """In-memory Slurm implementing the SlurmBackend Protocol; `writes` logs every write call."""
+
+    def __init__(self, nodes: Iterable[str] = ("node01", "node02", "node03", "node04"),
+                 partition: str | Sequence[str] = "gpu"):
+        """`partition`: one for every node, or several dealt round-robin."""
+        parts = (partition,) if isinstance(partition, str) else tuple(partition)
+        self.dry_run = False
+        self.planned: list[list[str]] = []
+        self.state = {n: NodeInfo(name=n, state="idle", partitions=(parts[i % len(parts)],)) for i, n in enumerate(nodes)}
+        self.writes: list[tuple] = []
+        self.fail_next: str | None = None
+        self.before_write = None  # a hook run right before a write lands (race simulation)
+        self.unavailable = False
+
+    def _names(self, nodes: str | Sequence[str]) -> list[str]:
+        return [nodes] if isinstance(nodes, str) else list(nodes)
+
+    def _write(self, call: tuple) -> None:
+        if self.fail_next:
+            msg, self.fail_next = self.fail_next, None
+            raise SlurmRefused(msg, list(call), 1, msg)
+        self.writes.append(call)
+
+    def nodes(self, names: Iterable[str] | None = None) -> list[NodeInfo]:
+        if self.unavailable:
+            from healthd.slurm.backend import SlurmUnavailable
+
+            raise SlurmUnavailable("slurmctld down")
+        return filter_nodes(self.state.values(), names)
+
+    def node(self, name: str) -> NodeInfo:
+        return self.state[name]
+
+    def drain(self, nodes, reason):
+        self._write(("drain", slurm_hostlist(nodes), reason))
+        for n in self._names(nodes):
+            self.state[n] = dataclasses.replace(self.state[n], flags=self.state[n].flags | {"DRAIN"}, reason=reason,
+                                                reason_user="root")
+
+    def resume(self, nodes):
+        self._write(("resume", slurm_hostlist(nodes)))
+        for n in self._names(nodes):
+            self.state[n] = dataclasses.replace(self.state[n], flags=frozenset(), reason="", reason_user=None)
+
+    def reboot_asap(self, nodes, reason, next_state="RESUME"):
+        self._write(("reboot_asap", slurm_hostlist(nodes), reason, next_state))
+        for n in self._names(nodes):
+            self.state[n] = dataclasses.replace(self.state[n], flags=self.state[n].flags | {"DRAIN", "REBOOT_REQUESTED"},
+                                                reason=reason)
+
+    def cancel_reboot(self, nodes):
+        self._write(("cancel_reboot", slurm_hostlist(nodes)))
+
+    def requeue(self, job_id):
+        self._write(("requeue", str(job_id)))
+
+    def create_reservation(self, name, nodes, duration_min, users=("root",), flags=("MAINT", "IGNORE_JOBS")):
+        self._write(("create_reservation", name))
+
+    def delete_reservation(self, name):
+        self._write(("delete_reservation", name))
+
+    def version(self) -> str:
+        return "24.05.0"
+
+    def describe(self, action: str, **kw) -> list[str]:
+        if action == "drain":
+            return ["scontrol", "update", f"NodeName={slurm_hostlist(kw['nodes'])}", "State=DRAIN", f"Reason={kw['reason']}"]
+        if action == "reboot_asap":
+            return ["scontrol", "reboot", "ASAP", "nextstate=RESUME", f"Reason={kw['reason']}", slurm_hostlist(kw["nodes"])]
+        if action == "resume":
+            return ["scontrol", "update", f"NodeName={slurm_hostlist(kw['nodes'])}", "State=RESUME"]
+        raise ValueError(action)
