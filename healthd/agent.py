@@ -11,7 +11,9 @@ or neither, and a restart neither loses nor double-counts a line.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import queue
 import signal
@@ -26,6 +28,7 @@ from healthd.catalog import Catalog, load_catalog
 from healthd.classify import Classification, classify
 from healthd.history import History, HistoryError
 from healthd.hooks.agent_side import HookFiles
+from healthd.instructions import apply_clears, merge_clears, parse_clear
 from healthd.model import (
     GpuSample,
     HostSample,
@@ -78,6 +81,8 @@ class Memory:
     history: History
     cursor: str | None = None
     ib_baseline: dict | None = None
+    cleared: dict = dataclasses.field(default_factory=dict)
+    """finding id -> epoch: evidence up to then no longer counts (the controller's clear-finding)."""
 
     @classmethod
     def load(cls, state_dir: str, *, readonly: bool = False) -> "Memory":
@@ -95,7 +100,12 @@ class Memory:
             history = History()
         cursor = doc.get("cursor") if isinstance(doc.get("cursor"), str) else None
         baseline = doc.get("infiniband") if isinstance(doc.get("infiniband"), dict) else None
-        return cls(history=history, cursor=cursor, ib_baseline=baseline)
+        cleared = {}
+        raw = doc.get("cleared")
+        if isinstance(raw, dict):
+            cleared = {str(k): float(v) for k, v in raw.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        return cls(history=history, cursor=cursor, ib_baseline=baseline, cleared=cleared)
 
     def save(self, state_dir: str, ib_state: dict | None) -> None:
         write_json_atomic(
@@ -106,6 +116,7 @@ class Memory:
                 "cursor": self.cursor,
                 "infiniband": ib_state,
                 "history": self.history.to_json(),
+                "cleared": self.cleared,
             },
             mode=0o600,
         )
@@ -220,6 +231,16 @@ class Agent:
         self.snapshot: Snapshot | None = None
         self.hook_files = HookFiles()
         """Quick-check results and job bindings the Slurm hooks leave in hooks.run_dir (read only)."""
+        self._clears: list[dict[str, float]] = []
+        self._clears_lock = threading.Lock()
+        if reporter is not None:
+            reporter.on_instruction = self.receive_instruction
+
+    def receive_instruction(self, instruction: dict[str, Any]) -> None:
+        """The controller's instruction (from the reporter's thread): queued for the next tick."""
+        clears = parse_clear(instruction)  # ValueError: logged by the reporter
+        with self._clears_lock:
+            self._clears.append(clears)
 
     # ------------------------------------------------------------------ one pass
 
@@ -259,6 +280,13 @@ class Agent:
         before = self.result
         result = classify(snap, self.memory.history, self.catalog, self.settings)
         result = self.hook_files.apply(result, snap.time, self.settings)
+        with self._clears_lock:
+            pending, self._clears = self._clears, []
+        for clears in pending:
+            self.memory.cleared = merge_clears(self.memory.cleared, clears)
+            log.warning("controller cleared finding(s) %s (evidence up to %s no longer counts)",
+                        ", ".join(sorted(clears)), iso(max(clears.values())))
+        result, self.memory.cleared = apply_clears(result, self.memory.cleared)
         self.snapshot, self.result = snap, result
         self.memory.history = result.history
         if kernel.cursor:

@@ -4,6 +4,7 @@
     healthd --dry-run                                 the same, continuously (prints on every change)
     healthd run [--once]                              the daemon (systemd starts this)
     healthd check-config                              validate the config file and exit
+    healthd validate [--dcgm-level N]                 reintegration check: dcgmi diag + one agent pass
 
 Exit codes follow Nagios: 0 healthy, 1 degraded, 2 failed, 3 could not check.
 """
@@ -38,11 +39,16 @@ def setup_logging(level: str, daemon: bool) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="healthd", description="GPU node health agent for Slurm clusters.")
-    p.add_argument("command", nargs="?", choices=["run", "check-config"], help="run: the daemon; check-config: validate and exit")
+    p.add_argument("command", nargs="?", choices=["run", "check-config", "validate"],
+                   help="run: the daemon; check-config: validate the config and exit; validate: the reintegration "
+                        "check the controller runs through srun (exit 0 pass, 1 fail)")
     p.add_argument("--config", "-c", help="config file (default /etc/healthd/healthd.yaml)")
     p.add_argument("--dry-run", action="store_true", help="read everything, write nothing, print what it would do")
     p.add_argument("--once", action="store_true", help="one pass, then exit with the verdict's Nagios code")
     p.add_argument("--format", choices=["table", "json"], default="table", help="dry-run output format")
+    p.add_argument("--dcgm-level", type=int, default=2, choices=[0, 1, 2, 3, 4],
+                   help="validate: dcgmi diag run level (0: no DCGM step)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="validate: hard limit for the DCGM step, seconds")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="overrides the config's log_level")
     p.add_argument("--version", action="version", version=f"healthd {__version__}")
     return p
@@ -53,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None and not (args.dry_run or args.once):
         parser().print_help(sys.stderr)
         return EXIT_UNKNOWN
+    if args.command == "validate":
+        from healthd import validate
+
+        setup_logging(args.log_level or "warning", False)
+        return validate.run(args.config, args.dcgm_level, args.timeout)
     daemon = args.command == "run" and not args.dry_run
     setup_logging(args.log_level or "warning" if not daemon else args.log_level or "info", daemon)
 

@@ -10,8 +10,9 @@ When the controller is unreachable or refuses a report, only the LATEST document
 reporter retries with exponential backoff and jitter, up to `controller.backoff_max_s`. The log gets
 one line per change of state (reachable, unreachable, refusing), never one per retry.
 
-Instructions on the response (`run-validation`, `clear-finding`) are recorded in
-`last_instructions`, counted and logged; the agent acts on none of them yet.
+Instructions on the response (`clear-finding`, healthd.instructions) are recorded in
+`last_instructions`, counted, logged and handed to `on_instruction` (the agent applies them on its
+next tick, from its own thread).
 
 `request_drain` is the prolog's one-shot call for `hooks.gating: controller` (`/v1/request`).
 """
@@ -34,7 +35,7 @@ log = logging.getLogger("healthd")
 REPORT_PATH = "/v1/report"
 REQUEST_PATH = "/v1/request"
 MAX_RESPONSE_BYTES = 1 << 20
-KNOWN_INSTRUCTIONS = ("run-validation", "clear-finding")
+KNOWN_INSTRUCTIONS = ("clear-finding",)
 
 Poster = Callable[[str, bytes, float], tuple[int, bytes]]
 """post(url, body, timeout_s) -> (http status, response body); raises OSError when there is no answer."""
@@ -115,6 +116,7 @@ class Reporter:
         backoff_base_s: float = 1.0,
         rand: Callable[[], float] = random.random,
         start: bool = True,
+        on_instruction: Callable[[dict[str, Any]], None] | None = None,
     ):
         if not settings.url:
             raise ValueError("Reporter needs controller.url")
@@ -126,6 +128,8 @@ class Reporter:
         self.url = settings.url.rstrip("/") + REPORT_PATH
         self.backoff_base_s = backoff_base_s
         self.rand = rand
+        self.on_instruction = on_instruction
+        """Called (on the reporter's thread) with each known instruction; must not block."""
 
         self._cond = threading.Condition()
         self._pending: dict[str, Any] | None = None
@@ -139,7 +143,7 @@ class Reporter:
         self.state = "unknown"
         """unknown (nothing sent yet) | ok | unreachable | refused."""
         self.last_instructions: list[dict[str, Any]] = []
-        """The instructions on the last accepted report's response (recorded and logged, not acted on)."""
+        """The instructions on the last accepted report's response."""
         self.counters: dict[str, int] = {
             "offered": 0,
             "sent": 0,
@@ -315,8 +319,12 @@ class Reporter:
             if kind not in KNOWN_INSTRUCTIONS:
                 log.warning("controller sent an unknown instruction %s; ignored", _line(json.dumps(ins, default=str), 200))
                 continue
-            log.info("controller instruction %s: %s (recorded; the agent does not act on instructions yet)",
-                     kind, _line(json.dumps(ins, default=str), 200))
+            log.info("controller instruction %s: %s", kind, _line(json.dumps(ins, default=str), 200))
+            if self.on_instruction is not None:
+                try:
+                    self.on_instruction(ins)
+                except Exception as e:  # a bad instruction must not stop the reporter
+                    log.warning("controller instruction %s not applied: %s", kind, _line(e))
 
 
 # --------------------------------------------------------------------------- the prolog's request

@@ -16,6 +16,7 @@ import pytest
 from healthd.agent import Agent, Memory, Sources
 from healthd.controller import auth
 from healthd.history import History
+from healthd.instructions import parse_clear
 from healthd.reporter import Reporter, change_key, request_drain
 from healthd.settings import ControllerClientSettings, HookSettings
 from tests.classify.builders import CATALOG, NOW, gpu, kernel, nvml, settings, xid
@@ -148,6 +149,38 @@ def test_the_agents_report_arrives_signed_and_verifies(fleet, controller, tmp_pa
         rep.stop()
 
 
+def test_clear_finding_drops_old_evidence_until_the_fault_recurs(fleet, controller, tmp_path: Path):
+    cfg = settings(nvml={"expected_gpus": 4}, hooks=HookSettings(run_dir=str(tmp_path / "run")),
+                   state_file=str(tmp_path / "state.json"), state_dir=str(tmp_path))
+    kern = FakeCollector("kernel_log", kernel(xid(79, 1, NOW - 5)))
+    sources = Sources(nvml=FakeCollector("nvml", nvml(*(gpu(i) for i in range(4)))), kernel=kern)
+    rep = reporter(fleet, controller.url)
+    t = [NOW]
+    agent = Agent(cfg, CATALOG, sources, Memory(history=History()), dry_run=False, clock=lambda: t[0], reporter=rep)
+    try:
+        agent.tick()
+        fid = next(f.id for f in agent.result.findings if f.xid == 79)
+        assert agent.result.verdict == "failed"
+        # the operator ran `healthctl repaired`: the controller answers the next report with a clear
+        controller.instructions = [{"kind": "clear-finding", "findings": [fid], "before": NOW + 1, "incident": 4}]
+        agent.publish()
+        controller.wait(1)
+        quiet(rep)
+        t[0] = NOW + 10
+        agent.tick()
+        assert fid not in {f.id for f in agent.result.findings} and agent.result.verdict == "healthy"
+        agent.publish()  # the clear survives a restart: it is in the memory file
+        assert Memory.load(str(tmp_path)).cleared == {fid: NOW + 1}
+        # the same GPU falls off the bus again after the repair: the finding is back
+        kern.sample = kernel(xid(79, 1, NOW + 20))
+        t[0] = NOW + 21
+        agent.tick()
+        assert fid in {f.id for f in agent.result.findings} and agent.result.verdict == "failed"
+        assert agent.memory.cleared == {}
+    finally:
+        rep.stop()
+
+
 # --------------------------------------------------------------------------- when to send
 
 
@@ -252,16 +285,25 @@ def test_a_refused_report_is_retried_signed_afresh(fleet, controller, caplog):
         r.stop()
 
 
-def test_instructions_are_recorded_and_logged_not_acted_on(fleet, controller, caplog):
+def test_known_instructions_reach_the_agent_unknown_ones_are_only_logged(fleet, controller, caplog):
     caplog.set_level(logging.INFO, logger="healthd")
-    controller.instructions = [{"kind": "run-validation", "id": 7}, {"kind": "clear-finding", "finding": "xid:gpu1:79"}]
-    r = reporter(fleet, controller.url)
+    clear = {"kind": "clear-finding", "findings": ["xid:gpu1:79"], "before": 1_800_000_000.0}
+    controller.instructions = [{"kind": "run-validation", "id": 7}, clear, {"kind": "clear-finding", "findings": []}]
+    got: list[dict] = []
+
+    def take(ins: dict) -> None:
+        parse_clear(ins)  # what the agent does first: a malformed one raises
+        got.append(ins)
+
+    r = reporter(fleet, controller.url, on_instruction=take)
     try:
         r.offer(doc("healthy"))
         controller.wait(1)
         quiet(r)
-        assert r.last_instructions == controller.instructions and r.counters["instructions"] == 2
-        assert sum("does not act on instructions yet" in m for m in caplog.messages) == 2
+        assert r.last_instructions == controller.instructions and r.counters["instructions"] == 3
+        assert got == [clear]
+        assert sum("unknown instruction" in m for m in caplog.messages) == 1
+        assert sum("not applied" in m for m in caplog.messages) == 1
     finally:
         r.stop()
 

@@ -292,3 +292,35 @@ def test_daemon_keeps_reporting_the_kernel_sources_status_between_kernel_reads(n
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=15)
+
+
+def _validate(node, *args: str, path: str | None = None) -> subprocess.CompletedProcess:
+    env = node.env()
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([HEALTHD, "validate", "--config", str(node.config), *args],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_validate_passes_a_healthy_node_and_fails_one_with_a_t1_finding(node, tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    dcgmi = fake_bin / "dcgmi"
+    dcgmi.write_text("#!/bin/sh\necho \"diag $*\"\nexit ${DCGMI_RC:-0}\n")
+    dcgmi.chmod(0o755)
+    path = f"{fake_bin}:/usr/bin:/bin"
+    p = _validate(node, path=path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS dcgmi diag -r 2: exit 0 (diag diag -r 2)" in p.stdout and "PASS healthd check: healthy" in p.stdout
+    assert "skipped (DCGM not installed" in _validate(node, "--dcgm-level", "1", path="/nonexistent").stdout
+
+    dcgmi.write_text("#!/bin/sh\necho 'Memory test: Fail'\nexit 226\n")
+    p = _validate(node, path=path)
+    assert p.returncode == 1 and "FAIL dcgmi diag -r 2: exit 226 (Memory test: Fail)" in p.stdout
+
+    bus = node.gpus[2]["bus_id"][4:].lower().rsplit(".", 1)[0]
+    node.xid(bus, 79, "pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+    p = _validate(node, "--dcgm-level", "0", path=path)
+    assert p.returncode == 1 and "FAIL healthd check: failed: xid 79" in p.stdout, p.stdout
+    assert "dcgmi" not in p.stdout
+    assert not node.state_dir.exists()  # validation writes nothing on the node
