@@ -12,7 +12,7 @@ STAMP_PIP := $(VENV)/.pip-stamp
 # state directory of the local test cluster started by `make slurm-up`
 SLURM_ROOT ?= /tmp/healthd-slurm
 
-.PHONY: all deps test demo bench clean lint slurm-up slurm-down
+.PHONY: all deps test demo demo-node bench clean lint slurm-up slurm-down
 
 all: test
 
@@ -41,13 +41,20 @@ test: deps lint
 lint: deps
 	$(PY) -m ruff check healthd tests bench demo
 
+# the fault drill: 4-node Slurm + an agent per node + healthd-controller in auto (demo/fault_drill.py)
 demo: deps
+	$(PY) demo/fault_drill.py
+
+# the node agent alone on one simulated node (healthy -> user fault -> hardware faults)
+demo-node: deps
 	$(PY) demo/node_drill.py
 
 bench: deps
 	$(PY) bench/agent_tick.py
 	$(PY) bench/kernel_lines.py
 	$(PY) bench/hooks.py
+	$(PY) bench/controller_path.py
+	$(PY) bench/xid_to_drain.py
 
 # a real munged + slurmctld + 4 slurmd (node01..node04, gpu:4 each) on 127.0.0.1; prints SLURM_CONF
 slurm-up: deps
