@@ -1,0 +1,282 @@
+"""The controller's HTTP server on its own: the strict parser's answers, timeouts, keep-alive, shutdown.
+
+A stub controller stands in for the real one (MUNGE is tested in test_daemon / test_auth); requests
+are written as raw bytes over a socket so malformed ones can be sent at all.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from healthd.controller.server import ControllerHTTPServer
+
+
+class StubController:
+    def __init__(self) -> None:
+        self.reports: list[tuple[bytes, str]] = []
+        self.requests: list[bytes] = []
+        self.request_delay_s = 0.0
+
+    def receive_report(self, body: bytes, peer: str = "") -> tuple[int, dict]:
+        if body == b"boom":
+            raise RuntimeError("bug")
+        self.reports.append((body, peer))
+        return 200, {"accepted": True, "instructions": []}
+
+    def receive_request(self, body: bytes, peer: str = "") -> tuple[int, dict]:
+        time.sleep(self.request_delay_s)  # Slurm may take its time: must not stall the loop
+        self.requests.append(body)
+        return 200, {"granted": True, "reason": "ok"}
+
+
+@pytest.fixture
+def server():
+    ctl = StubController()
+    srv = ControllerHTTPServer("127.0.0.1:0", ctl, max_bytes=1000, request_timeout_s=0.5, idle_timeout_s=0.5,
+                               max_connections=50)
+    thread = srv.start_background()
+    srv.ctl = ctl  # type: ignore[attr-defined]
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def connect(srv: ControllerHTTPServer) -> socket.socket:
+    sock = socket.create_connection(srv.server_address[:2], timeout=5)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes] | None:
+    """One response off the socket (None on EOF before any byte)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            if not buf:
+                return None
+            raise AssertionError(f"EOF inside a response head: {buf!r}")
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    length = int(headers["content-length"])
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "EOF inside a response body"
+        rest += chunk
+    assert len(rest) == length, "bytes after the body: pipelining not requested"
+    return status, headers, rest
+
+
+def exchange(srv: ControllerHTTPServer, raw: bytes) -> tuple[int, dict]:
+    with connect(srv) as sock:
+        sock.sendall(raw)
+        got = read_response(sock)
+        assert got is not None
+        status, headers, body = got
+        return status, json.loads(body)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+def test_healthz_and_report(server):
+    assert exchange(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n") == (200, {"ok": True})
+    assert exchange(server, post("/v1/report", b"{}")) == (200, {"accepted": True, "instructions": []})
+    assert server.ctl.reports == [(b"{}", "127.0.0.1")]
+
+
+def test_keep_alive_two_requests_on_one_connection(server):
+    with connect(server) as sock:
+        sock.sendall(post("/v1/report", b"one"))
+        assert read_response(sock)[0] == 200
+        sock.sendall(post("/v1/report", b"two"))
+        status, headers, _ = read_response(sock)
+        assert status == 200 and "connection" not in headers
+        # and pipelined: two requests in one write, two answers in order
+        sock.sendall(post("/v1/report", b"three") + b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        assert json.loads(read_response(sock)[2]) == {"ok": True}
+    assert [b for b, _ in server.ctl.reports] == [b"one", b"two", b"three"]
+
+
+def test_connection_close_is_honoured(server):
+    with connect(server) as sock:
+        sock.sendall(post("/v1/report", b"x", "Connection: close\r\n"))
+        status, headers, _ = read_response(sock)
+        assert status == 200 and headers["connection"] == "close"
+        assert closed_by_server(sock)
+    with connect(server) as sock:  # HTTP/1.0 closes by default
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        assert closed_by_server(sock)
+
+
+@pytest.mark.parametrize("raw", [
+    b"garbage\r\n\r\n",
+    b"GET /healthz\r\n\r\n",
+    b"GET /healthz HTTP/2.0\r\n\r\n",
+    b"GET  /healthz HTTP/1.1\r\n\r\n",
+    b"G(T /healthz HTTP/1.1\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\n folded: header\r\n\r\n",
+    b"POST /v1/report HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+])
+def test_malformed_request_is_400_and_closed(server, raw):
+    with connect(server) as sock:
+        sock.sendall(raw)
+        status, headers, body = read_response(sock)
+        assert status == 400 and headers["connection"] == "close" and "error" in json.loads(body)
+        assert closed_by_server(sock)
+    assert server.ctl.reports == []
+
+
+def test_unsupported_method_is_501(server):
+    assert exchange(server, b"DELETE /v1/report HTTP/1.1\r\n\r\n")[0] == 501
+
+
+def test_post_without_content_length_is_411(server):
+    assert exchange(server, b"POST /v1/report HTTP/1.1\r\nHost: x\r\n\r\n") == (
+        411, {"accepted": False, "error": "Content-Length required"})
+    # chunked framing is not supported: the same answer
+    assert exchange(server, b"POST /v1/report HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")[0] == 411
+    assert exchange(server, b"POST /v1/report HTTP/1.1\r\nContent-Length: 1x\r\n\r\n")[0] == 411
+    assert exchange(server, "POST /v1/report HTTP/1.1\r\nContent-Length: ²\r\n\r\n".encode("latin-1"))[0] == 411
+
+
+def test_oversized_body_is_413_without_reading_it(server):
+    with connect(server) as sock:
+        sock.sendall(b"POST /v1/report HTTP/1.1\r\nContent-Length: 1001\r\n\r\n")  # no body sent at all
+        status, headers, body = read_response(sock)
+        assert status == 413 and headers["connection"] == "close"
+        assert json.loads(body) == {"accepted": False, "error": "body is 1001 bytes, over the 1000-byte limit"}
+        assert closed_by_server(sock)
+    # a client that does send the big body still gets the 413 (lingering close, no RST first)
+    assert exchange(server, post("/v1/report", b"x" * 50_000))[0] == 413
+    assert server.ctl.reports == []
+
+
+def test_huge_headers_are_refused(server):
+    assert exchange(server, b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n")[0] == 414
+    many = b"".join(b"X-%d: y\r\n" % i for i in range(101))
+    assert exchange(server, b"GET /healthz HTTP/1.1\r\n" + many + b"\r\n")[0] == 431
+
+
+def test_404(server):
+    assert exchange(server, b"GET /nope HTTP/1.1\r\n\r\n") == (404, {"error": "no such endpoint '/nope'"})
+    assert exchange(server, post("/v1/nope", b"{}")) == (404, {"error": "no such endpoint '/v1/nope'"})
+    assert exchange(server, post("/healthz", b"{}"))[0] == 404
+
+
+def test_handler_exception_is_500_and_server_lives(server):
+    assert exchange(server, post("/v1/report", b"boom")) == (500, {"error": "internal error: RuntimeError"})
+    assert exchange(server, b"GET /healthz HTTP/1.1\r\n\r\n")[0] == 200
+
+
+def test_slow_client_is_timed_out(server):
+    with connect(server) as sock:
+        sock.sendall(b"POST /v1/report HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")  # 7 bytes never come
+        t = time.monotonic()
+        status, _, _ = read_response(sock)
+        assert status == 408 and closed_by_server(sock)
+        assert 0.3 < time.monotonic() - t < 3
+    with connect(server) as sock:  # dripping header bytes does not reset the clock (slow-loris)
+        t = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):  # noqa: PT012 - the drip loop is the point
+            for _ in range(30):
+                time.sleep(0.1)
+                sock.sendall(b"X: y\r\n")
+        assert time.monotonic() - t < 3
+
+
+def test_idle_keep_alive_connection_is_closed(server):
+    with connect(server) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        t = time.monotonic()
+        assert closed_by_server(sock)
+        assert time.monotonic() - t < 3
+
+
+def test_drain_request_runs_off_the_loop(server):
+    """A /v1/request waiting on Slurm does not hold up reports on other connections."""
+    server.ctl.request_delay_s = 1.0
+    with connect(server) as slow:
+        slow.sendall(post("/v1/request", b"{}"))
+        time.sleep(0.1)
+        t = time.monotonic()
+        assert exchange(server, post("/v1/report", b"fast"))[0] == 200
+        assert time.monotonic() - t < 0.5
+        assert read_response(slow)[2] == b'{"granted":true,"reason":"ok"}'
+
+
+def test_connection_cap_answers_503(server):
+    socks = [connect(server) for _ in range(50)]
+    try:
+        time.sleep(0.2)
+        with connect(server) as extra:
+            assert read_response(extra)[0] == 503
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_shutdown_stops_every_thread():
+    before = set(threading.enumerate())
+    srv = ControllerHTTPServer("127.0.0.1:0", StubController())
+    srv.start_background()
+    exchange(srv, post("/v1/request", b"{}"))  # starts a pool thread
+    idle = connect(srv)  # an open keep-alive connection does not block shutdown
+    srv.shutdown()
+    srv.server_close()
+    idle.close()
+    assert set(threading.enumerate()) - before == set()
+    with pytest.raises(OSError):
+        socket.create_connection(srv.server_address[:2], timeout=1)
+
+
+def test_shutdown_without_start_returns():
+    srv = ControllerHTTPServer("127.0.0.1:0", StubController())
+    srv.shutdown()
+    srv.server_close()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.one_of(
+    st.binary(max_size=300),
+    st.lists(st.sampled_from([b"GET ", b"POST ", b"/healthz", b"/v1/report", b" HTTP/1.1", b" HTTP/1.0", b"\r\n", b"\n",
+                              b"Content-Length: ", b"5", b"-1", b"99999999999999999999", b"Connection: close",
+                              b"Transfer-Encoding: chunked", b"Expect: 100-continue", b":", b" ", b"\x00", b"\xff"]),
+             max_size=25).map(b"".join),
+))
+def test_fuzz_raw_bytes_never_kill_the_server(server, raw):
+    with connect(server) as sock:
+        sock.settimeout(2)
+        try:
+            sock.sendall(raw)
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(65536):  # whatever comes back, the server must end the exchange
+                pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    # and it still serves
+    assert exchange(server, b"GET /healthz HTTP/1.1\r\n\r\n") == (200, {"ok": True})
