@@ -92,6 +92,12 @@ def slurm_node_addrs(slurm_conf: str, timeout_s: float = 10.0) -> dict[str, str]
     return out
 
 
+def _news(previous: NodeReport | None, report: NodeReport) -> bool:
+    """The report carries an actionable finding the previous one from that node did not."""
+    known = {f.id for f in previous.findings} if previous is not None else set()
+    return any(is_actionable(f) and f.id not in known for f in report.findings)
+
+
 class Controller:
     """The daemon's state and logic, independent of the HTTP server and the main loop (tests drive it)."""
 
@@ -120,6 +126,8 @@ class Controller:
         self.slurm_wait_s = slurm_wait_s
         self.reports: dict[str, NodeReport] = {}
         self.reports_lock = threading.Lock()
+        self.wake = threading.Event()
+        """Set by a report that brings a new actionable finding: the main loop runs a round at once."""
         self.round_lock = threading.Lock()  # one evaluation at a time (control loop or a request)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="healthd-eval")
         # (policy decision id, incident) -> (ledger outcome, ledger row id): the same decision id recurs for
@@ -180,7 +188,10 @@ class Controller:
             self.metrics.reports.labels(result="400").inc()
             return 400, {"accepted": False, "error": reason}
         with self.reports_lock:
+            previous = self.reports.get(report.node)
             self.reports[report.node] = report
+        if _news(previous, report):
+            self.wake.set()  # a new actionable finding: decide now, not at the next round
         try:
             instructions = self.reintegrator.instructions_for(report)
         except Exception:  # the ledger busy or broken: the report is still accepted
@@ -249,7 +260,7 @@ class Controller:
 
     def _ensure_incidents(self, reports: Mapping[str, NodeReport], now: float, jobs: Mapping[str, str] | None) -> None:
         for node, report in reports.items():
-            if now - report.received_at > self.policy.report_ttl_s:
+            if not report.findings or now - report.received_at > self.policy.report_ttl_s:
                 continue
             for f in report.findings:
                 if f.tier not in (1, 2):
@@ -275,12 +286,19 @@ class Controller:
         """One ledger incident per correlated topology group (signature `group:<group>`), attributed
         to the shared part; its failing nodes join it as they appear."""
         seen: set[str] = set()
+        open_by_signature: dict[str, Any] | None = None  # signature -> its oldest open incident
         for gi in groups:
             if gi.group in seen:
                 continue
             seen.add(gi.group)
             signature = f"group:{gi.group}"
-            existing = next((i for i in self.ledger.incidents(status="open") if i.signature == signature), None)
+            if open_by_signature is None:
+                # read once, and only in a round with a group incident: each group below touches its own
+                # signature only, so the rows read before it opens or grows one are still current
+                open_by_signature = {}
+                for incident in self.ledger.incidents(status="open"):
+                    open_by_signature.setdefault(incident.signature, incident)
+            existing = open_by_signature.get(signature)
             if existing is None:
                 kind = gi.group.split(":", 1)[0]
                 inc = self.ledger.open_incident(signature, attribution="fabric" if kind == "switch" else "hardware",
@@ -323,6 +341,18 @@ class Controller:
             self.metrics.refusals.labels(gate=gate or "error").inc()
         return row_id
 
+    def _record_batch(self, outcomes: list[Outcome], now: float) -> None:
+        """Record the outcomes nothing is applied for in ONE transaction: when a whole fleet's agents
+        go silent, 10,000 stale-report decisions were 10,000 fsynced commits under the round lock."""
+        before = dict(self._recorded)
+        try:
+            with self.ledger.transaction():
+                for outcome in outcomes:
+                    self._record(outcome, now)
+        except BaseException:
+            self._recorded = before  # rolled back: forget the row ids that no longer exist
+            raise
+
     def _breaker(self) -> BreakerState:
         b = self.ledger.breaker_state()
         return BreakerState(open=b.open, opened_at=b.opened_at, reset_at=b.reset_at, cause=b.cause or "",
@@ -340,8 +370,10 @@ class Controller:
                 return None
             with self.reports_lock:
                 reports = dict(self.reports)
-            cleared = self.reintegrator.cleared(now)
-            reports = {n: without_cleared(r, cleared.get(n, {})) for n, r in reports.items()}
+            # only the few nodes in a reintegration have cleared findings to filter out
+            for n, findings in self.reintegrator.cleared(now).items():
+                if n in reports:
+                    reports[n] = without_cleared(reports[n], findings)
             self._load_incidents()
             self._ensure_incidents(reports, now, jobs)
             drains = {n: "" if i is None else str(i) for n, i in self.ledger.healthd_drains().items()}
@@ -365,11 +397,15 @@ class Controller:
                 # operator undos, and anything a start-up recovery could not finish (Slurm was down)
                 for r in self.executor.recover(now):
                     self.metrics.actions.labels(kind="recover", status=r.status).inc()
+            outcomes = list(apply_gates(decisions, ctx))
+            acts = [self.policy.mode != "observe" and o.status == "allowed" for o in outcomes]
+            self._record_batch([o for o, a in zip(outcomes, acts, strict=True) if not a], now)
             results: list[tuple[Outcome, ExecResult | None]] = []
-            for outcome in apply_gates(decisions, ctx):
-                row_id = self._record(outcome, now)
+            for outcome, act in zip(outcomes, acts, strict=True):
                 result = None
-                if outcome.status == "allowed" and self.policy.mode != "observe":
+                if act:
+                    # each acting decision commits on its own, before its Slurm call (write-ahead)
+                    row_id = self._record(outcome, now)
                     result = self.executor.apply(outcome, now, decision_id=row_id, mode=self.policy.mode)
                     self.metrics.actions.labels(kind=outcome.decision.kind, status=result.status).inc()
                     if result.status == "applied" and outcome.decision.escalation:
@@ -386,7 +422,7 @@ class Controller:
         rs = self.settings.reintegration
         out: dict[tuple[str, str], str] = {}
         for node, report in reports.items():
-            if now - report.received_at > self.policy.report_ttl_s:
+            if not report.findings or now - report.received_at > self.policy.report_ttl_s:
                 continue
             actionable = [f for f in report.findings if is_actionable(f)]
             if not actionable:
@@ -483,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     controller = Controller(settings, ledger, backend, dry_run=args.dry_run, topology_text=topology_text)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: (stop.set(), controller.wake.set()))
     _log.info("healthd-controller starting: mode %s, listen %s, ledger %s%s", settings.policy.mode, settings.listen,
               settings.ledger, " (dry run)" if args.dry_run else "")
     controller.refresh_node_addrs(time.time())
@@ -500,12 +536,14 @@ def main(argv: list[str] | None = None) -> int:
         if settings.metrics_listen:
             controller.metrics.serve(settings.metrics_listen)
         while not stop.is_set():
+            controller.wake.clear()
             try:
                 controller.refresh_node_addrs(time.time())
                 controller.evaluate(time.time())
             except Exception:
                 _log.exception("control round failed")
-            stop.wait(args.interval)
+            # every `interval`, or at once when a report brings a new actionable finding
+            controller.wake.wait(args.interval)
         _log.info("healthd-controller stopping")
         return 0
     except (OSError, KeyError) as exc:

@@ -125,10 +125,12 @@ class GateContext:
     removed_in_batch: frozenset[str] = frozenset()
     """Nodes allowed out of service earlier in this batch (capacity floor counts them as gone)."""
     out_of_service: frozenset[str] | None = None
-    """Nodes Slurm shows drained, down, not responding or rebooting (computed from the fleet when None)."""
+    """Nodes Slurm shows drained, down, not responding or rebooting (computed from the fleet when None
+    and capacity floors are configured; without floors no gate reads it and it stays None)."""
 
     def __post_init__(self) -> None:
-        if self.out_of_service is None:
+        # only the capacity floor reads it: without floors, a walk over every node each round is waste
+        if self.out_of_service is None and self.settings.capacity_floors:
             gone = {n for n, i in self.fleet.nodes.items() if _out_of_service(i)}
             for members in self.fleet.partitions.values():  # a member Slurm did not report is not healthy
                 gone.update(n for n in members if n not in self.fleet.nodes)
@@ -186,8 +188,10 @@ def evaluate_breaker(
     if previous.open:
         return previous, None
     failing = failing_nodes(fleet, settings, now, since=previous.reset_at)
-    total = len(fleet.all_nodes)
     count = len(failing)
+    if count <= settings.breaker_nodes and count < settings.breaker_min_nodes:
+        return previous, None  # too few failures for either rule: no need to size the whole fleet
+    total = len(fleet.all_nodes)
     by_count = count > settings.breaker_nodes
     by_percent = total > 0 and count >= settings.breaker_min_nodes and count * 100.0 / total > settings.breaker_percent
     if not (by_count or by_percent):
@@ -336,7 +340,9 @@ def gate_capacity(decision: Decision, ctx: GateContext) -> Refusal | None:
     if decision.kind not in REMOVING_KINDS:
         return None
     floors = ctx.settings.capacity_floors
-    unhealthy = ctx.out_of_service | ctx.removed_in_batch
+    if not floors:
+        return None
+    unhealthy = (ctx.out_of_service or frozenset()) | ctx.removed_in_batch
     for p in ctx.fleet.partitions_of(decision.node):
         floor = floors.get(p)
         if floor is None:

@@ -368,3 +368,14 @@ def test_correlated_rack_failure_is_one_group_incident_not_drains(rig_factory):
     assert len(groups) == 1 and groups[0].nodes == ("node01", "node02")
     refused = rig.ledger.decisions(outcome="refused")
     assert {(d.node, d.refused_gate) for d in refused} == {("node01", "correlation"), ("node02", "correlation")}
+
+
+def test_a_report_with_a_new_actionable_finding_wakes_the_control_loop(rig_factory):
+    rig = rig_factory("observe")
+    assert rig.report("node02", {"node": "node02", "verdict": "healthy", "findings": []})[0] == 200
+    assert not rig.controller.wake.is_set()
+    assert rig.report("node02")[0] == 200  # Xid 79 appears
+    assert rig.controller.wake.is_set()
+    rig.controller.wake.clear()
+    assert rig.report("node02")[0] == 200  # the same finding again (heartbeat): no news
+    assert not rig.controller.wake.is_set()

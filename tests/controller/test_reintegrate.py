@@ -57,13 +57,14 @@ class Rig:
         self.now += advance
         return self.controller.evaluate(self.now)
 
-    def until(self, predicate, rounds: int = 100):
-        for _ in range(rounds):
+    def until(self, predicate, timeout_s: float = 30.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             self.round()
             if predicate():
                 return
             time.sleep(0.05)  # the validation thread
-        raise AssertionError("condition not reached")
+        raise AssertionError(f"condition not reached; reintegrations: {self.ledger.reintegrations()}")
 
     def reint(self, node: str = "node02"):
         return self.ledger.reintegrations(node=node)[-1]
