@@ -14,9 +14,7 @@ import json
 import os
 import sqlite3
 import sys
-import threading
 import time
-import urllib.parse
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -24,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
-from healthd.controller.ledger import APPLICATION_ID, REMEDIATION_KINDS, SCHEMA_VERSION, Incident, Ledger, LedgerError
+from healthd.controller.ledger import REMEDIATION_KINDS, Incident, Ledger, LedgerError
 from healthd.render import _table
 
 DEFAULT_CONFIG = "/etc/healthd/controller.yaml"
@@ -42,27 +40,13 @@ class Refused(Exception):
 
 
 def open_readonly(path: str) -> Ledger:
-    """A Ledger over a read-only connection: no migration, no WAL switch, no write ever."""
-    p = Path(path)
-    if not p.is_file():
+    """The ledger, read-only (Ledger.open_readonly): healthctl never writes it."""
+    if not Path(path).is_file():
         raise Unreachable(f"{path}: no ledger there (is the controller running, or is --ledger wrong?)")
-    uri = "file:" + urllib.parse.quote(str(p.resolve())) + "?mode=ro"
     try:
-        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=5)
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-    except sqlite3.Error as exc:
-        raise Unreachable(f"{path}: cannot read the ledger: {exc}") from exc
-    if app_id != APPLICATION_ID:
-        conn.close()
-        raise Unreachable(f"{path}: not a healthd ledger")
-    if version != SCHEMA_VERSION:
-        conn.close()
-        raise Unreachable(f"{path}: ledger schema version {version}, this healthctl reads {SCHEMA_VERSION}")
-    led = Ledger.__new__(Ledger)
-    led.path, led._pid, led._lock, led._depth, led._conn = str(path), os.getpid(), threading.RLock(), 0, conn
-    return led
+        return Ledger.open_readonly(path)
+    except LedgerError as exc:
+        raise Unreachable(str(exc)) from exc
 
 
 # --------------------------------------------------------------------------------------------------
@@ -424,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except sqlite3.Error as exc:
                 raise Unreachable(f"{args.ledger}: cannot read the ledger: {exc}") from exc
             finally:
-                led._conn.close()
+                led.close()
             if args.json:
                 print(json.dumps(doc, indent=2, sort_keys=True))
             else:

@@ -38,6 +38,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -466,6 +467,36 @@ class Ledger:
         except BaseException:
             self._conn.close()
             raise
+
+    @classmethod
+    def open_readonly(cls, path: str | os.PathLike[str], *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> Ledger:
+        """A Ledger over a read-only connection (healthctl, metrics): no migration, no WAL switch, and
+        any write raises LedgerError. The file must be a healthd ledger at this code's schema version."""
+        p = Path(path)
+        if not p.is_file():
+            raise LedgerError(f"{path}: no ledger there")
+        uri = "file:" + urllib.parse.quote(str(p.resolve())) + "?mode=ro"
+        try:
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{path}: cannot read the ledger: {exc}") from exc
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            if app_id != APPLICATION_ID:
+                raise LedgerError(f"{path}: not a healthd ledger")
+            if version != SCHEMA_VERSION:
+                raise LedgerError(f"{path}: ledger schema version {version}, this healthd reads {SCHEMA_VERSION}")
+        except sqlite3.Error as exc:
+            conn.close()
+            raise LedgerError(f"{path}: cannot read the ledger: {exc}") from exc
+        except LedgerError:
+            conn.close()
+            raise
+        led = cls.__new__(cls)
+        led.path, led._pid, led._lock, led._depth, led._conn = str(path), os.getpid(), threading.RLock(), 0, conn
+        return led
 
     def _setup(self, busy_timeout_s: float) -> None:
         conn = self._conn

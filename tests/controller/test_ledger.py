@@ -600,3 +600,22 @@ def test_false_positive_rate_of_observe_proposals(led: Ledger) -> None:
     assert (fp.approved, fp.rejected, fp.rate) == (3, 2, 0.4)
     assert led.false_positive_rate(mode="auto").rate == 1.0
     assert led.false_positive_rate(mode="supervised").rate is None
+
+
+def test_open_readonly_reads_and_refuses_writes(tmp_path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.open_incident("xid:gpu0:79", attribution="hardware", tier="T1", nodes=["node02"], at=5)
+    ro = Ledger.open_readonly(path)
+    try:
+        assert [i.signature for i in ro.incidents()] == ["xid:gpu0:79"]
+        with pytest.raises(LedgerError):
+            ro.open_incident("x", attribution="hardware", tier="T1")
+    finally:
+        ro.close()
+    other = tmp_path / "other.sqlite"
+    sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.commit()
+    with pytest.raises(LedgerError, match="not a healthd ledger"):
+        Ledger.open_readonly(other)
+    with pytest.raises(LedgerError, match="no ledger"):
+        Ledger.open_readonly(tmp_path / "absent.sqlite")
