@@ -2,6 +2,15 @@
 
 Names follow `healthd_<subsystem>_<name>_<unit>`; the monitor's own health is exported as
 `healthd_collector_success{collector=...}` so a silently broken collector is visible.
+
+Naming (Prometheus conventions, checked by `promtool check metrics` in tests/observability):
+base units spelled out in the name (`_seconds`, `_celsius`, `_bytes_per_second`), counters end in
+`_total`, timestamps are `_timestamp_seconds` (Unix time, so an alert is `time() - x > N`), and
+`_count`/`_sum`/`_bucket` are left to histograms. Labels are bounded per node: verdict, tier,
+attribution, collector, GPU index/UUID, HCA/port, Xid code; never a job id, PID or message text.
+`healthd_gpus` was `healthd_gpu_count` (promtool: `_count` is reserved for histograms and summaries);
+`healthd_ib_port_rate_bytes_per_second` was `healthd_ib_port_rate_gbps` (base unit, the name
+node_exporter's `node_infiniband_rate_bytes_per_second` uses: 400 Gb/s NDR = 5e10).
 """
 
 from __future__ import annotations
@@ -36,14 +45,16 @@ class Metrics:
             "healthd_collector_duration_seconds", "Wall time of the collector's last run", ["collector"], registry=r
         )
         self.last_tick = Gauge("healthd_last_tick_timestamp_seconds", "When the verdict was last computed", registry=r)
-        self.gpus = Gauge("healthd_gpu_count", "GPUs NVML reports", registry=r)
+        self.gpus = Gauge("healthd_gpus", "GPUs NVML reports", registry=r)
         self.gpu_temp = Gauge("healthd_gpu_temperature_celsius", "GPU temperature", ["gpu", "uuid"], registry=r)
         self.gpu_lost = Gauge("healthd_gpu_lost", "1 if NVML reports the GPU lost", ["gpu", "uuid"], registry=r)
         self.port_up = Gauge("healthd_ib_port_up", "1 if the port is ACTIVE and LinkUp", ["device", "port"], registry=r)
-        self.port_rate = Gauge("healthd_ib_port_rate_gbps", "Port link rate", ["device", "port"], registry=r)
-        self.kernel_lines = Counter("healthd_kernel_lines", "Kernel log lines read", registry=r)
-        self.xid_lines = Counter("healthd_kernel_xid_lines", "NVRM Xid lines read, by Xid", ["xid"], registry=r)
-        self.kernel_malformed = Counter("healthd_kernel_malformed_lines", "NVRM lines that did not parse", registry=r)
+        self.port_rate = Gauge("healthd_ib_port_rate_bytes_per_second", "Port link rate (400 Gb/s NDR = 5e10)",
+                               ["device", "port"], registry=r)
+        self.kernel_lines = Counter("healthd_kernel_lines_total", "Kernel log lines read", registry=r)
+        self.xid_lines = Counter("healthd_kernel_xid_lines_total", "NVRM Xid lines read, by Xid", ["xid"], registry=r)
+        self.kernel_malformed = Counter("healthd_kernel_malformed_lines_total", "NVRM lines that did not parse",
+                                        registry=r)
         for v in VERDICTS:
             self.verdict.labels(v).set(0)
         if settings.listen:
@@ -77,7 +88,7 @@ class Metrics:
         for p in snap.infiniband.ports:
             self.port_up.labels(p.device, str(p.port)).set(1 if p.up else 0)
             if p.rate_gbps is not None:
-                self.port_rate.labels(p.device, str(p.port)).set(p.rate_gbps)
+                self.port_rate.labels(p.device, str(p.port)).set(p.rate_gbps * 1e9 / 8)
         k = snap.kernel
         if k.lines_read:
             self.kernel_lines.inc(k.lines_read)

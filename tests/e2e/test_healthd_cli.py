@@ -20,6 +20,7 @@ import yaml
 from tests.support.fake_nvml import build_fake_nvml, healthy_node, write_nvml_config
 from tests.support.ib_tree import make_ndr_node, set_state
 from tests.support.journal import write_journal
+from tests.support.polling import read_text, scrape, wait_for
 
 HEALTHD = str(Path(sys.executable).with_name("healthd"))
 
@@ -212,29 +213,11 @@ def test_corrupt_agent_state_is_set_aside_and_the_agent_runs(node):
     assert read_state(node.state_file)["verdict"] == "healthy"
 
 
-def read_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None
-
-
 def read_state(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
         return None
-
-
-def wait_for(read, ok, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    value = None
-    while time.monotonic() < deadline:
-        value = read()
-        if value is not None and ok(value):
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"condition not met within {timeout}s; last value: {json.dumps(value)[:2000]}")
 
 
 def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopback(node):
@@ -248,8 +231,9 @@ def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopb
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: read_state(node.state_file), lambda d: d["verdict"] == "healthy")
-        body = wait_for(lambda: scrape(f"http://127.0.0.1:{port}/metrics"), lambda t: "healthd_verdict" in t)
-        assert 'healthd_verdict{verdict="healthy"} 1.0' in body
+        # the state file is written before the metrics are updated: wait for the healthy verdict there too
+        body = wait_for(lambda: scrape(f"http://127.0.0.1:{port}/metrics"),
+                        lambda t: 'healthd_verdict{verdict="healthy"} 1.0' in t)
         assert 'healthd_ib_port_up{device="mlx5_0",port="1"} 1.0' in body
 
         node.config.write_text("interval_s: soon\n")
@@ -264,18 +248,6 @@ def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopb
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=15)
     assert f"reload refused, keeping the running configuration: {node.config}: interval_s: expected a number" in err
-
-
-def scrape(url: str) -> str | None:
-    import urllib.error
-    import urllib.request
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
-    try:
-        with opener.open(url, timeout=2) as r:
-            return r.read().decode()
-    except (urllib.error.URLError, OSError):
-        return None
 
 
 def test_daemon_keeps_reporting_the_kernel_sources_status_between_kernel_reads(node):
