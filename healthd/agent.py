@@ -40,6 +40,7 @@ from healthd.model import (
     iso,
 )
 from healthd.persist import read_json_or_quarantine, write_json_atomic
+from healthd.sdnotify import Notifier, Watchdog, notifier_from_env, stalled_reason, watchdog_period_s
 from healthd.settings import Settings
 
 log = logging.getLogger("healthd")
@@ -458,32 +459,59 @@ def build_agent(config_path: str | None, *, dry_run: bool) -> Agent:
     return Agent(settings, catalog, sources, memory, dry_run=dry_run, metrics=metrics, reporter=reporter)
 
 
-def run_loop(agent: Agent, config_path: str | None, on_tick: Callable[[Agent], None]) -> int:
+def run_loop(agent: Agent, config_path: str | None, on_tick: Callable[[Agent], None],
+             notifier: Notifier | None = None) -> int:
     """`healthd run`: follow the kernel log, collect every interval, classify, `on_tick` (publish,
-    or print in dry-run). SIGTERM/SIGINT stop it; SIGHUP reloads the config."""
+    or print in dry-run). SIGTERM/SIGINT stop it; SIGHUP reloads the config.
+
+    Under systemd (Type=notify): READY=1 after the first complete pass has been published, STATUS=
+    with the verdict, and WATCHDOG=1 only while ticks complete and no collector has been stuck in
+    one call for longer than the watchdog period (healthd.sdnotify.stalled_reason)."""
     settings = agent.settings
+    notifier = notifier if notifier is not None else notifier_from_env()
+    dog = Watchdog(notifier, watchdog_period_s())
     stop = threading.Event()
     reload_requested = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: reload_requested.set())
-    log.info("healthd %s starting on %s (interval %.1fs%s)", __version__, settings.node_name,
-             settings.interval_s, ", dry run" if agent.dry_run else "")
+    log.info("healthd %s starting on %s (interval %.1fs%s%s)", __version__, settings.node_name,
+             settings.interval_s, ", dry run" if agent.dry_run else "",
+             f", watchdog {dog.period_s:g}s" if dog.period_s else "")
 
     kernel_q: "queue.Queue[KernelSample]" = queue.Queue()
     agent.tick(kernel_timeout_s=0.0)
     on_tick(agent)
+    stuck_since: dict[str, float] = {}
+    last_tick = time.monotonic()
+    status = _note_progress(agent, notifier, stuck_since, last_tick, "")
+    notifier.notify("READY=1")
     follower = KernelThread(agent, kernel_q, stop)
     follower.start()
     next_periodic = time.monotonic() + settings.interval_s
+    stalled = ""
     try:
         while not stop.is_set():
+            now = time.monotonic()
+            if dog.enabled:
+                reason = stalled_reason(
+                    now, last_tick=last_tick, tick_limit_s=agent.settings.interval_s + dog.period_s,
+                    stuck_since=stuck_since, stuck_limit_s=dog.period_s)
+                if reason and reason != stalled:
+                    log.error("not feeding the systemd watchdog: %s; systemd restarts healthd within %gs",
+                              reason, dog.period_s)
+                stalled = reason
+                dog.feed(now, healthy=not reason)
             if reload_requested.is_set():
                 reload_requested.clear()
+                notifier.notify("RELOADING=1")
                 _reload(agent, config_path)
+                notifier.notify("READY=1")
             pending: list[KernelSample] = []
+            wait = max(0.0, next_periodic - time.monotonic())
+            due = dog.next_due(time.monotonic())
             try:
-                pending.append(kernel_q.get(timeout=min(1.0, max(0.0, next_periodic - time.monotonic()))))
+                pending.append(kernel_q.get(timeout=min(1.0, wait, 1.0 if due is None else max(due, 0.05))))
                 while True:
                     pending.append(kernel_q.get_nowait())
             except queue.Empty:
@@ -495,14 +523,36 @@ def run_loop(agent: Agent, config_path: str | None, on_tick: Callable[[Agent], N
             if pending or periodic:
                 agent.classify(merge_kernel(pending) if pending else agent.kernel_status)
                 on_tick(agent)
+                last_tick = time.monotonic()
+                status = _note_progress(agent, notifier, stuck_since, last_tick, status)
     finally:
         stop.set()
+        notifier.notify("STOPPING=1")
         follower.join(timeout=3.0)
         agent.sources.close()
         if agent.reporter is not None:
             agent.reporter.stop(flush_s=min(2.0, agent.settings.controller.timeout_s))
         log.info("healthd stopped")
     return 0
+
+
+def _note_progress(agent: Agent, notifier: Notifier, stuck_since: dict[str, float], now: float, status: str) -> str:
+    """After a tick: track how long each collector has been stuck (a `timeout` sample means its call
+    is still running; the call began at least call_timeout_s before the first such sample), and send
+    STATUS= when the one-line summary changed. Returns the summary sent last."""
+    for name, sample in agent.last.items():
+        if getattr(sample, "error_kind", None) == "timeout":
+            began = now - (agent.settings.nvml.call_timeout_s if name == "nvml" else 0.0)
+            stuck_since.setdefault(name, began)
+        else:
+            stuck_since.pop(name, None)
+    res = agent.result
+    line = f"verdict {res.verdict}, {len(res.findings)} finding(s)" if res is not None else "no verdict yet"
+    if stuck_since:
+        line += "; stuck: " + ", ".join(sorted(stuck_since))
+    if line != status:
+        notifier.notify(f"STATUS={line}")
+    return line
 
 
 def _reload(agent: Agent, config_path: str | None) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from healthd import __version__
@@ -24,10 +23,15 @@ JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 
 def setup_logging(level: str, daemon: bool) -> None:
+    """The daemon logs to journald with structured fields (NODE, GPU, XID, FINDING, TIER: the agent's
+    finding lines pass them as `extra`) when systemd runs it ($JOURNAL_STREAM is its stderr) or the
+    journal socket exists; otherwise, and for one-shot commands, plain lines on stderr."""
+    from healthd.sdnotify import journal_wanted
+
     root = logging.getLogger()
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     handler: logging.Handler
-    if daemon and os.path.exists(JOURNAL_SOCKET):
+    if daemon and journal_wanted(journal_socket=JOURNAL_SOCKET):
         from systemd.journal import JournalHandler
 
         handler = JournalHandler(SYSLOG_IDENTIFIER="healthd")

@@ -22,7 +22,7 @@
 # tests/slurm/test_e2e_hooks.py renders this very file (replacing the three settings below) and runs it
 # under a real slurmd, so what is shown here is what is tested.
 
-HEALTHD_BIN=/opt/healthd/venv/bin
+HEALTHD_BIN=/opt/healthd/current/bin
 HEALTHD_CONFIG=/etc/healthd/healthd.yaml
 HEALTHD_HOOK_LOG=
 

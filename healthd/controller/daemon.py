@@ -413,6 +413,8 @@ class Controller:
                 results.append((outcome, result))
             if only is None and self.policy.mode != "observe":
                 self._reintegrate(fleet, ctx.breaker.open, now)
+            if only is None:
+                self.metrics.update_from_round(self, now)
             return results
 
     def _escalations(self, reports: Mapping[str, NodeReport], now: float) -> dict[tuple[str, str], str]:
@@ -493,9 +495,66 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_INCIDENT_RE = re.compile(r"\[#(\d+)\]|\bincident #?(\d+)")
+"""Where an incident id appears in the controller's decision and action lines: the Slurm reason's
+`[#12]` (policy.reason), `incident 12: ...` (executor), `group incident #12` (this module)."""
+
+
+class IncidentField(logging.Filter):
+    """Adds the journal field INCIDENT to a record that names an incident (`journalctl INCIDENT=12`
+    lists a decision, its Slurm call and its outcome). An INCIDENT passed as `extra` wins."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "INCIDENT", None) is None:
+            m = _INCIDENT_RE.search(record.getMessage())
+            if m:
+                record.INCIDENT = m.group(1) or m.group(2)
+        return True
+
+
+def setup_logging(*, journal: bool | None = None, sender: Callable[..., Any] | None = None) -> None:
+    """journald with structured fields (INCIDENT) when systemd runs the controller, else stderr lines.
+    `journal`: None decides from the environment (healthd.sdnotify.journal_wanted); `sender` replaces
+    systemd.journal.send (tests)."""
+    from healthd.sdnotify import journal_wanted
+
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    handler: logging.Handler
+    if journal if journal is not None else journal_wanted():
+        from systemd import journal as sd_journal
+
+        handler = sd_journal.JournalHandler(SYSLOG_IDENTIFIER="healthd-controller",
+                                            sender_function=sender or sd_journal.send)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(IncidentField())
+    root.handlers[:] = [handler]
+
+
+def _status(controller: Controller, slurm_ok: bool) -> str:
+    """The one-line STATUS= systemd shows: mode, breaker, reports held, and Slurm when unreachable."""
+    with controller.reports_lock:
+        reports = len(controller.reports)
+    try:
+        breaker = "open" if controller.ledger.breaker_state().open else "closed"
+    except Exception:  # a status line never fails a round
+        breaker = "unknown"
+    line = f"mode {controller.policy.mode}, breaker {breaker}, {reports} report(s)"
+    return line if slurm_ok else line + ", Slurm unreachable"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Under systemd (Type=notify): READY=1 once the ledger is open, the HTTP server bound and the
+    first control round has returned (Slurm unreachable counts: the controller is up and will
+    retry); WATCHDOG=1 after each control round that returned, never while one is hung."""
+    from healthd.sdnotify import Watchdog, notifier_from_env, watchdog_period_s
+
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging()
+    notifier = notifier_from_env()
+    dog = Watchdog(notifier, watchdog_period_s())
     try:
         settings = load_controller_settings(args.config)
         topology_text = Path(settings.topology_conf).read_text() if settings.topology_conf else ""
@@ -535,16 +594,34 @@ def main(argv: list[str] | None = None) -> int:
         server.start_background()
         if settings.metrics_listen:
             controller.metrics.serve(settings.metrics_listen)
+        ready = False
+        status = ""
+        # a round at least every quarter watchdog period: with feeds at most every half period, the
+        # longest gap between two is then 3/4 of a period plus one round
+        interval = args.interval if dog.period_s is None else min(args.interval, dog.period_s / 4)
         while not stop.is_set():
             controller.wake.clear()
+            completed = False
             try:
                 controller.refresh_node_addrs(time.time())
-                controller.evaluate(time.time())
+                slurm_ok = controller.evaluate(time.time()) is not None
+                completed = True
             except Exception:
                 _log.exception("control round failed")
+            if completed:
+                line = _status(controller, slurm_ok)
+                if line != status:
+                    notifier.notify(f"STATUS={line}")
+                    status = line
+                if not ready:
+                    notifier.notify("READY=1")
+                    ready = True
+                # only after a round that returned; a failing round leaves the watchdog to decide
+                dog.feed(time.monotonic(), healthy=True)
             # every `interval`, or at once when a report brings a new actionable finding
-            controller.wake.wait(args.interval)
+            controller.wake.wait(interval)
         _log.info("healthd-controller stopping")
+        notifier.notify("STOPPING=1")
         return 0
     except (OSError, KeyError) as exc:
         print(f"healthd-controller: {exc}", file=sys.stderr)
