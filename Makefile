@@ -6,7 +6,8 @@ PIP := $(VENV)/bin/pip
 PYTHON ?= python3
 # python3-venv/python3-dev: a vanilla Debian python3 needs them for the venv and systemd-python's build
 # slurm-wlm/munge: the local Slurm cluster of tests/slurm (tests/support/slurm_cluster.py, make slurm-up)
-APT_PACKAGES := gcc pkg-config libsystemd-dev systemd-journal-remote systemd python3-venv python3-dev slurm-wlm munge
+# prometheus: promtool, for `promtool check metrics` on real scrapes and `promtool test rules` (tests/observability)
+APT_PACKAGES := gcc pkg-config libsystemd-dev systemd-journal-remote systemd python3-venv python3-dev slurm-wlm munge prometheus
 STAMP_APT := $(VENV)/.apt-stamp
 STAMP_PIP := $(VENV)/.pip-stamp
 # state directory of the local test cluster started by `make slurm-up`
