@@ -77,8 +77,14 @@ def squeue_jobs(node: str, slurm_conf: str | None = None, timeout_s: float = 10.
     return out
 
 
-def idempotency_key(decision: Decision) -> str:
-    return f"{decision.id}#{decision.incident}"
+MAX_ATTEMPTS = 3
+"""Tries of one decision for one incident: a write Slurm refused or that failed (slurmctld restarting,
+a state race) is tried again on later rounds, each attempt its own ledger row, then left to a human."""
+
+
+def idempotency_key(decision: Decision, attempt: int = 1) -> str:
+    key = f"{decision.id}#{decision.incident}"
+    return key if attempt == 1 else f"{key}#try{attempt}"
 
 
 def _tier(value: Any) -> int:
@@ -207,12 +213,19 @@ class Executor:
                 outcome="allowed", incident_id=self._incident_int(decision), at=now).id
         self._timeline(decision, "decided_at", decision.decided_at or now)
         partition = fresh.partitions[0] if fresh.partitions else None
-        action = self.ledger.plan_action(decision_id=decision_id, idempotency_key=idempotency_key(decision),
-                                         node=decision.node, kind=decision.kind, argv=argv, partition=partition,
-                                         evidence={"decision": decision.id}, at=now)
+        attempt = 1
+        while True:
+            action = self.ledger.plan_action(decision_id=decision_id, idempotency_key=idempotency_key(decision, attempt),
+                                             node=decision.node, kind=decision.kind, argv=argv, partition=partition,
+                                             evidence={"decision": decision.id, "attempt": attempt}, at=now)
+            if action.status != "failed" or attempt >= MAX_ATTEMPTS:
+                break
+            attempt += 1  # the previous attempt failed: this round tries again, under a new key
         if action.status != "planned":
             return ExecResult("already-applied" if action.status == "applied" else "skipped",
-                              f"action {action.id} is {action.status}", action.id, action.argv)
+                              f"action {action.id} is {action.status}" + (
+                                  f" after {attempt} attempts" if action.status == "failed" else ""),
+                              action.id, action.argv)
         return self._run(action, decision, now)
 
     def _run(self, action: Action, decision: Decision, now: float) -> ExecResult:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from healthd.controller.executor import Executor, JobInfo, idempotency_key
+from healthd.controller.executor import MAX_ATTEMPTS, Executor, JobInfo, idempotency_key
 from healthd.controller.gates import Outcome
 from healthd.controller.ledger import Ledger
 from healthd.controller.policy import Decision, make_reason
@@ -61,6 +61,30 @@ def test_failure_is_recorded_with_slurms_message(ledger):
     assert res.status == "failed"
     assert ledger.action(res.action_id).status == "failed"
     assert "Invalid node state" in ledger.action(res.action_id).outcome
+
+
+def test_a_failed_write_is_tried_again_next_round_then_left_to_a_human(ledger):
+    be = FakeBackend()
+    ex = Executor(be, ledger)
+    d = drain_decision()
+    be.fail_next = "Unable to contact slurm controller"
+    assert ex.apply(Outcome(d, "allowed"), NOW).status == "failed"
+    retry = ex.apply(Outcome(d, "allowed"), NOW + 5)  # the next round: a second attempt, its own row
+    assert retry.status == "applied" and be.state["node02"].drain_requested
+    assert ledger.action(retry.action_id).idempotency_key == f"{idempotency_key(d)}#try2"
+    writes = len(be.writes)
+    assert ex.apply(Outcome(d, "allowed"), NOW + 10).status in ("refused", "skipped")  # applied: nothing more
+    assert len(be.writes) == writes
+
+    other = drain_decision("node03", incident="H2")
+    for i in range(MAX_ATTEMPTS):
+        be.fail_next = "Invalid node state specified"
+        assert ex.apply(Outcome(other, "allowed"), NOW + 20 + i).status == "failed"
+    be.fail_next = None
+    last = ex.apply(Outcome(other, "allowed"), NOW + 30)
+    assert last.status == "skipped" and f"after {MAX_ATTEMPTS} attempts" in last.detail
+    assert [a.status for a in ledger.actions(node="node03")] == ["failed"] * MAX_ATTEMPTS
+    assert not be.state["node03"].drain_requested
 
 
 def test_foreign_reason_between_decide_and_write_refused(ledger):
