@@ -484,8 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet: FleetHarness | None = None
     drill: Drill | None = None
     try:
-        probe = FleetHarness()
-        reint = probe.controller_supports("reintegration") and not args.skip_repair
+        reint = not args.skip_repair
         extra = reintegration_config(work) if reint else {}
         tl.phase("setup: Slurm cluster, one munged per node, 4 agents, healthd-controller (auto)")
         fleet = FleetHarness(policy=POLICY, extra_config=extra, round_s=ROUND_S, log=lambda m: tl("harness", m))
@@ -501,9 +500,8 @@ def main(argv: list[str] | None = None) -> int:
             tl.phase(f"2. repair, validation in a reservation, resume, probation ({PROBATION_S}s)")
             drill.repair(fail_first=args.fail_path)
         else:
-            tl.phase("2. repair: SKIPPED (this healthd-controller has no `reintegration` config yet)")
-            drill.notes.append("repair phase skipped: controller has no reintegration")
-            fleet.resume([FAULT_NODE])  # TODO(reintegration): gone once the controller reintegrates node02 itself
+            tl.phase("2. repair: skipped (--skip-repair); node02 resumed by hand")
+            fleet.resume([FAULT_NODE])
 
         tl.phase(f"3. correlated event: Xid 79 on {', '.join(CORRELATED)} within a second")
         drains, limit = drill.correlated()
@@ -520,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         line = (f"PASS drill: {', '.join(parts)}; correlated: breaker open after {r['breaker']:.2f} s, "
                 f"{drains} drain{'s' if drains != 1 else ''} <= limit {limit} (total {total:.0f} s)")
         if not reint:
-            line += " [repair phase skipped: no reintegration in this controller]"
+            line += " [repair phase skipped]"
         print("\n" + line, flush=True)
         return 0
     except KeyboardInterrupt:

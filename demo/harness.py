@@ -355,12 +355,6 @@ class FleetHarness:
         return t
 
     # ------------------------------------------------------------------ controller
-    def controller_supports(self, key: str) -> bool:
-        """True when this healthd's controller config knows top-level key `key` (e.g. `reintegration`)."""
-        from healthd.controller.config import ControllerSettings
-
-        return key in {f.name for f in dataclasses.fields(ControllerSettings)}
-
     def write_controller_config(self) -> None:
         assert self.munge is not None
         doc: dict[str, Any] = {

@@ -7,8 +7,8 @@
    `hooks.charges_file` {job, user, node, gpu, serial, xid, finding, summary, time, ...}, and logged.
 3. Post-job checks: all expected GPU device files still present (written to checks.json for the
    agent); findings asking for a reset or reboot when idle (pending row remap, Xid 63/92, GSP errors)
-   leave a request `<run_dir>/requests/<finding-id>.json` for the controller and, with
-   `hooks.gating: local`, `scontrol reboot ASAP` -- unless the node is drained (a drain is the
+   leave a record `<run_dir>/requests/<finding-id>.json` (the controller learns of the finding from
+   the agent's report and decides the reboot itself) and, with `hooks.gating: local`, `scontrol reboot ASAP` -- unless the node is drained (a drain is the
    controller's to resolve, and a reboot's next state RESUME would undo it) or carries a reason
    healthd did not write.
 
