@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from tests.controller.munge_support import MungeFleet, munged_path  # noqa: E402
 from tests.support.fake_nvml import build_fake_nvml, healthy_node, write_nvml_config  # noqa: E402
 from tests.support.ib_tree import make_ndr_node  # noqa: E402
 from tests.support.journal import write_journal  # noqa: E402
+from tests.support.polling import free_port, poll  # noqa: E402
 from tests.support.slurm_cluster import SlurmCluster, ensure_installed  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -67,22 +67,9 @@ def kernel_bus(nvml_bus: str) -> str:
     return nvml_bus[4:].lower().rsplit(".", 1)[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for(probe: Callable[[], T], timeout_s: float, interval_s: float = 0.05, what: str = "condition") -> T:
     """Call `probe` until it returns something truthy; that value, or HarnessError after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise HarnessError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
+    return poll(probe, timeout_s, what, interval=interval_s, error=HarnessError)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -15,46 +15,27 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from healthd.controller.auth import sign_report
 from healthd.model import iso
 from tests.controller.munge_support import MungeFleet
+from tests.support.polling import free_port, poll as wait_until
 from tests.support.slurm_cluster import SAFE_PATH, SlurmCluster
-
-T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 CONTROLLER_BIN = Path(sys.executable).parent / "healthd-controller"
 HEALTHCTL_BIN = Path(sys.executable).parent / "healthctl"
 ROUND_S = 0.5
 SNAPSHOT_KEYS = ("State", "Reason", "ReasonUser", "ReasonTime")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
 
 
 # ------------------------------------------------------------------------------------ reports

@@ -19,6 +19,7 @@ from healthd.controller.policy import ControllerPolicySettings
 from healthd.controller.server import ControllerHTTPServer
 from healthd.model import iso
 from tests.controller.munge_support import MungeFleet, munged_path
+from tests.controller.test_executor import crash_after_plan, drain_decision
 from tests.support.fake_slurm import FakeBackend
 
 NODES = ["node01", "node02", "node03", "node04"]
@@ -238,15 +239,9 @@ def test_request_thread_is_not_blocked_by_a_slow_slurm(rig_factory):
 
 
 def test_recover_at_start_finishes_a_planned_drain(rig_factory):
-    from healthd.controller.executor import idempotency_key
-    from tests.controller.test_executor import drain_decision
-
     rig = rig_factory("auto")
     d = drain_decision("node04")
-    row = rig.ledger.record_decision(node="node04", kind="drain", tier="T1", mode="auto", reason=d.reason,
-                                     outcome="allowed", at=time.time())
-    rig.ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node="node04", kind="drain",
-                           argv=rig.controller.executor.argv_for(d))
+    crash_after_plan(rig.ledger, rig.backend, d, at=time.time())
     rig.controller.recover(time.time())
     rig.controller.recover(time.time())
     assert rig.backend.writes == [("drain", "node04", d.reason)]
@@ -254,15 +249,9 @@ def test_recover_at_start_finishes_a_planned_drain(rig_factory):
 
 
 def test_recover_in_observe_writes_nothing(rig_factory):
-    from healthd.controller.executor import idempotency_key
-    from tests.controller.test_executor import drain_decision
-
     rig = rig_factory("observe")
     d = drain_decision("node04")
-    row = rig.ledger.record_decision(node="node04", kind="drain", tier="T1", mode="auto", reason=d.reason,
-                                     outcome="allowed", at=time.time())
-    rig.ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node="node04", kind="drain",
-                           argv=rig.controller.executor.argv_for(d))
+    crash_after_plan(rig.ledger, rig.backend, d, at=time.time())
     rig.controller.recover(time.time())
     assert rig.backend.writes == [] and len(rig.ledger.pending_actions()) == 1
 

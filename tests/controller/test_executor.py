@@ -97,19 +97,20 @@ def test_foreign_reason_between_decide_and_write_refused(ledger):
     assert ledger.pending_actions() == [] and ledger.actions() == []
 
 
-def _crash_after_plan(ledger, be, d):
+def crash_after_plan(ledger, be, d, at: float = NOW):
+    """A decision recorded and its action planned, then nothing: what a SIGKILL before the Slurm call leaves."""
     ex = Executor(be, ledger)
     row = ledger.record_decision(node=d.node, kind=d.kind, tier="T1", mode="auto", reason=d.reason, outcome="allowed",
-                                 at=NOW)
+                                 at=at)
     ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node=d.node, kind=d.kind,
-                       argv=ex.argv_for(d), at=NOW)
+                       argv=ex.argv_for(d), at=at)
     return row
 
 
 def test_recover_applies_exactly_once(ledger):
     be = FakeBackend()
     d = drain_decision()
-    _crash_after_plan(ledger, be, d)
+    crash_after_plan(ledger, be, d)
     ex = Executor(be, ledger)
     results = ex.recover(NOW + 10)
     assert [r.status for r in results] == ["applied"]
@@ -122,7 +123,7 @@ def test_recover_applies_exactly_once(ledger):
 def test_recover_marks_applied_when_slurm_shows_it(ledger):
     be = FakeBackend()
     d = drain_decision()
-    _crash_after_plan(ledger, be, d)
+    crash_after_plan(ledger, be, d)
     be.drain("node02", d.reason)  # the write landed, the crash came before mark_applied
     be.writes.clear()
     results = Executor(be, ledger).recover(NOW + 10)
@@ -134,7 +135,7 @@ def test_recover_marks_applied_when_slurm_shows_it(ledger):
 def test_recover_refuses_a_foreign_reason(ledger):
     be = FakeBackend()
     d = drain_decision()
-    _crash_after_plan(ledger, be, d)
+    crash_after_plan(ledger, be, d)
     be.state["node02"] = dataclasses.replace(be.state["node02"], flags=frozenset({"DRAIN"}), reason="maintenance",
                                              reason_user="bob")
     results = Executor(be, ledger).recover(NOW + 10)
@@ -165,7 +166,7 @@ def test_dry_run_prints_and_writes_nothing(ledger):
 def test_recover_refuses_while_the_breaker_is_open(ledger):
     be = FakeBackend()
     d = drain_decision()
-    _crash_after_plan(ledger, be, d)
+    crash_after_plan(ledger, be, d)
     ledger.open_breaker("switch:leaf1", nodes=["node01", "node02", "node03"], at=NOW + 1)
     results = Executor(be, ledger).recover(NOW + 10)
     assert [r.status for r in results] == ["refused"] and "breaker" in results[0].detail
@@ -175,7 +176,7 @@ def test_recover_refuses_while_the_breaker_is_open(ledger):
 def test_recover_refuses_a_decision_older_than_a_breaker_reset(ledger):
     be = FakeBackend()
     d = drain_decision()
-    _crash_after_plan(ledger, be, d)
+    crash_after_plan(ledger, be, d)
     ledger.open_breaker("unknown", at=NOW + 1)
     ledger.reset_breaker(by="alice", why="switch replaced", at=NOW + 2)
     results = Executor(be, ledger).recover(NOW + 10)

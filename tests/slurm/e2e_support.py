@@ -42,6 +42,7 @@ import yaml
 from tests.support.fake_nvml import build_fake_nvml, healthy_node, write_nvml_config
 from tests.support.ib_tree import make_ndr_node
 from tests.support.journal import write_journal
+from tests.support.polling import poll
 from tests.support.slurm_cluster import SlurmCluster, SlurmClusterError
 
 T = TypeVar("T")
@@ -68,20 +69,7 @@ class E2EError(AssertionError):
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2,
              diagnostics: Callable[[], str] | None = None) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = ""
-            if diagnostics is not None:
-                try:
-                    extra = "\n" + diagnostics()
-                except Exception as exc:  # noqa: BLE001 - diagnostics must not hide the timeout
-                    extra = f"\n(diagnostics failed: {exc})"
-            raise E2EError(f"timed out after {timeout:g} s waiting for {what}{extra}")
-        time.sleep(interval)
+    return poll(predicate, timeout, what, interval=interval, error=E2EError, diagnostics=diagnostics)
 
 
 @contextmanager

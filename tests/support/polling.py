@@ -1,5 +1,5 @@
-"""Small helpers the end-to-end tests share: wait for a value, read a file that may not exist yet,
-scrape a loopback HTTP endpoint, pick a free loopback port."""
+"""Small helpers the end-to-end tests (and the demo's harness) share: wait for a condition, read a file
+that may not exist yet, scrape a loopback HTTP endpoint, pick a free loopback port."""
 
 from __future__ import annotations
 
@@ -8,7 +8,31 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def poll(predicate: Callable[[], T], timeout: float, what: str = "condition", *, interval: float = 0.2,
+         error: type[Exception] = AssertionError, diagnostics: Callable[[], str] | None = None) -> T:
+    """Call `predicate` until it returns something truthy and return that; after `timeout` s raise
+    `error` naming `what`, with `diagnostics()` appended (the logs that say why)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = ""
+            if diagnostics is not None:
+                try:
+                    extra = "\n" + diagnostics()
+                except Exception as exc:  # noqa: BLE001 - diagnostics must not hide the timeout
+                    extra = f"\n(diagnostics failed: {exc})"
+            raise error(f"timed out after {timeout:g} s waiting for {what}{extra}")
+        time.sleep(interval)
 
 
 def wait_for(read, ok, timeout: float = 20.0):

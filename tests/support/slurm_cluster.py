@@ -45,6 +45,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TypeVar
 
+from tests.support.polling import poll
+
 T = TypeVar("T")
 
 DEFAULT_PORT_BASE = 16817
@@ -888,14 +890,7 @@ class SlurmCluster:
         self, predicate: Callable[[], T], timeout: float = 30, interval: float = 0.2, what: str = "condition"
     ) -> T:
         """Poll `predicate` until it returns something truthy (and return that), or raise after `timeout` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise SlurmClusterError(f"timed out after {timeout:g} s waiting for {what}")
-            time.sleep(interval)
+        return poll(predicate, timeout, what, interval=interval, error=SlurmClusterError)
 
     def status(self) -> str:
         """One line per daemon (pid, running or not) and, when slurmctld runs, `sinfo -N`."""
