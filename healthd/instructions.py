@@ -39,8 +39,12 @@ def merge_clears(current: Mapping[str, float], new: Mapping[str, float]) -> dict
     return out
 
 
-def _last(f: Any) -> float | None:
-    return f.last_seen if f.last_seen is not None else f.first_seen
+def is_cleared(f: Any, cleared: Mapping[str, float]) -> bool:
+    """A finding whose latest evidence is not newer than its clear (finding id -> before) no longer
+    counts; new evidence brings it back. The agent and the controller judge by this one rule."""
+    before = cleared.get(f.id)
+    last = f.last_seen if f.last_seen is not None else f.first_seen
+    return before is not None and (last is None or last <= before)
 
 
 def apply_clears(classification: Any, cleared: Mapping[str, float]) -> tuple[Any, dict[str, float]]:
@@ -54,12 +58,10 @@ def apply_clears(classification: Any, cleared: Mapping[str, float]) -> tuple[Any
 
     kept, still = [], {}
     for f in classification.findings:
-        before = cleared.get(f.id)
-        last = _last(f)
-        if before is not None and (last is None or last <= before):
-            still[f.id] = before
-            continue
-        kept.append(f)
+        if is_cleared(f, cleared):
+            still[f.id] = cleared[f.id]
+        else:
+            kept.append(f)
     if len(kept) == len(classification.findings):
         return classification, still
     findings = tuple(kept)

@@ -117,7 +117,7 @@ class Controller:
         self.decode = decode
         self.executor = executor or Executor(backend, ledger, dry_run=dry_run, requeue_opt_in=settings.requeue_opt_in,
                                              slurm_conf=settings.slurm_conf, out=out)
-        self.reintegrator = Reintegrator(settings.reintegration, backend, ledger, slurm_conf=settings.slurm_conf,
+        self.reintegrator = Reintegrator(settings.reintegration, self.executor, slurm_conf=settings.slurm_conf,
                                          dry_run=dry_run, out=out)
         self.topology_text = topology_text
         self._node_addrs = node_addrs

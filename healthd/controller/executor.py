@@ -167,6 +167,14 @@ class Executor:
                 _log.warning("requeue of job %s on %s failed: %s", job.job_id, node, exc)
         return f"requeued {', '.join(requeued) or 'no opted-in job'}"
 
+    def applied(self, decision: Decision) -> Action | None:
+        """The action that applied `decision` for its incident (any attempt), if one did."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            action = self.ledger.action_by_key(idempotency_key(decision, attempt))
+            if action is None or action.status == "applied":
+                return action
+        return None
+
     def _incident_int(self, decision: Decision) -> int | None:
         return int(decision.incident) if decision.incident.isdigit() else None
 

@@ -1082,6 +1082,10 @@ class Ledger:
                 self._exec("UPDATE incidents SET status = ? WHERE id = ?", (incident_status, current.incident_id))
         return self.reintegration(rid)  # type: ignore[return-value]
 
+    def reintegration_counts(self) -> dict[str, int]:
+        """state -> how many reintegrations are in it (for metrics; one GROUP BY, not the rows)."""
+        return {state: int(n) for state, n in self._rows("SELECT state, COUNT(*) FROM reintegrations GROUP BY state")}
+
     def reintegration(self, rid: int) -> Reintegration | None:
         row = self._one(f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE id = ?", (rid,))
         return None if row is None else self._reintegration(row)
@@ -1094,14 +1098,16 @@ class Ledger:
         )
         return None if row is None else self._reintegration(row)
 
-    def reintegrations(self, *, state: str | None = None, node: str | None = None,
-                       incident_id: int | None = None) -> list[Reintegration]:
-        """Reintegrations, oldest first; `state="active"` selects those in flight."""
+    def reintegrations(self, *, state: str | None = None, node: str | None = None, incident_id: int | None = None,
+                       since: float | None = None) -> list[Reintegration]:
+        """Reintegrations, oldest first; `state="active"` selects those in flight, `since` those
+        requested at or after it."""
         states = ACTIVE_REINTEGRATION_STATES if state == "active" else (state,) if state else REINTEGRATION_STATES
         rows = self._rows(
             f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE state IN ({', '.join('?' for _ in states)}) "
-            "AND (? IS NULL OR node = ?) AND (? IS NULL OR incident_id = ?) ORDER BY id",
-            (*states, node, node, incident_id, incident_id),
+            "AND (? IS NULL OR node = ?) AND (? IS NULL OR incident_id = ?) AND (? IS NULL OR requested_at >= ?) "
+            "ORDER BY id",
+            (*states, node, node, incident_id, incident_id, since, since),
         )
         return [self._reintegration(r) for r in rows]
 

@@ -126,14 +126,11 @@ class ControllerMetrics:
             open_by[key] = open_by.get(key, 0) + 1
         _set_all(self.incidents_open, open_by)
 
-        by_state: dict[tuple[str, ...], float] = {}
-        for r in ledger.reintegrations():
-            by_state[(r.state,)] = by_state.get((r.state,), 0) + 1
+        by_state = {(state,): float(n) for state, n in ledger.reintegration_counts().items()}
         _set_all(self.reintegrations, by_state, keep=[(s,) for s in REINTEGRATION_STATES])
 
         self._observe_incidents(controller, now)
-        self.breaker_open.set(1 if ledger.breaker_state().open else 0)
-        self.last_round.set(now)
+        self.last_round.set(now)  # breaker_open is set by the round itself, from the state it evaluated
 
     def _observe_incidents(self, controller: Controller, now: float) -> None:
         """Observe each stage timing once, when it becomes known, for incidents created since this

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from ClusterShell.NodeSet import NodeSet, NodeSetException
 from ClusterShell.RangeSet import RangeSetException
 
+from healthd.instructions import is_cleared
 from healthd.model import ACTION_SEVERITY, Component, Evidence, Finding
 from healthd.slurm.backend import NodeInfo
 
@@ -405,21 +406,12 @@ def is_actionable(f: Finding) -> bool:
     return f.tier in (1, 2) and f.attribution != "user" and f.action in _ACTION_TO_KIND
 
 
-_is_actionable = is_actionable
-
-
 def without_cleared(report: NodeReport, cleared: Mapping[str, float]) -> NodeReport:
     """The report without the findings a reintegration cleared (finding id -> before): a finding
     whose latest evidence is not newer than the clear no longer counts; new evidence brings it back."""
     if not cleared:
         return report
-    kept = []
-    for f in report.findings:
-        before = cleared.get(f.id)
-        last = f.last_seen if f.last_seen is not None else f.first_seen
-        if before is not None and (last is None or last <= before):
-            continue
-        kept.append(f)
+    kept = [f for f in report.findings if not is_cleared(f, cleared)]
     if len(kept) == len(report.findings):
         return report
     verdict = report.verdict
@@ -450,7 +442,7 @@ def failing_nodes(fleet: FleetView, settings: ControllerPolicySettings, now: flo
         if now - report.received_at > settings.report_ttl_s:
             continue
         for f in report.findings:
-            if not _is_actionable(f):
+            if not is_actionable(f):
                 continue
             seen = f.first_seen if f.first_seen is not None else report.received_at
             if start <= seen <= now:
@@ -502,7 +494,7 @@ def decide(
             continue  # healthy and not drained by healthd: most of the fleet, nothing to say
         info = fleet.nodes.get(node)
         ours = info is not None and info.reason.startswith(REASON_PREFIX)
-        actionable = sorted((f for f in report.findings if _is_actionable(f)), key=_primary_order)
+        actionable = sorted((f for f in report.findings if is_actionable(f)), key=_primary_order)
         if not actionable:
             if drained_incident is not None and ours:
                 out.append(_none(node, "cleared", f"fault cleared on a node healthd drained "

@@ -33,10 +33,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.controller.gates import still_safe
-from healthd.controller.ledger import Ledger, Reintegration
-from healthd.controller.policy import Decision, FleetView, LedgerView, NodeReport, is_actionable, make_reason
-from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
+from healthd.controller.executor import Executor
+from healthd.controller.gates import Outcome
+from healthd.controller.ledger import Reintegration
+from healthd.instructions import is_cleared
+from healthd.controller.policy import Decision, FleetView, NodeReport, is_actionable, make_reason
+from healthd.slurm.backend import SlurmError
 from healthd.slurm.scontrol import CommandResult, CommandTimeout, run_command
 
 _log = logging.getLogger("healthd.controller.reintegrate")
@@ -159,12 +161,15 @@ def cleared_findings(reintegrations: list[Reintegration]) -> dict[str, dict[str,
 class Reintegrator:
     """Moves reintegrations on, one step per control round (called from the daemon under its round lock)."""
 
-    def __init__(self, settings: ReintegrationSettings, backend: SlurmBackend, ledger: Ledger, *,
+    def __init__(self, settings: ReintegrationSettings, executor: Executor, *,
                  slurm_conf: str, dry_run: bool = False, runner: Runner = run_command,
                  out: Callable[[str], None] | None = None):
         self.settings = settings
-        self.backend = backend
-        self.ledger = ledger
+        self.executor = executor
+        """Makes the resume and the re-drain, with the same ownership re-read and ledger discipline as
+        every other healthd write."""
+        self.backend = executor.backend
+        self.ledger = executor.ledger
         self.slurm_conf = slurm_conf
         self.dry_run = dry_run
         self.runner = runner
@@ -180,8 +185,9 @@ class Reintegrator:
         """Findings whose older evidence no longer counts: those of reintegrations in flight, and of
         those that ended within the support window (a finding the agent still echoes must not
         re-drain a node that passed)."""
-        recent = [r for r in self.ledger.reintegrations()
-                  if r.active or (r.state == "passed" and now - r.requested_at <= self.settings.support_window_s)]
+        # read from SQL, not the whole table: reintegrations accumulate for as long as the ledger lives
+        recent = (self.ledger.reintegrations(state="active")
+                  + self.ledger.reintegrations(state="passed", since=now - self.settings.support_window_s))
         return cleared_findings(recent)
 
     def instructions_for(self, report: NodeReport) -> list[dict[str, Any]]:
@@ -189,11 +195,8 @@ class Reintegrator:
         active = self.ledger.active_reintegration(report.node)
         if active is None or not active.findings:
             return []
-        stale = []
-        for f in report.findings:
-            last = f.last_seen if f.last_seen is not None else f.first_seen
-            if f.id in active.findings and last is not None and last <= active.requested_at:
-                stale.append(f.id)
+        clears = dict.fromkeys(active.findings, active.requested_at)
+        stale = [f.id for f in report.findings if is_cleared(f, clears)]
         if not stale:
             return []
         return [{"kind": "clear-finding", "findings": sorted(stale), "before": active.requested_at,
@@ -259,46 +262,21 @@ class Reintegrator:
         return Decision(id=f"reintegrate:{r.id}:{kind}", kind=kind, node=r.node, reason=reason, tier=1,  # type: ignore[arg-type]
                         incident="" if r.incident_id is None else str(r.incident_id), decided_at=now)
 
-    def _write(self, r: Reintegration, decision: Decision, fresh: NodeInfo, mode: str, now: float,
-               call: Callable[[], None]) -> tuple[bool, str]:
-        """One Slurm write of a reintegration, with the executor's discipline: ownership re-check on
-        the fresh read, a ledger decision and a planned action under a fixed key, the call, the outcome."""
-        key = decision.id
-        existing = self.ledger.action_by_key(key)
-        if existing is not None and existing.status == "applied":
+    def _apply(self, decision: Decision, mode: str, now: float) -> tuple[bool, str]:
+        """(done, detail) of one Slurm write through the executor; done when applied now or before
+        (a restart after the write: the fresh read would refuse it as already done)."""
+        if self.executor.applied(decision) is not None:
             return True, "already applied"
-        drains = {n: "" if i is None else str(i) for n, i in self.ledger.healthd_drains().items()}
-        refusal = still_safe(decision, fresh, LedgerView(healthd_drains=drains))
-        if refusal is not None:
-            return False, refusal.reason
-        argv = (self.backend.describe("resume", nodes=r.node) if decision.kind == "resume"
-                else self.backend.describe("drain", nodes=r.node, reason=decision.reason))
-        if self.dry_run:
-            if key not in self._printed:
-                self._printed.add(key)
-                self.out("dry-run: would run: " + " ".join(argv))
-            return False, "dry run"
-        if existing is None:
-            row = self.ledger.record_decision(node=r.node, kind=decision.kind, tier="T1", mode=mode, reason=decision.reason,
-                                              outcome="allowed", incident_id=r.incident_id,
-                                              evidence={"decision": key, "reintegration": r.id}, at=now)
-            partition = fresh.partitions[0] if fresh.partitions else None
-            existing = self.ledger.plan_action(decision_id=row.id, idempotency_key=key, node=r.node, kind=decision.kind,
-                                               argv=argv, partition=partition, evidence={"reintegration": r.id}, at=now)
-        try:
-            call()
-        except (SlurmError, ValueError) as exc:
-            msg = " ".join(str(getattr(exc, "stderr", "") or exc).split())[:500] or type(exc).__name__
-            self.ledger.mark_failed(existing.id, msg, at=now)
-            return False, msg
-        self.ledger.mark_applied(existing.id, decision.kind, at=now)
-        return True, "applied"
+        result = self.executor.apply(Outcome(decision, "allowed"), now, mode=mode)
+        if result.status in ("applied", "already-applied"):
+            return True, result.detail
+        return False, "dry run" if result.status == "dry-run" else (result.detail or result.status)
 
     def _start(self, r: Reintegration, now: float, mode: str) -> str | None:
         fresh = self.backend.node(r.node)
         name = reservation_name(r.node, r.id)
-        resumed = self.ledger.action_by_key(f"reintegrate:{r.id}:resume")
-        if resumed is None or resumed.status != "applied":
+        resume = self._decision(r, "resume", f"reintegration {r.id}: resume inside {name} for validation", now)
+        if self.executor.applied(resume) is None:
             if r.node not in self.ledger.healthd_drains() or not fresh.reason.startswith("healthd:"):
                 who = f"{fresh.reason[:80]!r} by {fresh.reason_user or 'someone else'}" if fresh.reason else "no reason"
                 return self._abort(r, f"{r.node} is no longer drained by healthd ({fresh.state}, {who})", now)
@@ -314,8 +292,7 @@ class Reintegrator:
                 pass
             self.backend.create_reservation(name, r.node, self.settings.reservation_minutes, users=("root",),
                                             flags=("MAINT", "IGNORE_JOBS"))
-            decision = self._decision(r, "resume", "", now)
-            ok, detail = self._write(r, decision, fresh, mode, now, lambda: self.backend.resume(r.node))
+            ok, detail = self._apply(resume, mode, now)
             if not ok:
                 self._delete_reservation(name)
                 return self._abort(r, f"cannot resume {r.node} for validation: {detail}", now)
@@ -384,10 +361,8 @@ class Reintegrator:
             return "validation passed: back in service, probation"
         summary = failure_summary(results)
         reason = make_reason(f"validation failed: {summary}", "" if r.incident_id is None else str(r.incident_id))
-        fresh = self.backend.node(r.node)
-        decision = self._decision(r, "drain", reason, now)
-        ok, detail = self._write(r, decision, fresh, mode, now, lambda: self.backend.drain(r.node, reason))
-        if not ok and detail != "already applied":
+        ok, detail = self._apply(self._decision(r, "drain", reason, now), mode, now)
+        if not ok:
             if detail == "dry run":
                 return None
             self._delete_reservation(r.reservation)
