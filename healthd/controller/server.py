@@ -431,7 +431,7 @@ class _Refused(_BadRequest):
 
 class ControllerHTTPServer:
     """The endpoint: binds in the constructor (an OSError there is the caller's, as with http.server),
-    serves on an event loop of its own in start_background()'s thread (or serve_forever()'s caller)."""
+    serves on an event loop of its own in start_background()'s thread."""
 
     def __init__(self, listen: str, controller: Handler, max_bytes: int = DEFAULT_MAX_BYTES, *,
                  request_timeout_s: float = 30.0, idle_timeout_s: float = 15.0, max_connections: int = 4096,
@@ -469,11 +469,6 @@ class ControllerHTTPServer:
         thread.start()
         self._started.wait()
         return thread
-
-    def serve_forever(self) -> None:
-        """Serve in the calling thread until shutdown() (http.server's name for it)."""
-        self._done.clear()
-        self._serve()
 
     def _serve(self) -> None:
         try:
