@@ -4,7 +4,11 @@
   findings (healthd.hooks.checks) merged into the classification, verdict and would_do recomputed;
 - job bindings (`<run_dir>/jobs/*.json`, `jobs/done/*.json`) set `Finding.job` on GPU findings.
 
-Only reads: the agent never writes the hooks' files (and in dry-run writes nothing at all).
+Only reads: the agent never writes the hooks' files (and in dry-run writes nothing at all). Only
+trusted files are read -- owned by root and writable by neither group nor others, in a directory that
+is the same, no link followed below the run directory (healthd.hooks.files) -- since anyone who could
+plant a checks file could fail the node, and a binding charge another user's job; anything else is
+ignored with one log line naming the path, the owner and the mode.
 """
 
 from __future__ import annotations
@@ -15,15 +19,17 @@ from typing import Any
 
 from healthd.hooks.bindings import BindingReader, attach_jobs
 from healthd.hooks.checks import CHECKS_FILE, findings_from_checks, merge
-from healthd.hooks.common import SMALL_MAX_BYTES, clean, read_json
+from healthd.hooks.common import SMALL_MAX_BYTES, clean
+from healthd.hooks.files import TRUSTED_UID, TrustedDir, json_object, read_fd
 
 log = logging.getLogger("healthd")
 
 
 class HookFiles:
-    def __init__(self) -> None:
-        self.bindings = BindingReader()
-        self._checks_key: tuple[str, int, int] | None = None
+    def __init__(self, trusted_uid: int = TRUSTED_UID) -> None:
+        self.trusted_uid = trusted_uid
+        self.bindings = BindingReader(trusted_uid)
+        self._checks_key: tuple[str, int, int, int, int, int] | None = None
         self._checks_doc: Any = None
         self._warned: set[str] = set()
 
@@ -35,26 +41,27 @@ class HookFiles:
             log.warning("%s", msg)
 
     def checks_doc(self, run_dir: str) -> Any:
-        """The checks document, re-read only when the file changed; None when absent or unusable."""
+        """The checks document, re-read only when the file changed; None when absent, unusable or
+        not trusted."""
         path = os.path.join(run_dir, CHECKS_FILE)
         try:
-            st = os.stat(path, follow_symlinks=False)
+            with TrustedDir(run_dir, trusted_uid=self.trusted_uid) as d:
+                fd, st = d.open_file(CHECKS_FILE)
+                try:
+                    key = (path, st.st_mtime_ns, st.st_size, st.st_ino, st.st_uid, st.st_mode)
+                    if key == self._checks_key:
+                        return self._checks_doc
+                    self._checks_key, self._checks_doc = key, None
+                    self._checks_doc = json_object(read_fd(fd, st, SMALL_MAX_BYTES, path))
+                finally:
+                    os.close(fd)
         except FileNotFoundError:
             self._checks_key, self._checks_doc = None, None
-            return None
-        except OSError as e:
-            log.warning("quick-check results %s unreadable (%s); ignored", path, e.strerror or e)
-            return None
-        key = (path, st.st_mtime_ns, st.st_size)
-        if key == self._checks_key:
-            return self._checks_doc
-        self._checks_key = key
-        try:
-            self._checks_doc = read_json(path, SMALL_MAX_BYTES)
-        except FileNotFoundError:
-            self._checks_doc = None
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            log.warning("quick-check results %s unreadable (%s); ignored", path, clean(e, 160))
+        except OSError as e:  # not trusted, a link, not a regular file, too large: looked at again next tick
+            self._warn_once(f"quick-check results {path} unreadable ({clean(e, 300)}); ignored")
+            self._checks_key, self._checks_doc = None, None
+        except (ValueError, UnicodeDecodeError) as e:  # unparsable: re-read once it changes
+            self._warn_once(f"quick-check results {path} unreadable ({clean(e, 300)}); ignored")
             self._checks_doc = None
         return self._checks_doc
 

@@ -3,7 +3,8 @@
 The prolog writes `<run_dir>/jobs/<jobid>.json` = {job, user, uid, node, gpus, start}; the epilog
 adds `end` and moves it to `<run_dir>/jobs/done/<jobid>.json` (the newest DONE_KEEP are kept, so a
 finding the agent classifies just after the job ended still finds its job). The agent reads both
-directories each tick (cached by mtime and size) and sets `Finding.job` on GPU findings whose GPU
+directories each tick (cached by mtime and size; only files and directories root owns and nobody
+else can write, no link followed: healthd.hooks.files) and sets `Finding.job` on GPU findings whose GPU
 was bound to a job at the finding's `last_seen`; the epilog charges user-attributed findings seen
 during the job to the job and its user.
 
@@ -18,7 +19,8 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from healthd.hooks.common import SMALL_MAX_BYTES, clean, f_gpu, iso, parse_time, read_json
+from healthd.hooks.common import SMALL_MAX_BYTES, clean, f_gpu, iso, parse_time
+from healthd.hooks.files import TRUSTED_UID, TrustedDir, json_object, read_fd
 
 JOBS_DIR = "jobs"
 DONE_DIR = os.path.join("jobs", "done")
@@ -83,16 +85,20 @@ def parse_binding(doc: dict[str, Any]) -> Binding:
     return Binding(job=job, node=node, gpus=gpus, start=start, end=end, user=user, uid=uid)
 
 
-def binding_path(run_dir: str, job: str) -> str:
-    if not BINDING_NAME.fullmatch(f"{job}.json"):  # callers validated it; a path never leaves jobs/
+def binding_name(job: str) -> str:
+    """`<job>.json`; ValueError for anything but a job id (callers validated it: a name never
+    leaves jobs/)."""
+    if not BINDING_NAME.fullmatch(f"{job}.json"):
         raise ValueError(f"not a job id: {job!r}")
-    return os.path.join(run_dir, JOBS_DIR, f"{job}.json")
+    return f"{job}.json"
+
+
+def binding_path(run_dir: str, job: str) -> str:
+    return os.path.join(run_dir, JOBS_DIR, binding_name(job))
 
 
 def done_path(run_dir: str, job: str) -> str:
-    if not BINDING_NAME.fullmatch(f"{job}.json"):
-        raise ValueError(f"not a job id: {job!r}")
-    return os.path.join(run_dir, DONE_DIR, f"{job}.json")
+    return os.path.join(run_dir, DONE_DIR, binding_name(job))
 
 
 # --------------------------------------------------------------------------- pure rules
@@ -161,76 +167,92 @@ def charges(findings: Iterable[dict[str, Any]], binding: Binding, end: float, no
 
 
 class BindingReader:
-    """Reads jobs/*.json and jobs/done/*.json for the agent, re-parsing only files whose mtime or
-    size changed. Oversized, non-regular and unparsable files are skipped with one log line each."""
+    """Reads jobs/*.json and jobs/done/*.json for the agent, re-parsing only files whose mtime, size,
+    inode, owner or mode changed. Only trusted files in trusted directories are read (root's, not
+    writable by group or others, no link followed below run_dir: healthd.hooks.files); an untrusted
+    directory is skipped whole, and untrusted, oversized, non-regular and unparsable files are skipped,
+    with one log line each."""
 
-    def __init__(self) -> None:
-        self._cache: dict[str, tuple[tuple[int, int], Binding | None]] = {}
+    def __init__(self, trusted_uid: int = TRUSTED_UID) -> None:
+        self.trusted_uid = trusted_uid
+        self._cache: dict[str, tuple[tuple[int, ...], Binding | None]] = {}
 
     def read(self, run_dir: str, node: str, warn: Callable[[str], None]) -> list[Binding]:
-        cache: dict[str, tuple[tuple[int, int], Binding | None]] = {}
+        cache: dict[str, tuple[tuple[int, ...], Binding | None]] = {}
         for sub in (JOBS_DIR, DONE_DIR):
-            directory = os.path.join(run_dir, sub)
             try:
-                entries = list(os.scandir(directory))
+                d = TrustedDir(run_dir, sub, trusted_uid=self.trusted_uid)
             except FileNotFoundError:
                 continue
             except OSError as e:
-                warn(f"cannot list job bindings in {directory}: {e.strerror or e}")
+                warn(f"job bindings in {os.path.join(run_dir, sub)} ignored: {e.strerror or e}")
                 continue
-            for entry in entries:
-                if len(cache) >= MAX_BINDINGS:
-                    break
-                if not BINDING_NAME.fullmatch(entry.name):
-                    continue
+            with d:
                 try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
+                    names = d.names()
+                except OSError as e:
+                    warn(f"cannot list job bindings in {d.path}: {e.strerror or e}")
                     continue
-                key = (st.st_mtime_ns, st.st_size)
-                old = self._cache.get(entry.path)
-                if old is not None and old[0] == key:
-                    cache[entry.path] = old
-                    continue
-                binding = None
-                if not stat.S_ISREG(st.st_mode):
-                    warn(f"job binding {entry.path} is not a regular file; ignored")
-                elif st.st_size > SMALL_MAX_BYTES:
-                    warn(f"job binding {entry.path} is {st.st_size} bytes (limit {SMALL_MAX_BYTES}); ignored")
-                else:
-                    try:
-                        binding = parse_binding(read_json(entry.path))
-                    except FileNotFoundError:
-                        continue  # the epilog moved it meanwhile
-                    except (OSError, ValueError, UnicodeDecodeError) as e:
-                        warn(f"job binding {entry.path} is unusable ({clean(e, 120)}); ignored")
-                cache[entry.path] = (key, binding)
+                for name in names:
+                    if len(cache) >= MAX_BINDINGS:
+                        break
+                    if BINDING_NAME.fullmatch(name):
+                        self._one(d, name, cache, warn)
         self._cache = cache
         return [b for _, b in cache.values() if b is not None and b.node == node]
+
+    def _one(self, d: TrustedDir, name: str, cache: dict[str, tuple[tuple[int, ...], Binding | None]],
+             warn: Callable[[str], None]) -> None:
+        path = d.join(name)
+        try:
+            st = d.lstat(name)
+        except OSError:
+            return
+        key = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_uid, st.st_mode)
+        old = self._cache.get(path)
+        if old is not None and old[0] == key:
+            cache[path] = old
+            return
+        binding = None
+        if not stat.S_ISREG(st.st_mode):
+            warn(f"job binding {path} is not a regular file; ignored")
+        elif st.st_size > SMALL_MAX_BYTES:
+            warn(f"job binding {path} is {st.st_size} bytes (limit {SMALL_MAX_BYTES}); ignored")
+        else:
+            try:
+                fd, fst = d.open_file(name)
+                try:
+                    key = (fst.st_mtime_ns, fst.st_size, fst.st_ino, fst.st_uid, fst.st_mode)
+                    binding = parse_binding(json_object(read_fd(fd, fst, SMALL_MAX_BYTES, path)))
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                return  # the epilog moved it meanwhile
+            except (OSError, ValueError, UnicodeDecodeError) as e:
+                warn(f"job binding {path} is unusable ({clean(e, 300)}); ignored")
+        cache[path] = (key, binding)
 
 
 # --------------------------------------------------------------------------- the hooks' writers
 
 
-def close_binding(run_dir: str, binding: Binding, end: float, **extra: Any) -> str:
+def close_binding(run_dir: str, binding: Binding, end: float, *, trusted_uid: int = TRUSTED_UID, **extra: Any) -> str:
     """Write the binding with its end time to jobs/done/ (atomically), remove the open one, and keep
-    only the newest DONE_KEEP closed bindings. Returns the closed binding's path."""
-    from healthd.hooks.common import write_json
-
-    target = done_path(run_dir, binding.job)
-    write_json(target, {**binding.to_json(), "end": iso(end), **extra})
-    try:
-        os.unlink(binding_path(run_dir, binding.job))
-    except FileNotFoundError:
-        pass
-    prune_done(os.path.dirname(target))
-    return target
+    only the newest DONE_KEEP closed bindings. Returns the closed binding's path. Every directory is
+    reached without following a link (healthd.hooks.files); OSError when one is a link or untrusted."""
+    name = binding_name(binding.job)
+    with TrustedDir(run_dir, DONE_DIR, create=True, trusted_uid=trusted_uid) as done:
+        done.write_json(name, {**binding.to_json(), "end": iso(end), **extra})
+        with TrustedDir(run_dir, JOBS_DIR, trusted_uid=trusted_uid) as jobs:
+            jobs.unlink(name)
+        prune_done(done)
+        return done.join(name)
 
 
-def prune_done(directory: str, keep: int = DONE_KEEP) -> int:
+def prune_done(done: TrustedDir, keep: int = DONE_KEEP) -> int:
     """Remove the oldest closed bindings beyond `keep`; stats only when there are too many."""
     try:
-        names = [n for n in os.listdir(directory) if BINDING_NAME.fullmatch(n)]
+        names = [n for n in done.names() if BINDING_NAME.fullmatch(n)]
     except OSError:
         return 0
     if len(names) <= keep:
@@ -238,31 +260,51 @@ def prune_done(directory: str, keep: int = DONE_KEEP) -> int:
     aged = []
     for n in names:
         try:
-            aged.append((os.stat(os.path.join(directory, n), follow_symlinks=False).st_mtime_ns, n))
+            aged.append((done.lstat(n).st_mtime_ns, n))
         except OSError:
             continue
     aged.sort()
     removed = 0
     for _, n in aged[: max(0, len(aged) - keep)]:
         try:
-            os.unlink(os.path.join(directory, n))
-            removed += 1
+            removed += done.unlink(n)
         except OSError:
             pass
     return removed
 
 
-def open_bindings(run_dir: str) -> list[tuple[str, Binding | None]]:
-    """(job id, binding or None if unusable) for every open binding in jobs/."""
-    directory = os.path.join(run_dir, JOBS_DIR)
+def read_binding(run_dir: str, job: str, *, trusted_uid: int = TRUSTED_UID) -> Binding:
+    """The open binding of `job` from a trusted file; OSError (FileNotFoundError, Untrusted) or
+    ValueError with a reason."""
+    with TrustedDir(run_dir, JOBS_DIR, trusted_uid=trusted_uid) as jobs:
+        return parse_binding(jobs.read_json(binding_name(job), SMALL_MAX_BYTES))
+
+
+def remove_binding(run_dir: str, job: str, *, trusted_uid: int = TRUSTED_UID) -> bool:
+    with TrustedDir(run_dir, JOBS_DIR, trusted_uid=trusted_uid) as jobs:
+        return jobs.unlink(binding_name(job))
+
+
+def open_bindings(run_dir: str, *, trusted_uid: int = TRUSTED_UID,
+                  warn: Callable[[str], None] | None = None) -> list[tuple[str, Binding | None]]:
+    """(job id, binding or None if unusable) for every open binding in jobs/ (trusted files only)."""
     try:
-        names = sorted(n for n in os.listdir(directory) if BINDING_NAME.fullmatch(n))
-    except OSError:
+        jobs = TrustedDir(run_dir, JOBS_DIR, trusted_uid=trusted_uid)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        if warn is not None:
+            warn(f"job bindings in {os.path.join(run_dir, JOBS_DIR)} ignored: {e.strerror or e}")
         return []
     out: list[tuple[str, Binding | None]] = []
-    for n in names[:MAX_BINDINGS]:
+    with jobs:
         try:
-            out.append((n[:-5], parse_binding(read_json(os.path.join(directory, n)))))
-        except (OSError, ValueError, UnicodeDecodeError):
-            out.append((n[:-5], None))
+            names = sorted(n for n in jobs.names() if BINDING_NAME.fullmatch(n))
+        except OSError:
+            return []
+        for n in names[:MAX_BINDINGS]:
+            try:
+                out.append((n[:-5], parse_binding(jobs.read_json(n, SMALL_MAX_BYTES))))
+            except (OSError, ValueError, UnicodeDecodeError):
+                out.append((n[:-5], None))
     return out

@@ -5,23 +5,25 @@ Module-level imports are the standard library only; healthd.config (YAML) is imp
 to read the settings, the Slurm backend only when a hook has to ask or tell Slurm something.
 
 `judge(doc, now, settings)` is the one rule every hook applies to the state file: missing,
-unparsable (truncated), for another node, older than `hooks.stale_after_s` or written by an agent
+unparsable (truncated), not trusted (not root's, writable by group or others, a link: see
+healthd.hooks.files), for another node, older than `hooks.stale_after_s` or written by an agent
 whose pid is gone means **agent unknown** -- never a silent pass and never a drain.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import stat
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
+
+from healthd.hooks import files
+from healthd.hooks.files import TRUSTED_UID, TooLarge, Untrusted, read_bounded  # noqa: F401 - re-exported
 
 STATE_MAX_BYTES = 8 << 20
 """A state document larger than this is refused (a real one is tens of KiB)."""
@@ -229,65 +231,20 @@ def env_gpus(env: dict[str, str]) -> tuple[list[int] | None, str]:
 # --------------------------------------------------------------------------- files
 
 
-class TooLarge(OSError):
-    pass
+def read_json(path: str, limit: int = SMALL_MAX_BYTES, *, root: str | None = None,
+              trusted_uid: int = TRUSTED_UID) -> dict[str, Any]:
+    """A small JSON object from a trusted file (healthd.hooks.files): OSError (including TooLarge and
+    Untrusted) or ValueError with a reason. `root` (the run directory) is walked without links."""
+    return files.read_json(path, limit, root=root, trusted_uid=trusted_uid)
 
 
-def read_bounded(path: str, limit: int) -> bytes:
-    """A regular file's bytes, at most `limit`. Opened non-blocking, so a FIFO planted at the path
-    cannot hang the hook; anything that is not a regular file is refused."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{path} is not a regular file")
-        if st.st_size > limit:
-            raise TooLarge(f"{path} is {st.st_size} bytes (limit {limit})")
-        data = os.read(fd, st.st_size + 1 if st.st_size else limit + 1)
-        while len(data) <= limit:
-            more = os.read(fd, limit + 1 - len(data))
-            if not more:
-                break
-            data += more
-        if len(data) > limit:
-            raise TooLarge(f"{path} is larger than {limit} bytes")
-        return data
-    finally:
-        os.close(fd)
-
-
-def read_json(path: str, limit: int = SMALL_MAX_BYTES) -> dict[str, Any]:
-    """A small JSON object. OSError (including TooLarge) or ValueError with a reason."""
-    doc = json.loads(read_bounded(path, limit))
-    if not isinstance(doc, dict):
-        raise ValueError(f"top level is {type(doc).__name__}, not an object")
-    return doc
-
-
-def write_json(path: str, doc: Any, mode: int = 0o644) -> None:
-    """Atomic (write, fsync, rename), creating the directory: readers see the old file or the new.
-    healthd.persist.write_json_atomic does the same for the agent; this one avoids importing
+def write_json(path: str, doc: Any, mode: int = 0o644, *, root: str | None = None,
+               trusted_uid: int = TRUSTED_UID) -> None:
+    """Atomic (write, fsync, rename, fsync the directory) into a trusted directory reached without
+    following a link below `root`, creating the directories: readers see the old file or the new.
+    healthd.persist.write_json_atomic writes the agent's own files; this one avoids importing
     tempfile and logging on the prolog's path (about 7 ms of a ~50 ms run)."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}")
-    data = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    files.write_json(path, doc, mode, root=root, trusted_uid=trusted_uid)
 
 
 # --------------------------------------------------------------------------- the agent's state
@@ -303,13 +260,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def load_state(path: str) -> tuple[dict[str, Any] | None, str]:
-    """(document, '') or (None, why it could not be read)."""
+def load_state(path: str, trusted_uid: int = TRUSTED_UID) -> tuple[dict[str, Any] | None, str]:
+    """(document, '') or (None, why it could not be read). Only a trusted file is read: owned by
+    `trusted_uid` (root) and writable by neither group nor others, in a directory that is the same,
+    neither the file nor its directory a link; anything else is 'agent unknown' with a line that
+    names the path, the owner and the mode."""
     try:
-        return read_json(path, STATE_MAX_BYTES), ""
+        return files.read_json(path, STATE_MAX_BYTES, trusted_uid=trusted_uid), ""
     except FileNotFoundError:
         return None, f"state file {path} is missing (is healthd running?)"
     except TooLarge as e:
+        return None, f"state file refused: {e}"
+    except Untrusted as e:
         return None, f"state file refused: {e}"
     except OSError as e:
         return None, f"cannot read state file {path}: {e.strerror or e}"
@@ -392,6 +354,17 @@ def f_gpu(f: dict[str, Any]) -> int | None:
         return None
     i = c.get("index")
     return i if isinstance(i, int) and not isinstance(i, bool) and i >= 0 else None
+
+
+def is_node_level(f: dict[str, Any]) -> bool:
+    """A finding about the node's GPUs as a whole rather than one indexed GPU: component kind 'node'
+    (fewer GPUs than expected, a failed quick check, an Xid line naming no bus id), or a GPU that
+    carries no index (lost at enumeration; an Xid on a bus id NVML no longer lists). Ports,
+    filesystems and findings without a component are not."""
+    c = f.get("component")
+    if not isinstance(c, dict):
+        return False
+    return c.get("kind") == "node" or (c.get("kind") == "gpu" and f_gpu(f) is None)
 
 
 def is_t1_hardware(f: dict[str, Any]) -> bool:
@@ -477,6 +450,8 @@ class Context:
     deadline: Deadline | None
     now: float
     backend_factory: Callable[["Context"], Any] | None = None
+    trusted_uid: int = TRUSTED_UID
+    """The only owner whose files the hook trusts (root; other values are for tests)."""
 
     def backend(self) -> Any:
         """The Slurm backend, with SLURM_CONF and PATH from the config and a timeout inside the
@@ -492,11 +467,24 @@ class Context:
         return ScontrolBackend(slurm_conf=h.slurm_conf, timeout_s=max(0.2, left - 0.3))
 
     def state(self) -> Judgement:
-        doc, error = load_state(self.settings.state_file)
+        doc, error = load_state(self.settings.state_file, self.trusted_uid)
         return judge(doc, self.now, self.settings, node=self.node, error=error)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.settings.hooks.run_dir, *parts)
+
+    def run_dir(self, rel: str = "", *, create: bool = False) -> files.TrustedDir:
+        """`<run_dir>/<rel>` opened as a trusted directory, no link followed at any level below
+        run_dir (healthd.hooks.files.TrustedDir); OSError (Untrusted, FileNotFoundError) otherwise."""
+        return files.TrustedDir(self.settings.hooks.run_dir, rel, create=create, trusted_uid=self.trusted_uid)
+
+    def read_json(self, rel: str, limit: int = SMALL_MAX_BYTES) -> dict[str, Any]:
+        """A small trusted JSON object at `<run_dir>/<rel>`."""
+        return read_json(self.path(rel), limit, root=self.settings.hooks.run_dir, trusted_uid=self.trusted_uid)
+
+    def write_json(self, rel: str, doc: Any, mode: int = 0o644) -> None:
+        """Atomically write `<run_dir>/<rel>` (healthd.hooks.files: no link followed below run_dir)."""
+        write_json(self.path(rel), doc, mode, root=self.settings.hooks.run_dir, trusted_uid=self.trusted_uid)
 
 
 class UsageError(ValueError):

@@ -17,17 +17,19 @@ Exit codes: 0, except 1 when the fresh agent state has a current T1 hardware fin
 exit is deliberate: it is Slurm's own way to keep the node from taking the next job in the window
 before the controller acts, and since the node is already drained Slurm keeps healthd's reason
 instead of writing "Epilog error". The job itself stays COMPLETED. With gating `off` the epilog only
-logs "would fail the epilog". Every doubtful case exits 0 with a log line.
+logs "would fail the epilog". Every doubtful case exits 0 with a log line -- a state file that is not
+trusted (not root's, writable by group or others, a link) among them: then nothing is charged,
+requested or drained. Every file is read and written without following a link at any level below
+the run directory (healthd.hooks.files); one that cannot be is logged and skipped.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
-from healthd.hooks.bindings import binding_path, charges, close_binding, parse_binding
+from healthd.hooks.bindings import charges, close_binding, read_binding, remove_binding
 from healthd.hooks.checks import CHECKS_FILE, gpu_count_result, merged_doc
 from healthd.hooks.common import (
     Context,
@@ -39,17 +41,17 @@ from healthd.hooks.common import (
     is_healthd_reason,
     is_t1_hardware,
     iso,
-    read_json,
     run_hook,
     slurm_error,
     summary,
     take_node,
-    write_json,
 )
+from healthd.hooks.files import TRUSTED_UID, TrustedDir, split_path
 
 HOOK = "healthd-epilog"
 OK, DRAIN = 0, 1
 WHEN_IDLE = ("reboot-when-idle", "reset-gpu-when-idle")
+REQUESTS_DIR = "requests"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 
 
@@ -65,14 +67,14 @@ def when_idle(judgement: Judgement) -> list[dict[str, Any]]:
     return sorted(fs, key=lambda f: (WHEN_IDLE.index(f["action"]), f.get("tier") or 9, str(f.get("id"))))
 
 
-def append_charges(path: str, lines: list[dict[str, Any]]) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+def append_charges(path: str, lines: list[dict[str, Any]], *, run_dir: str | None = None,
+                   trusted_uid: int = TRUSTED_UID) -> None:
+    """One O_APPEND write (concurrent epilogs never interleave lines) to a trusted file in a trusted
+    directory; under `run_dir` every directory below it is reached without following a link."""
     data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
-    try:
-        os.write(fd, data)  # one O_APPEND write: concurrent epilogs never interleave lines
-    finally:
-        os.close(fd)
+    top, rel, name = split_path(path, run_dir)
+    with TrustedDir(top, rel, create=True, trusted_uid=trusted_uid) as d:
+        d.append(name, data, 0o640)
 
 
 def epilog(ctx: Context) -> int:
@@ -110,35 +112,35 @@ def epilog(ctx: Context) -> int:
 def close_job(ctx: Context, job: str, judgement: Judgement, end: float) -> None:
     log, h = ctx.log, ctx.settings.hooks
     try:
-        binding = parse_binding(read_json(binding_path(h.run_dir, job)))
+        binding = read_binding(h.run_dir, job, trusted_uid=ctx.trusted_uid)
     except FileNotFoundError:
         log.warning(f"job {job}: no binding (the prolog did not run, or {h.run_dir} was cleared); nothing charged")
         return
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        log.warning(f"job {job}: binding unusable ({clean(e, 120)}); nothing charged")
+        log.warning(f"job {job}: binding unusable ({clean(e, 300)}); nothing charged")
         binding = None
     if binding is not None and (binding.job != job or binding.node != ctx.node):
         log.warning(f"job {job}: binding names job {binding.job} on {binding.node}; nothing charged")
         binding = None
     if binding is None:
         try:
-            os.unlink(binding_path(h.run_dir, job))
+            remove_binding(h.run_dir, job, trusted_uid=ctx.trusted_uid)
         except OSError:
             pass
         return
     lines = charges(judgement.findings, binding, end, ctx.node) if judgement.known else []
     if lines:
         try:
-            append_charges(h.charges_file, lines)
+            append_charges(h.charges_file, lines, run_dir=h.run_dir, trusted_uid=ctx.trusted_uid)
         except OSError as e:
             log.error(f"job {job}: cannot append to {h.charges_file}: {e}")
         for c in lines:
             log.warning(f"charged to job {job} (user {c['user'] or '?'}): gpu{c['gpu']} "
                         f"{'xid ' + str(c['xid']) + ' ' if c['xid'] is not None else ''}{c['finding']}: {c['summary']}")
     try:
-        close_binding(h.run_dir, binding, end, charged=[c["finding"] for c in lines])
+        close_binding(h.run_dir, binding, end, trusted_uid=ctx.trusted_uid, charged=[c["finding"] for c in lines])
     except OSError as e:
-        log.warning(f"job {job}: cannot close the binding: {e}")
+        log.error(f"job {job}: cannot close the binding: {e}")
         return
     gl = ",".join(map(str, binding.gpus)) if binding.gpus is not None else "unknown"
     log.info(f"job {job} ended (GPUs {gl}, {end - binding.start:.0f}s, {len(lines)} finding(s) charged)")
@@ -150,15 +152,14 @@ def post_job_checks(ctx: Context, now: float) -> None:
         return
     if not r["ok"]:
         ctx.log.warning(f"post-job check gpu_count failed: {r['detail']}")
-    path = ctx.path(CHECKS_FILE)
     try:
-        old = read_json(path)
+        old = ctx.read_json(CHECKS_FILE)
     except (OSError, ValueError, UnicodeDecodeError):
         old = None
     try:
-        write_json(path, merged_doc(old, ctx.node, now, [r]))
+        ctx.write_json(CHECKS_FILE, merged_doc(old, ctx.node, now, [r]))
     except OSError as e:
-        ctx.log.warning(f"cannot write {path}: {e}")
+        ctx.log.error(f"cannot write {ctx.path(CHECKS_FILE)}: {e}")
 
 
 def request_when_idle(ctx: Context, judgement: Judgement, job: str | None) -> None:
@@ -166,17 +167,25 @@ def request_when_idle(ctx: Context, judgement: Judgement, job: str | None) -> No
     wanted = when_idle(judgement)
     if not wanted:
         return
-    for f in wanted:
-        path = ctx.path("requests", request_name(f.get("id")))
-        if os.path.exists(path):
-            continue
-        try:
-            write_json(path, {"finding": f.get("id"), "action": f.get("action"), "node": ctx.node,
-                              "tier": f.get("tier"), "summary": summary(f, 300), "requested_at": iso(ctx.now),
-                              "by": HOOK, "job": job})
-            log.warning(f"requested {f.get('action')} for {summary(f)} ({path})")
-        except OSError as e:
-            log.warning(f"cannot write request {path}: {e}")
+    try:
+        requests: TrustedDir | None = ctx.run_dir(REQUESTS_DIR, create=True)
+    except OSError as e:
+        log.error(f"cannot write requests into {ctx.path(REQUESTS_DIR)}: {e}")
+        requests = None
+    if requests is not None:
+        with requests:
+            for f in wanted:
+                name = request_name(f.get("id"))
+                path = requests.join(name)
+                try:
+                    if requests.exists(name):
+                        continue
+                    requests.write_json(name, {"finding": f.get("id"), "action": f.get("action"), "node": ctx.node,
+                                               "tier": f.get("tier"), "summary": summary(f, 300),
+                                               "requested_at": iso(ctx.now), "by": HOOK, "job": job})
+                    log.warning(f"requested {f.get('action')} for {summary(f)} ({path})")
+                except OSError as e:
+                    log.error(f"cannot write request {path}: {e}")
     if h.gating != "local":
         return
     if any(is_t1_hardware(f) for f in judgement.findings):

@@ -8,6 +8,8 @@ SLURMD_NODENAME as its ONLY environment variable: no PATH, no SLURM_CONF -- both
    and the last run is older than `hooks.dcgmi_interval_s` -- and closes job bindings the epilog never
    closed. Busy: skips them. Slurm unreachable: skips them and says so.
 3. Writes `<run_dir>/checks.json` atomically for the agent, which turns failed checks into findings.
+   Every file under the run directory is read only when root owns it and nobody else can write it
+   (nor its directory), and written without following a link at any level (healthd.hooks.files).
 
 Exit code: always 0. slurmd only logs a non-zero exit; the health check never drains (the agent's
 findings and the controller decide).
@@ -20,7 +22,7 @@ from typing import Any
 
 from healthd.hooks.bindings import open_bindings
 from healthd.hooks.checks import CHECKS_FILE, gpu_count_result, merged_doc, result
-from healthd.hooks.common import Context, clean, iso, parse_time, read_json, run_hook, slurm_error, write_json
+from healthd.hooks.common import Context, clean, iso, parse_time, run_hook, slurm_error
 
 HOOK = "healthd-healthcheck"
 SLURM_ASK_BUSY_S = 300.0
@@ -98,16 +100,17 @@ def close_orphans(ctx: Context, bindings: list[tuple[str, Any]]) -> list[str]:
     """Open bindings on a node Slurm shows idle are jobs whose epilog never ran (slurmd was killed,
     the epilog timed out): close them so no later finding is charged to a dead job. A binding
     younger than ORPHAN_GRACE_S may be a prolog racing this check and is left alone."""
-    from healthd.hooks.bindings import binding_path, close_binding
+    from healthd.hooks.bindings import close_binding, remove_binding
 
     run_dir = ctx.settings.hooks.run_dir
     closed = []
     for job, b in bindings:
         try:
             if b is None:
-                os.unlink(binding_path(run_dir, job))
+                remove_binding(run_dir, job, trusted_uid=ctx.trusted_uid)
             elif ctx.now - b.start > ORPHAN_GRACE_S:
-                close_binding(run_dir, b, ctx.now, closed_by=f"{HOOK}: Slurm shows the node idle")
+                close_binding(run_dir, b, ctx.now, trusted_uid=ctx.trusted_uid,
+                              closed_by=f"{HOOK}: Slurm shows the node idle")
             else:
                 continue
             closed.append(job)
@@ -121,15 +124,15 @@ def healthcheck(ctx: Context) -> int:
     judgement = ctx.state()
     path = ctx.path(CHECKS_FILE)
     try:
-        old = read_json(path)
+        old = ctx.read_json(CHECKS_FILE)
     except FileNotFoundError:
         old = None
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        log.warning(f"previous quick-check results {path} unusable ({clean(e, 120)}); starting over")
+        log.warning(f"previous quick-check results {path} unusable ({clean(e, 300)}); starting over")
         old = None
 
     results: list[dict[str, Any]] = []
-    bindings = open_bindings(h.run_dir)
+    bindings = open_bindings(h.run_dir, trusted_uid=ctx.trusted_uid, warn=log.warning)
     asked = parse_time((old or {}).get("slurm_asked_at"))
     if bindings and asked is not None and 0 <= ctx.now - asked < SLURM_ASK_BUSY_S:
         idle, why = False, f"busy (job {bindings[0][0]}{' and others' if len(bindings) > 1 else ''} bound)"
@@ -156,9 +159,9 @@ def healthcheck(ctx: Context) -> int:
     doc = merged_doc(old, ctx.node, ctx.now, results, agent=agent, active=active,
                      slurm_asked_at=iso(asked) if asked is not None else None)
     try:
-        write_json(path, doc)
+        ctx.write_json(CHECKS_FILE, doc)
     except OSError as e:
-        log.warning(f"cannot write {path}: {e}")
+        log.error(f"cannot write {path}: {e}")
 
     was = (old or {}).get("agent") if isinstance((old or {}).get("agent"), dict) else {}
     if not judgement.known:

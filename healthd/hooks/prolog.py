@@ -2,8 +2,12 @@
 
 1. Records the job's binding `<run_dir>/jobs/<SLURM_JOB_ID>.json` = {job, user, uid, node, gpus,
    start} atomically (GPU indices from SLURM_JOB_GPUS, else CUDA_VISIBLE_DEVICES).
-2. Gating (`hooks.gating`): a job is refusable only when one of its GPUs has a current T1 hardware
-   finding in a FRESH agent state (`gate`, a pure function).
+2. Gating (`hooks.gating`): a job is refusable only when it holds GPUs and the FRESH, trusted agent
+   state has a current T1 hardware finding on one of them, or a node-level one (fewer GPUs than
+   expected, a GPU lost with no index: any GPU job may land on it) (`gate`, a pure function). A job
+   that holds no GPU is never refused: such a finding does not touch it (slurmd gives its prolog
+   no GPU variable, so it reads as "GPU list unknown"), and with gating `local` its epilog drains
+   the node.
    - `off` (default): logs "would refuse job J: <reason>" and exits 0;
    - `local`: drains the node with `healthd: <finding> [job J]` first -- unless someone else's reason
      is there, and the first healthd reason wins -- then exits 1: slurmd fails the launch, a batch
@@ -15,10 +19,12 @@
      why. healthd.reporter and the MUNGE binding are imported only on this path.
 
 Exit codes: 0 the job runs; 1 the job is refused (only with gating local or controller, a fresh T1
-hardware finding on an allocated GPU, and the node confirmed drained -- by this hook, or by the
-controller that granted the drain). Every doubtful case -- state missing,
-stale or truncated, GPU list unknown, a finding that is not T1 or not hardware, Slurm unreachable or
-refusing, a timeout, a bug -- exits 0 and the log says why.
+hardware finding on an allocated GPU or on the node's GPUs as a whole, and the node confirmed
+drained -- by this hook, or by the controller that granted the drain). Every doubtful case -- state
+missing, stale, truncated or not trusted (not root's, writable by group or others, a link), GPU list
+unknown, a finding that is not T1 or not hardware, Slurm unreachable or refusing, a timeout, a bug --
+exits 0 and the log says why. The binding is written into the run directory without following a
+link at any level (healthd.hooks.files); when it cannot be, the log says why and the job runs.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.hooks.bindings import Binding, binding_path
+from healthd.hooks.bindings import JOBS_DIR, Binding, binding_name
 from healthd.hooks.common import (
     Context,
     Judgement,
@@ -36,11 +42,11 @@ from healthd.hooks.common import (
     f_gpu,
     f_tier,
     healthd_reason,
+    is_node_level,
     is_t1_hardware,
     run_hook,
     summary,
     take_node,
-    write_json,
 )
 
 HOOK = "healthd-prolog"
@@ -50,23 +56,32 @@ RUN, REFUSE = 0, 1
 @dataclass(frozen=True)
 class Gate:
     refuse: bool
-    """One of the job's GPUs has a current T1 hardware finding in a fresh state."""
+    """One of the job's GPUs, or the node's GPUs as a whole, has a current T1 hardware finding in a
+    fresh state."""
     why: str
     finding: dict[str, Any] | None = None
 
 
 def gate(judgement: Judgement, gpus: list[int] | None, gpus_why: str = "") -> Gate:
-    """Would healthd refuse a job holding `gpus`? Pure; the gating mode is applied by the caller."""
+    """Would healthd refuse a job holding `gpus`? Pure; the gating mode is applied by the caller.
+    A T1 hardware finding on one of the job's GPUs comes first, then a node-level one
+    (`is_node_level`); a job that holds no GPU is not refused for either."""
     if not judgement.known:
         return Gate(False, f"{judgement.reason}")
+    node_t1 = sorted((f for f in judgement.findings if is_t1_hardware(f) and is_node_level(f)),
+                     key=lambda f: str(f.get("id")))
     if gpus is None:
         return Gate(False, f"GPU list unknown ({gpus_why})")
     if not gpus:
+        if node_t1:
+            return Gate(False, f"the job holds no GPU ({summary(node_t1[0], 100)} concerns GPU jobs only)")
         return Gate(False, "the job holds no GPU")
     mine = [f for f in judgement.findings if f_gpu(f) in gpus]
     blocking = sorted((f for f in mine if is_t1_hardware(f)), key=lambda f: (f_gpu(f), str(f.get("id"))))
     if blocking:
         return Gate(True, summary(blocking[0]), blocking[0])
+    if node_t1:
+        return Gate(True, summary(node_t1[0]), node_t1[0])
     gl = ",".join(map(str, gpus))
     if mine:
         notes = "; ".join(f"{summary(f, 60)} (T{f_tier(f)} {f.get('attribution')})" for f in mine[:3])
@@ -87,9 +102,10 @@ def prolog(ctx: Context) -> int:
     binding = Binding(job=job, node=ctx.node, gpus=tuple(gpus) if gpus is not None else None,
                       start=ctx.now, user=user, uid=uid)
     try:
-        write_json(binding_path(ctx.settings.hooks.run_dir, job), binding.to_json())
+        with ctx.run_dir(JOBS_DIR, create=True) as jobs:
+            jobs.write_json(binding_name(job), binding.to_json())
     except OSError as e:
-        log.warning(f"job {job}: cannot record the GPU binding: {e}")
+        log.error(f"job {job}: cannot record the GPU binding: {e}; not a reason to refuse the job")
 
     judgement = ctx.state()
     g = gate(judgement, gpus, gpus_why)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -180,3 +181,43 @@ def test_gating_controller_needs_a_controller_url(node):
     node.write_state(state_doc(findings=[T1_GPU1]))
     rc, err, _ = node.run("healthd-prolog", node.prolog_env(job="27", gpus="1"))
     assert rc == 0 and "controller.url" in err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to nobody needs root")
+@pytest.mark.parametrize("spoil, said", [
+    (lambda n: os.chown(n.state_file, 65534, 65534), "owner uid 65534, mode -rw-r--r-- (0644)"),
+    (lambda n: n.state_file.chmod(0o666), "owner uid 0, mode -rw-rw-rw- (0666)"),
+    (lambda n: n.run_dir.chmod(0o775), "owner uid 0, mode drwxrwxr-x (0775)"),
+])
+def test_an_untrusted_state_sends_no_drain_request(node, fleet, spoil, said):
+    """A T1 finding on the job's GPU in a state file someone other than root could have written: no
+    signed drain request leaves the node, and the job runs."""
+    srv = serve(fleet, (200, {"granted": True}))
+    try:
+        configure(node, fleet, srv.url)
+        node.write_state(state_doc(findings=[T1_GPU1]))
+        node.state_file.chmod(0o644)
+        spoil(node)
+        rc, err, _ = node.run("healthd-prolog", node.prolog_env(job="28", gpus="1"))
+        assert rc == 0, err
+        assert srv.paths == [] and srv.requests == []
+        assert "job 28 runs: agent unknown: state file refused: " in err and said in err
+        assert node.writes() == []
+    finally:
+        srv.close()
+
+
+def test_a_node_level_t1_finding_asks_the_controller(node, fleet):
+    srv = serve(fleet, (200, {"granted": True, "reason": "drained node01: healthd: 3 of 4 GPUs [#13]"}))
+    try:
+        configure(node, fleet, srv.url)
+        node.write_state(state_doc(findings=[finding("nvml.gpu_count:node", None, summary="3 of 4 GPUs visible to NVML")]))
+        rc, err, _ = node.run("healthd-prolog", node.prolog_env(job="29", gpus="3"))
+        assert rc == 1, err
+        (req,) = srv.requests
+        assert req.report["finding"]["id"] == "nvml.gpu_count:node" and req.report["job"] == "29"
+        # a job without GPUs is not refused, and nothing is asked for it
+        rc, err, _ = node.run("healthd-prolog", node.prolog_env(job="30", gpus=""))
+        assert rc == 0 and len(srv.paths) == 1, err
+    finally:
+        srv.close()

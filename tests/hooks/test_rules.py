@@ -105,13 +105,44 @@ def test_gate_refuses_only_a_t1_hardware_finding_on_an_allocated_gpu():
         (finding("nvml.remap_pending:gpu0", 0, tier=2, action="reset-gpu-when-idle"), "only"),
         (finding("xid:gpu0:119", 0, tier=1, attribution="software"), "only"),
         (finding("xid:gpu0:13", 0, tier=3, attribution="user", action="none"), "only"),
-        (finding("nvml.gpu_count:node", None), "no finding on GPUs 0,1"),
-        (finding("xid:gpu[bus]:79", None, kind="gpu"), "no finding on GPUs 0,1"),
+        (finding("nvml.gpu_count:node", None, tier=2), "no finding on GPUs 0,1"),
+        (finding("nvml.driver:node", None, tier=2, attribution="software", action="reboot-when-idle"), "no finding"),
+        (finding("ib.port:mlx5_0/1", None, attribution="fabric", kind="port"), "no finding on GPUs 0,1"),
+        (finding("fs.mount:fs:/ckpt", None, attribution="storage", kind="filesystem"), "no finding on GPUs 0,1"),
+        ({**finding("nvml.gpu_count:node", None), "component": None}, "no finding on GPUs 0,1"),
     ],
 )
 def test_gate_lets_the_job_run_on_anything_less_certain(f, why):
     g = gate(fresh([f]), [0, 1])
     assert not g.refuse and why in g.why
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        finding("nvml.gpu_count:node", None, summary="3 of 4 GPUs visible to NVML"),
+        finding("hooks.gpu_count:node", None, summary="quick check gpu_count failed: 3 of 4"),
+        finding("nvml.lost:gpu[0000:3B:00.0]", None, kind="gpu", action="drain-and-requeue", summary="GPU lost"),
+        finding("xid:node:79", None, xid=79, action="drain-and-requeue", summary="xid 79: fell off the bus"),
+    ],
+)
+def test_gate_refuses_any_gpu_job_on_a_node_level_t1_hardware_finding(f):
+    g = gate(fresh([f]), [0, 1])
+    assert g.refuse and g.finding is f and g.why == f["summary"]
+    # a job that holds no GPU is not refused for it; one whose GPUs are unknown runs as always
+    g = gate(fresh([f]), [])
+    assert not g.refuse and g.why.startswith("the job holds no GPU (") and "concerns GPU jobs only" in g.why
+    assert not gate(fresh([f]), None, "neither SLURM_JOB_GPUS nor CUDA_VISIBLE_DEVICES is set").refuse
+    # and never from an agent that is not known
+    stale = judge(state_doc(findings=[f], age_s=300, now=T), T, SETTINGS, pid_alive=alive)
+    assert not gate(stale, [0]).refuse
+
+
+def test_gate_prefers_a_finding_on_the_jobs_own_gpu_to_a_node_level_one():
+    own = finding("xid:gpu1:79", 1, summary="xid 79 gpu1: fell off the bus")
+    node = finding("nvml.gpu_count:node", None, summary="3 of 4 GPUs visible to NVML")
+    assert gate(fresh([node, own]), [0, 1]).finding is own
+    assert gate(fresh([node, own]), [2]).finding is node
 
 
 def test_gate_lets_the_job_run_when_in_doubt():

@@ -13,6 +13,11 @@ a journal directory (tests/slurm/e2e_support.py). Issue 3 section 4:
    job): the reason stays exactly the administrator's through health checks and epilogs.
 6. slurmctld stopped: the health check still exits 0 within its timeout, says Slurm is unreachable,
    and no node changes state.
+7. Hostile files (node04, with a T1 finding): the state file's directory owned by nobody and the run
+   directory's jobs/ a link to another directory: the hooks say the state is not trusted, the GPU job
+   runs, the node is never drained, and nothing is written through the link.
+8. A node-level T1 finding (node03 shows 3 of its 4 GPUs): the prolog refuses a GPU job (drain with
+   healthd's reason, requeue) while a job without GPUs runs to completion on the same node.
 
 Hostile node names and reasons and unexpected scontrol/sinfo output are covered without a cluster by
 tests/slurm/test_parsers.py and tests/slurm/test_backend_contract.py (the backend) and
@@ -471,3 +476,87 @@ def test_slurmctld_down_hooks_exit_in_time_say_unreachable_and_drain_nothing(e2e
     n2 = e2e.nodes["node02"]
     wait_for(lambda: (n2.checks() or {}).get("active") == "ran", 3 * HEALTH_CHECK_INTERVAL + 10,
              "node02's active checks to run again", diagnostics=n2.diagnostics)
+
+
+# ----------------------------------------------------------------------------- 7. hostile files
+
+
+def tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() if p.is_file() else b"dir" for p in sorted(d.rglob("*"))}
+
+
+def test_untrusted_state_and_a_linked_jobs_directory_the_job_runs_nothing_drained_nothing_written(e2e: HooksCluster):
+    n4 = e2e.nodes["node04"]
+    n4.set_gpu(1, lost=1)
+    lost = n4.wait_finding(lambda f: f["id"] == "nvml.lost:gpu1" and f["tier"] == 1)
+    assert lost["attribution"] == "hardware"  # with a trusted state, a GPU job here would be refused
+    state_dir = n4.state_file.parent
+    jobs, saved = n4.run_dir / "jobs", n4.run_dir / "jobs.saved"
+    decoy = Path(tempfile.mkdtemp(prefix="decoy-", dir=e2e.root))
+    decoy.chmod(0o755)
+    (decoy / "keep.txt").write_text("untouched\n")
+    before = tree(decoy)
+    mark = e2e.ctld_mark()
+    since = {hook: len(n4.hook_lines(hook)) for hook in ("healthd-prolog", "healthd-epilog", "healthd-healthcheck")}
+    os.chown(state_dir, 65534, 65534)  # the agent (root) still writes there; the hooks must not believe it
+    if jobs.exists():
+        jobs.rename(saved)
+    jobs.symlink_to(decoy)
+    try:
+        why = f"agent unknown: state file refused: directory {state_dir} is not trusted (owner uid 65534, mode "
+        checks = wait_for(lambda: (c := n4.checks()) and c["agent"]["known"] is False and c, 3 * HEALTH_CHECK_INTERVAL + 5,
+                          "node04's health check to refuse the state", diagnostics=n4.diagnostics)
+        assert checks["agent"]["reason"].startswith(why), checks
+        job = e2e.sbatch("-w", "node04", "--gres=gpu:4", wrap="true")
+        line = e2e.wait_job(job, ("COMPLETED",))
+        assert job_field(line, "NodeList") == "node04" and job_field(line, "Restarts") == "0", line
+        assert why in n4.wait_line("healthd-prolog", f"job {job} runs: ", since=since["healthd-prolog"])
+        n4.wait_line("healthd-prolog", f"job {job}: cannot record the GPU binding: directory {jobs} is a symbolic link",
+                     since=since["healthd-prolog"])
+        assert why in n4.wait_line("healthd-epilog", "findings are not attributed to this job", since=since["healthd-epilog"])
+        n4.wait_line("healthd-epilog", f"job {job}: binding unusable (", since=since["healthd-epilog"])
+        n4.wait_health_checks(1)
+        node = e2e.node("node04")
+        assert node["State"] == "IDLE" and "Reason" not in node, node
+        assert reasons_set(e2e.ctld_since(mark), "node04") == []
+        assert tree(decoy) == before  # nothing written, moved or removed through the link
+    finally:
+        os.chown(state_dir, 0, 0)
+        jobs.unlink(missing_ok=True)
+        if saved.exists():
+            saved.rename(jobs)
+    n4.wait_line("healthd-healthcheck", "agent alive", since=since["healthd-healthcheck"], timeout=3 * HEALTH_CHECK_INTERVAL + 5)
+
+
+# ----------------------------------------------------------------------------- 8. node-level T1 finding
+
+
+def test_node_level_t1_finding_refuses_a_gpu_job_and_runs_a_job_without_gpus(e2e: HooksCluster):
+    n3 = e2e.nodes["node03"]
+    n3.gpus = n3.gpus[:3]  # NVML enumerates 3 of the 4 GPUs slurmd still schedules
+    n3.write_nvml()
+    found = n3.wait_finding(lambda f: f["id"] == "nvml.gpu_count:node")
+    assert (found["tier"], found["attribution"], found["action"]) == (1, "hardware", "drain")
+    assert found["component"]["kind"] == "node" and found["component"]["index"] is None
+
+    hold = e2e.hold_file()
+    cpu_job = e2e.sbatch("-w", "node03", hold=hold)  # no --gres: slurmd gives its prolog no GPU variable
+    e2e.wait_job(cpu_job, ("RUNNING",))
+    n3.wait_line("healthd-prolog", f"job {cpu_job} runs: GPU list unknown")
+
+    mark = e2e.ctld_mark()
+    gpu_job = e2e.sbatch("-w", "node03", "--gres=gpu:1", wrap="true")
+    expected = f"healthd: {found['summary']} [job {gpu_job}]"
+    wait_for(lambda: (j := e2e.job(gpu_job)) and job_field(j, "Restarts") == "1" and j, 30,
+             f"job {gpu_job} to be requeued", diagnostics=lambda: e2e.diagnostics(gpu_job))
+    n3.wait_line("healthd-prolog", f"refused job {gpu_job}: {expected}")
+    node = e2e.node("node03")
+    assert "DRAIN" in node["State"].split("+") and node["Reason"] == expected, node
+    assert f"Prolog launch failure, JobId={gpu_job}" in e2e.ctld_since(mark)
+
+    assert e2e.job_state(cpu_job) == "RUNNING"  # the drain lets the running job finish
+    e2e.release(hold)
+    line = e2e.wait_job(cpu_job, ("COMPLETED",))
+    assert job_field(line, "Restarts") == "0" and job_field(line, "ExitCode") == "0:0", line
+    wait_done_binding(n3, cpu_job)
+    assert e2e.node("node03")["Reason"] == expected  # healthd's first reason stays
