@@ -58,7 +58,9 @@ class NodeInfo:
     future, unknown, error); every other bit is an uppercase flag (DRAIN, NOT_RESPONDING,
     COMPLETING, REBOOT_REQUESTED, ...). `reason` is '' when the node has none; `reason_user` and
     `reason_time` (epoch seconds) are None when Slurm does not say or the reason is empty.
-    `next_state` is the state after a requested reboot (e.g. 'RESUME', 'DOWN'), else None."""
+    `next_state` is the state after a requested reboot (e.g. 'RESUME', 'DOWN'), else None.
+    `boot_time` is when the node's operating system last booted (epoch seconds), None when unknown:
+    a requested reboot is done once it is later than the request."""
 
     name: str
     state: str
@@ -69,6 +71,7 @@ class NodeInfo:
     partitions: tuple[str, ...] = ()
     gres: str | None = None
     next_state: str | None = None
+    boot_time: float | None = None
 
     @property
     def drain_requested(self) -> bool:
@@ -127,7 +130,13 @@ class SlurmOutputError(SlurmError):
 class SlurmBackend(Protocol):
     """What healthd needs from Slurm. Every write validates its arguments (ValueError) before any
     call; `describe()` returns the exact call a write would make; with `dry_run=True` a backend
-    records writes in `planned` instead of making them (reads still happen)."""
+    records writes in `planned` instead of making them (reads still happen).
+
+    Writes whose effect is already there are done, not errors: `delete_reservation` of a
+    reservation that does not exist returns quietly (a restart after a delete repeats it), as do
+    RESUME and cancel_reboot on a node that needs neither. `ctld_started_at` is when the running
+    slurmctld started (epoch seconds; None when it does not say): a controller that restarted
+    after a write may have come back from a state save older than the write."""
 
     dry_run: bool
     planned: list[list[str]]
@@ -156,6 +165,10 @@ class SlurmBackend(Protocol):
     ) -> None: ...
 
     def delete_reservation(self, name: str) -> None: ...
+
+    def reservation_exists(self, name: str) -> bool: ...
+
+    def ctld_started_at(self) -> float | None: ...
 
     def version(self) -> str: ...
 

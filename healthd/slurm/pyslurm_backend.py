@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 # Slurm errno values meaning "slurmctld not reachable" (slurm/slurm_errno.h)
 UNAVAILABLE_ERRNOS = frozenset({1001, 1800, 1801, 1802, 1803, 1804, 1805, 5004})
+ESLURM_RESERVATION_INVALID = 2043
 
 # healthd reservation flag (scontrol spelling) -> pyslurm.ReservationFlags member
 RESERVATION_FLAG_NAMES = {
@@ -95,7 +96,15 @@ def node_from_pyslurm(node: Any) -> NodeInfo:
         partitions=tuple(node.partitions or ()),
         gres=_gres_text(node.configured_gres),
         next_state=next_state.upper() if next_state else None,
+        boot_time=float(boot) if isinstance(boot := getattr(node, "boot_time", None), (int, float)) and boot > 0
+        else None,
     )
+
+
+def _reservation_gone(exc: SlurmRefused) -> bool:
+    text = f"{exc.stderr} {exc}"
+    return exc.returncode == ESLURM_RESERVATION_INVALID or "doesn't exist" in text or \
+        "Requested reservation is invalid" in text
 
 
 class PyslurmBackend:
@@ -353,5 +362,27 @@ class PyslurmBackend:
         self._write(call[0], fn)
 
     def delete_reservation(self, name: str) -> None:
+        """Delete the reservation; one that is already gone is done, not an error."""
         call, fn = self._plan_delete_reservation(name)
-        self._write(call[0], fn)
+        try:
+            self._write(call[0], fn)
+        except SlurmRefused as exc:
+            if not _reservation_gone(exc):
+                raise
+            self._log.info("delete reservation %s: already gone", name)
+
+    def reservation_exists(self, name: str) -> bool:
+        name = validate_reservation_name(name)
+        ps = self._ps
+        try:
+            self._call(f"pyslurm.Reservation.load({name!r})", lambda: ps.Reservation.load(name))
+        except SlurmRefused as exc:
+            if _reservation_gone(exc):
+                return False
+            raise
+        return True
+
+    def ctld_started_at(self) -> float | None:
+        """When slurmctld started: pyslurm 25.11 does not expose it, so the scontrol fallback
+        reads it (None without a fallback)."""
+        return self.fallback.ctld_started_at() if self.fallback is not None else None

@@ -83,6 +83,10 @@ _SCRUB_ENV_PREFIXES = ("SINFO_", "SQUEUE_", "SCONTROL_")
 _SCRUB_ENV = ("SLURM_CLUSTERS", "SLURM_FEDERATION", "SLURM_LOCAL")
 
 _VERSION_RE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+# slurmctld's answer to a reservation name it does not hold (ESLURM_RESERVATION_INVALID), and
+# `scontrol show reservation NAME`'s for one that does not exist
+RESERVATION_GONE_MARKERS = ("Requested reservation is invalid", "not found")
+_BOOT_TIME_RE = re.compile(r"^BOOT_TIME\s*=\s*(\S+)", re.MULTILINE)
 
 # ---------------------------------------------------------------------------------------------
 # running a client
@@ -214,6 +218,7 @@ def parse_scontrol_node_line(line: str) -> NodeInfo:
     if gres in ("(null)", "N/A"):
         gres = None
     next_state = fields.get("NextState") or None
+    boot = fields.get("BootTime", "")
     return NodeInfo(
         name=name,
         state=state,
@@ -224,6 +229,7 @@ def parse_scontrol_node_line(line: str) -> NodeInfo:
         partitions=partitions,
         gres=gres,
         next_state=next_state.upper() if next_state else None,
+        boot_time=_local_epoch(boot) if boot and boot not in ("None", "Unknown") else None,
     )
 
 
@@ -357,6 +363,7 @@ def _node_from_object(obj: Any, path: str) -> NodeInfo:
         partitions=tuple(_str_list(obj.get("partitions"), f"{path}.partitions")),
         gres=gres,
         next_state=next_state,
+        boot_time=_number(obj.get("boot_time"), f"{path}.boot_time"),
     )
 
 
@@ -769,7 +776,29 @@ class ScontrolBackend:
         self._write(self._argv_create_reservation(name, nodes, duration_min, users, flags))
 
     def delete_reservation(self, name: str) -> None:
-        self._write(self._argv_delete_reservation(name))
+        """Delete the reservation; one that is already gone is done, not an error."""
+        try:
+            self._write(self._argv_delete_reservation(name))
+        except SlurmRefused as exc:
+            if not any(m in (exc.stderr + str(exc)) for m in RESERVATION_GONE_MARKERS):
+                raise
+            self._log.info("delete reservation %s: already gone", name)
+
+    def reservation_exists(self, name: str) -> bool:
+        argv = [self._bin("scontrol"), "show", "reservation", "-o", validate_reservation_name(name)]
+        try:
+            out = self._run(argv)
+        except SlurmRefused as exc:
+            if any(m in (exc.stderr + str(exc)) for m in RESERVATION_GONE_MARKERS):
+                return False
+            raise
+        return f"ReservationName={name} " in out + " "
+
+    def ctld_started_at(self) -> float | None:
+        """BOOT_TIME of `scontrol show config`: when the running slurmctld started."""
+        out = self._run([self._bin("scontrol"), "show", "config"])
+        m = _BOOT_TIME_RE.search(out)
+        return _local_epoch(m.group(1)) if m else None
 
 
 __all__ = [

@@ -129,6 +129,18 @@ def test_scontrol_json_and_oneliner_reads_agree(scontrol_env):
     assert {n.name: n for n in oneliner}["node02"].reason == contract.HOSTILE_REASON
 
 
+def test_scontrol_reads_boot_times_from_real_slurm(scontrol_env):
+    """A real slurmctld gives both times the reconciler needs: the node's boot and its own start."""
+    backend, _ = scontrol_env
+    import time
+
+    (info,) = backend.nodes(["node01"])
+    assert info.boot_time is not None and info.boot_time <= time.time()
+    assert backend.node("node01").boot_time == info.boot_time
+    started = backend.ctld_started_at()
+    assert started is not None and info.boot_time <= started <= time.time() + 1
+
+
 # ----------------------------------------------------------------------------- the pyslurm stand-in
 
 
@@ -170,6 +182,11 @@ class StandinScontrol:
             except self.ps.RPCError as exc:
                 return CommandResult(1, "", f"scontrol_reboot_nodes error: {exc.msg}\n")
             return CommandResult(0, "", "")
+        if argv[1:] == ["show", "config"]:
+            if not self.ps._standin_cluster().ctld_up:
+                return CommandResult(1, "", "slurm_load_ctl_conf error: Unable to contact slurm controller\n")
+            return CommandResult(0, "Configuration data as of 2026-12-01T08:00:00\n"
+                                    "BOOT_TIME               = 2026-12-01T07:00:00\n", "")
         return CommandResult(1, "", f"stand-in scontrol cannot do {argv[1:]}\n")
 
 

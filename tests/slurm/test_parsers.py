@@ -60,7 +60,8 @@ def _captured_json(name: str):
 def test_sinfo_json_2205_drained_reboot_draining():
     nodes = {n.name: n for n in parse_sinfo_json(_captured_json("sinfo-22.05-drained-reboot-draining.json"))}
     assert list(nodes) == ["node01", "node02", "node03", "node04"]
-    assert nodes["node01"] == NodeInfo("node01", "idle", frozenset(), "", None, None, ("debug",), "gpu:4", None)
+    assert nodes["node01"] == NodeInfo("node01", "idle", frozenset(), "", None, None, ("debug",), "gpu:4", None,
+                                       boot_time=1795946225.0)
     n2 = nodes["node02"]
     assert n2.reason == HOSTILE_REASON and n2.reason_user == "root" and n2.reason_time == 1795949831.0
     assert n2.drained and not n2.draining and n2.flags == {"DRAIN"}
@@ -154,7 +155,8 @@ SCONTROL_NODES_2411 = {
 
 def test_scontrol_nodes_json_2411_data_parser_shape():
     nodes = {n.name: n for n in parse_sinfo_json(SCONTROL_NODES_2411)}
-    assert nodes["node01"] == NodeInfo("node01", "idle", frozenset(), "", None, None, ("debug", "gpu"), "gpu:4", None)
+    assert nodes["node01"] == NodeInfo("node01", "idle", frozenset(), "", None, None, ("debug", "gpu"), "gpu:4", None,
+                                       boot_time=1795940000.0)
     assert nodes["node02"].reason == HOSTILE_REASON and nodes["node02"].drained
     assert (nodes["node02"].reason_user, nodes["node02"].reason_time) == ("root", 1795949831.0)
     n3 = nodes["node03"]

@@ -81,6 +81,7 @@ class _NodeRec:
     next_state: str | None = None
     partitions: list[str] = field(default_factory=lambda: ["debug"])
     gres: dict = field(default_factory=lambda: {"gpu": 4})
+    boot_time: int | None = None
 
 
 @dataclass
@@ -175,7 +176,7 @@ class Node:
     def _from_rec(rec: _NodeRec) -> "Node":
         n = Node(rec.name)
         n._rec = _NodeRec(rec.name, rec.base, set(rec.flags), rec.reason, rec.reason_user, rec.reason_time,
-                          rec.next_state, list(rec.partitions), dict(rec.gres))
+                          rec.next_state, list(rec.partitions), dict(rec.gres), rec.boot_time)
         return n
 
     def modify(self, changes):
@@ -259,6 +260,10 @@ class Node:
         if self._rec and self._rec.next_state and self._rec.flags & {"REBOOT_REQUESTED", "REBOOT_ISSUED"}:
             return self._rec.next_state
         return None
+
+    @property
+    def boot_time(self):
+        return self._rec.boot_time if self._rec else None
 
 
 class Nodes(dict):
