@@ -11,18 +11,21 @@ Operator commands that have no table of their own (undo, repaired) are recorded 
 Wire format: one JSON object per line each way.
     request  {"cmd": "approve", "args": {"decision_id": 7, "why": "..."}}
     response {"ok": true, "message": "...", "data": {...}}            (plus "error" on a refusal
-             by the socket itself: "forbidden" | "bad-request" | "unknown-command" | "internal")
+             by the socket itself: "forbidden" | "bad-request" | "unknown-command" | "internal",
+             or, before the connection is closed, "busy" (over a connection bound) | "timeout")
 The operator is never taken from the request: it is the peer's user name from SO_PEERCRED.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import grp
 import json
+import logging
 import os
 import pwd
 import socket
-import socketserver
 import stat
 import struct
 import threading
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from healthd.controller.ledger import REMEDIATION_KINDS, Ledger, LedgerError
+from healthd.lograte import RateLimitedLog
 
 OPERATOR_MODE = "operator"
 """The `mode` of decisions that record an operator's command rather than policy's proposal."""
@@ -253,34 +257,352 @@ def may_change(peer: Peer, allowed_uids: tuple[int, ...], admin_gid: int | None)
     return peer.uid in allowed_uids or (admin_gid is not None and _in_group(peer, admin_gid))
 
 
+ADMIN_IDLE_TIMEOUT_S = 10.0
+"""A client has this long to send a complete request line, from connecting and again from each
+answer; then it is closed (a partial line never completes, however slowly it drips)."""
+ADMIN_MAX_CLIENTS = 64
+"""Connections open at once from all uids outside allowed_uids together."""
+ADMIN_MAX_CLIENTS_PER_UID = 8
+"""Connections open at once from one uid outside allowed_uids."""
+ADMIN_PRIVILEGED_CLIENTS = 32
+"""Connections open at once from allowed_uids (root): an allowance of their own, outside
+ADMIN_MAX_CLIENTS, so root's healthctl gets in however many connections other users hold."""
+ADMIN_PRIVILEGED_THREADS = 2
+ADMIN_USER_THREADS = 1
+"""Handler threads for allowed_uids' requests and for everyone else's: a user's requests queue behind
+each other, never in front of root's, and reach the ledger one at a time."""
+ADMIN_BACKLOG = 128
+ADMIN_LOG_INTERVAL_S = 10.0
+
+_log = logging.getLogger("healthd.controller.admin")
+
+
+class _AdminConnection(asyncio.Protocol):
+    """One client on the admin loop: JSON lines in, one answer line per request, in order. While a
+    request runs on a handler thread the connection reads nothing more (one request in flight)."""
+
+    def __init__(self, server: AdminServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.peer: Peer | None = None
+        self.buf = bytearray()
+        self.admitted: str | None = None  # "privileged" | "user" once counted against a bound
+        self.busy = False
+        self.closed = False
+        self.eof = False
+        self.reading_paused = False
+        self.write_paused = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ transport callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        server = self.server
+        if server._stopping:  # accepted while the server shuts down
+            self._close(abort=True)
+            return
+        try:
+            self.peer = peer_credentials(transport.get_extra_info("socket"))
+        except OSError as exc:
+            server._rlog.warning("no peer credentials", "admin socket: no peer credentials (%s): closed", exc)
+            self._close(abort=True)
+            return
+        refusal = server._admit(self)
+        if refusal is not None:
+            self._send({"ok": False, "error": "busy", "message": refusal})
+            self._close()
+            return
+        self._set_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        self.server._release(self)
+        self.buf = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.buf += data
+        self._process()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._process()  # answers the complete lines still buffered, then closes
+        return True  # this side is closed by _process / _answered, after the last answer
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if not self.busy:
+            self._resume_reading()
+            self._process()
+
+    # ------------------------------------------------------------------ requests
+
+    def _process(self) -> None:
+        if self.busy or self.closed or self.write_paused:
+            return
+        end = self.buf.find(b"\n")
+        if end < 0:
+            if len(self.buf) > MAX_REQUEST_BYTES:
+                self.server._rlog.info("request too large", "admin socket: uid %d sent a line over %d bytes: closed",
+                                       self.peer.uid if self.peer else -1, MAX_REQUEST_BYTES)
+                self._send({"ok": False, "error": "bad-request", "message": "request too large"})
+                self._close()
+            elif self.eof:
+                self._close()
+            return
+        line = bytes(self.buf[:end + 1])
+        del self.buf[:end + 1]
+        server = self.server
+        pool = server._privileged_pool if self.admitted == "privileged" else server._user_pool
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(pool, server.dispatch, line, self.peer)
+        except RuntimeError:  # the pool is shut down: the server is closing
+            self._close(abort=True)
+            return
+        self.busy = True
+        self._cancel_timer()
+        self._pause_reading()
+        fut.add_done_callback(self._answered)
+
+    def _answered(self, fut: asyncio.Future) -> None:
+        self.busy = False
+        if self.closed or fut.cancelled():
+            self._close(abort=True)
+            return
+        exc = fut.exception()
+        if exc is not None:
+            _log.error("admin socket: request failed: %s: %s", type(exc).__name__, exc)
+            reply: dict[str, Any] = {"ok": False, "error": "internal", "message": f"internal error: {type(exc).__name__}"}
+        else:
+            reply = fut.result()
+        self._send(reply)
+        self._set_timer()
+        if not self.write_paused:
+            self._resume_reading()
+        self._process()
+
+    def _send(self, reply: Mapping[str, Any]) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        try:
+            data = json.dumps(reply, sort_keys=True).encode() + b"\n"
+        except (TypeError, ValueError) as exc:
+            data = json.dumps({"ok": False, "error": "internal", "message": f"internal error: {exc}"}).encode() + b"\n"
+        transport.write(data)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _close(self, *, abort: bool = False) -> None:
+        self.closed = True
+        self._cancel_timer()
+        transport = self.transport
+        if transport is None:
+            return
+        # abort when the answer cannot leave (a client that does not read must not pin the socket)
+        if abort or transport.get_write_buffer_size():
+            transport.abort()
+        else:
+            transport.close()
+
+    def _set_timer(self) -> None:
+        self._cancel_timer()
+        self.timer = asyncio.get_running_loop().call_later(self.server.idle_timeout_s, self._timed_out)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.closed or self.busy:
+            return
+        uid = self.peer.uid if self.peer else -1
+        self.server._rlog.info("idle timeout", "admin socket: uid %d sent no complete request within %g s: closed",
+                               uid, self.server.idle_timeout_s)
+        self._send({"ok": False, "error": "timeout",
+                    "message": f"no complete request line within {self.server.idle_timeout_s:g} s"})
+        self._close(abort=True)
+
+    def _pause_reading(self) -> None:
+        if not self.reading_paused and self.transport is not None and not self.transport.is_closing():
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self.reading_paused and self.transport is not None and not self.transport.is_closing():
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+
 class AdminServer:
-    """A running admin socket (a daemon thread). `close()` stops it and removes the socket file."""
+    """A running admin socket. `close()` stops it and removes the socket file.
+
+    One thread runs an asyncio loop that owns every connection (no thread per connection); the
+    command handlers, which may wait on the ledger for up to its busy timeout, run on two small
+    thread pools, one for allowed_uids and one for everyone else, so the loop never blocks and no
+    user's requests queue in front of root's. Bounds, by the peer's uid from SO_PEERCRED:
+    `max_clients_per_uid` connections per uid outside allowed_uids and `max_clients` for all of
+    those together; allowed_uids (root) have `max_privileged_clients` of their own. A connection
+    over a bound gets one line `{"ok": false, "error": "busy", ...}` and is closed. A client that
+    sends no complete request line within `idle_timeout_s` (from connecting, and from each answer)
+    gets `{"ok": false, "error": "timeout", ...}` and is closed. Refusals and timeouts are logged at
+    most once per reason per log interval (healthd.lograte)."""
 
     def __init__(self, path: str, ledger: Ledger, handlers: Mapping[str, Handler],
-                 allowed_uids: tuple[int, ...], admin_gid: int | None) -> None:
+                 allowed_uids: tuple[int, ...], admin_gid: int | None, *,
+                 idle_timeout_s: float = ADMIN_IDLE_TIMEOUT_S, max_clients: int = ADMIN_MAX_CLIENTS,
+                 max_clients_per_uid: int = ADMIN_MAX_CLIENTS_PER_UID,
+                 max_privileged_clients: int = ADMIN_PRIVILEGED_CLIENTS,
+                 log_interval_s: float = ADMIN_LOG_INTERVAL_S) -> None:
         self.path = path
         self.ledger = ledger
         self.handlers = dict(handlers)
         self.allowed_uids = tuple(allowed_uids)
         self.admin_gid = admin_gid
+        self.idle_timeout_s = idle_timeout_s
+        self.max_clients = max_clients
+        self.max_clients_per_uid = max_clients_per_uid
+        self.max_privileged_clients = max_privileged_clients
+        self._rlog = RateLimitedLog(_log, log_interval_s)
+        self._connections: set[_AdminConnection] = set()
+        self._per_uid: dict[int, int] = {}
+        self._users_open = 0
+        self._privileged_open = 0
+        self._closed = False
+        self._stopping = False
+        self._flusher: asyncio.TimerHandle | None = None
         _clear_stale(path)
-        outer = self
-
-        class _Req(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                peer = peer_credentials(self.connection)
-                for line in iter(lambda: self.rfile.readline(MAX_REQUEST_BYTES + 1), b""):
-                    reply = outer.dispatch(line, peer)
-                    self.wfile.write(json.dumps(reply, sort_keys=True).encode() + b"\n")
-                    self.wfile.flush()
-
-        class _Srv(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-            daemon_threads = True
-
-        self._server = _Srv(path, _Req)
-        os.chmod(path, 0o666)  # any local user may read; changes are checked per request
-        self._thread = threading.Thread(target=self._server.serve_forever, name="healthd-admin", daemon=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o666)  # any local user may read; changes are checked per request
+            sock.listen(ADMIN_BACKLOG)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._privileged_pool = concurrent.futures.ThreadPoolExecutor(ADMIN_PRIVILEGED_THREADS,
+                                                                      thread_name_prefix="healthd-admin-root")
+        self._user_pool = concurrent.futures.ThreadPoolExecutor(ADMIN_USER_THREADS, thread_name_prefix="healthd-admin-user")
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(sock,), name="healthd-admin", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self.close()
+            self._privileged_pool.shutdown()
+            self._user_pool.shutdown()
+            raise self._error
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run(self, sock: socket.socket) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            try:
+                server = loop.run_until_complete(loop.create_unix_server(lambda: _AdminConnection(self), sock=sock))
+            except BaseException as exc:
+                sock.close()
+                self._error = exc
+                return
+            self._flusher = loop.call_later(self._rlog.interval_s, self._flush_log)
+            self._ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                self._stopping = True
+                self._flusher.cancel()
+                loop.run_until_complete(_stop_accepting(loop, server))
+                server.close()
+                for conn in list(self._connections):
+                    if conn.transport is not None:
+                        conn.transport.abort()
+                loop.run_until_complete(server.wait_closed())
+                # a handler still on the ledger finishes (bounded by its busy timeout); what is queued is dropped
+                for pool in (self._privileged_pool, self._user_pool):
+                    pool.shutdown(wait=False, cancel_futures=True)
+                loop.run_until_complete(loop.run_in_executor(None, self._join_pools))
+                loop.run_until_complete(loop.shutdown_default_executor())
+                self._rlog.flush(force=True)
+        finally:
+            self._ready.set()
+            loop.close()
+
+    def _join_pools(self) -> None:
+        self._privileged_pool.shutdown(wait=True)
+        self._user_pool.shutdown(wait=True)
+
+    def _flush_log(self) -> None:
+        """Tell what the rate limit held back (every interval, from the loop)."""
+        self._rlog.flush()
+        self._flusher = self._loop.call_later(self._rlog.interval_s, self._flush_log)
+
+    def _admit(self, conn: _AdminConnection) -> str | None:
+        """Count `conn` against its bound (on the loop thread); the refusal's message when over it."""
+        assert conn.peer is not None
+        uid = conn.peer.uid
+        if uid in self.allowed_uids:
+            if self._privileged_open >= self.max_privileged_clients:
+                self._rlog.warning("refused: privileged clients", "admin socket: uid %d refused: %d connections open from %s",
+                                   uid, self._privileged_open, "privileged uids")
+                return f"too many admin connections: {self._privileged_open} open from privileged uids"
+            self._privileged_open += 1
+            conn.admitted = "privileged"
+        else:
+            mine = self._per_uid.get(uid, 0)
+            if mine >= self.max_clients_per_uid:
+                self._rlog.warning("refused: per-uid clients", "admin socket: uid %d refused: %d connections open from it",
+                                   uid, mine)
+                return f"too many admin connections from uid {uid}: {mine} open, at most {self.max_clients_per_uid} per user"
+            if self._users_open >= self.max_clients:
+                self._rlog.warning("refused: clients", "admin socket: uid %d refused: %d connections open", uid,
+                                   self._users_open)
+                return f"too many admin connections: {self._users_open} open"
+            self._per_uid[uid] = mine + 1
+            self._users_open += 1
+            conn.admitted = "user"
+        self._connections.add(conn)
+        return None
+
+    def _release(self, conn: _AdminConnection) -> None:
+        if conn.admitted is None:
+            return
+        if conn.admitted == "privileged":
+            self._privileged_open -= 1
+        else:
+            assert conn.peer is not None
+            uid = conn.peer.uid
+            left = self._per_uid.get(uid, 1) - 1
+            if left > 0:
+                self._per_uid[uid] = left
+            else:
+                self._per_uid.pop(uid, None)
+            self._users_open -= 1
+        conn.admitted = None
+        self._connections.discard(conn)
+
+    def open_connections(self) -> dict[str, Any]:
+        """{"privileged": N, "users": N, "per_uid": {uid: N}}, read on the loop thread (for tests and
+        diagnostics)."""
+        def snapshot() -> dict[str, Any]:
+            return {"privileged": self._privileged_open, "users": self._users_open, "per_uid": dict(self._per_uid)}
+        if self._loop.is_closed() or not self._thread.is_alive():
+            return snapshot()
+        return asyncio.run_coroutine_threadsafe(_call(snapshot), self._loop).result(timeout=5)
+
+    # ------------------------------------------------------------------ requests (on a handler thread)
 
     def dispatch(self, line: bytes, peer: Peer) -> dict[str, Any]:
         if len(line) > MAX_REQUEST_BYTES:
@@ -315,9 +637,17 @@ class AdminServer:
         return result.to_json()
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        """Stop serving (idempotent): the listener and every connection close, a handler still
+        running finishes, and the socket file is removed."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            except RuntimeError:  # closed in between
+                pass
+        self._thread.join(timeout=10)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -328,6 +658,20 @@ class AdminServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+async def _stop_accepting(loop: asyncio.AbstractEventLoop, server: asyncio.AbstractServer) -> None:
+    """Stop accepting, then let the connections accepted in the loop's last turn reach
+    connection_made (where they abort, the server stopping): a server closed under them would
+    leave their sockets open."""
+    for sock in getattr(server, "sockets", ()):
+        loop.remove_reader(sock.fileno())
+    for _ in range(3):  # accept task -> transport -> connection_made -> connection_lost
+        await asyncio.sleep(0)
 
 
 def _clear_stale(path: str) -> None:
@@ -350,10 +694,12 @@ def _clear_stale(path: str) -> None:
 
 
 def serve_admin_socket(path: str, ledger: Ledger, handler_map: Mapping[str, Handler] | None = None,
-                       allowed_uids: tuple[int, ...] = (0,), admin_gid: int | None = None) -> AdminServer:
-    """Serve the admin commands on a unix socket (JSON lines) in a daemon thread. Changes are
-    allowed to `allowed_uids` and members of `admin_gid` (by SO_PEERCRED); reads to anyone local."""
-    return AdminServer(path, ledger, DEFAULT_HANDLERS if handler_map is None else handler_map, allowed_uids, admin_gid)
+                       allowed_uids: tuple[int, ...] = (0,), admin_gid: int | None = None, **limits: Any) -> AdminServer:
+    """Serve the admin commands on a unix socket (JSON lines) from an event-loop thread of its own.
+    Changes are allowed to `allowed_uids` and members of `admin_gid` (by SO_PEERCRED); reads to
+    anyone local. `limits`: AdminServer's keyword arguments (timeouts and connection bounds)."""
+    return AdminServer(path, ledger, DEFAULT_HANDLERS if handler_map is None else handler_map, allowed_uids, admin_gid,
+                       **limits)
 
 
 class AdminUnreachable(OSError):
@@ -369,16 +715,23 @@ def call_admin(path: str, cmd: Mapping[str, Any], timeout: float = 5) -> dict[st
             sock.connect(path)
         except OSError as exc:
             raise AdminUnreachable(f"cannot reach the controller at {path}: {exc.strerror or exc}") from exc
+        sent: OSError | None = None
         try:
             sock.sendall(json.dumps(dict(cmd)).encode() + b"\n")
-            buf = b""
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            sent = exc  # refused at once ("busy"): its one line may already be here; read it
+        buf = b""
+        try:
             while not buf.endswith(b"\n"):
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 buf += chunk
         except OSError as exc:
-            raise AdminUnreachable(f"controller at {path} did not answer: {exc}") from exc
+            if not buf.endswith(b"\n"):
+                raise AdminUnreachable(f"controller at {path} did not answer: {sent or exc}") from exc
+        if sent is not None and not buf.endswith(b"\n"):
+            raise AdminUnreachable(f"controller at {path} did not answer: {sent}") from sent
     finally:
         sock.close()
     try:

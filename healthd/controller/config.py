@@ -27,6 +27,12 @@ class ControllerSettings:
 
     listen: str = "127.0.0.1:9841"
     """HOST:PORT the report/request HTTP server binds."""
+    max_connections: int = 4096
+    """Report/request connections open at once; one more is answered 503 and closed. The unit's
+    LimitNOFILE must cover it (the controller warns at start when the open-file limit does not)."""
+    max_connections_per_peer: int = 32
+    """Connections open at once from one source address (an agent needs one, its prolog another);
+    one more from that address is answered 503 and closed, so one address cannot hold the rest out."""
     ledger: str = "/var/lib/healthd/ledger.sqlite"
     """The SQLite ledger (decisions, actions, incidents, breaker)."""
     munge_socket: str | None = None
@@ -115,6 +121,12 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
     settings = _build(ControllerSettings, raw, file, "")
     settings = dataclasses.replace(settings, policy=policy, reintegration=reintegration)
     _check_hostport(file, "listen", settings.listen)
+    for key in ("max_connections", "max_connections_per_peer"):
+        if getattr(settings, key) < 1:
+            raise ConfigError(file, key, "a positive number of connections", getattr(settings, key))
+    if settings.max_connections_per_peer > settings.max_connections:
+        raise ConfigError(file, "max_connections_per_peer", f"at most max_connections ({settings.max_connections})",
+                          settings.max_connections_per_peer)
     _check_hostport(file, "metrics_listen", settings.metrics_listen)
     for key in ("ledger", "slurm_conf", "admin_socket"):
         if not getattr(settings, key).startswith("/"):

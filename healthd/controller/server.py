@@ -22,8 +22,16 @@ What the parser accepts (anything else is answered, never raised):
     closes it unless `Connection: keep-alive`. `Expect: 100-continue` (curl, for bodies > 1 KiB) is
     answered when the body is wanted.
 Timeouts: a request (headers and body) must arrive within request_timeout_s of its first byte (no
-slow-loris pinning a connection); an idle keep-alive connection is closed after idle_timeout_s.
-At most max_connections are open at once; one more is answered 503 and closed.
+slow-loris pinning a connection); an idle keep-alive connection, and a new one that has not sent a
+byte yet, is closed after idle_timeout_s.
+
+Bounds: at most max_connections are open at once, and at most max_connections_per_peer from one
+source address, so one address holding idle connections cannot keep the fleet's reports out. A
+connection over either bound is answered 503 at once and closed, without reading anything from it.
+Refusals, timeouts and malformed requests are logged through a RateLimitedLog: at most one line per
+reason per LOG_INTERVAL_S, with the count of the lines it held back. At bind time the soft
+RLIMIT_NOFILE is raised towards what max_connections needs (nofile_needed), with one warning when
+the hard limit does not allow it.
 
 /v1/report runs inline on the loop (verify is a ctypes call to the local munged plus JSON: well
 under a millisecond). /v1/request may wait on Slurm for up to ~20 s, so it runs in a small thread
@@ -35,9 +43,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import email.utils
+import ipaddress
 import json
 import logging
 import re
+import resource
 import socket
 import threading
 import time
@@ -45,6 +55,7 @@ from http import HTTPStatus
 from typing import Any, Callable, Protocol
 
 from healthd.controller.auth import DEFAULT_MAX_BYTES
+from healthd.lograte import RateLimitedLog
 
 _log = logging.getLogger("healthd.controller.server")
 
@@ -55,12 +66,96 @@ MAX_HEADERS = 100
 # how long / how much of a refused body we drain before closing (a lingering close)
 LINGER_S = 2.0
 WRITE_BUFFER_HIGH = 256 * 1024  # a client that pipelines without reading answers: stop reading it
+REFUSALS_PER_ACCEPT = 256  # refused in one accept() call at most, so a flood cannot hold the loop
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 32
+LOG_INTERVAL_S = 10.0
+"""At most one log line per reason (refusal, timeout, malformed request) per this many seconds."""
+NOFILE_RESERVE = 512
+"""File descriptors the controller needs besides report connections: the admin socket's clients
+(healthd.controller.admin bounds them to under 100), the ledger (database, WAL, shared memory, a
+read-only handle), Slurm client children's pipes (three per scontrol/srun, one per request thread
+and validation), MUNGE and journald sockets, metrics scrapes, listening sockets and stdio."""
 
 _HEADER_END = re.compile(rb"\r?\n\r?\n")
 _LINE_SPLIT = re.compile(rb"\r?\n")
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token: methods and header names
 _VERSION = re.compile(rb"HTTP/1\.[01]")
 _DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only (str.isdigit also takes '²', which int() refuses)
+
+
+def nofile_needed(max_connections: int) -> int:
+    """The RLIMIT_NOFILE the controller needs to hold max_connections report connections."""
+    return max_connections + NOFILE_RESERVE
+
+
+def check_nofile(needed: int, log: logging.Logger | None = None) -> int:
+    """Make the soft RLIMIT_NOFILE at least `needed` where the hard limit allows (systemd starts
+    services with a soft limit of 1024 unless the unit's LimitNOFILE says otherwise; only select()
+    users must stay under 1024, and nothing here uses select()). Logs one warning when the limit in
+    force stays below `needed`. Returns the soft limit in force."""
+    log = log or _log
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        if target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError) as exc:
+                log.debug("cannot raise RLIMIT_NOFILE to %d: %s", target, exc)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning("the open-file limit (RLIMIT_NOFILE soft %d, hard %s) is below the %d the connection limits need; "
+                    "connections past it fail to be accepted: raise LimitNOFILE in the unit or lower max_connections",
+                    soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, needed)
+    return soft
+
+
+def _peer_address(peername: Any) -> str:
+    """The source address a connection is counted against: an IPv4-mapped IPv6 address as IPv4."""
+    if not peername:
+        return "?"
+    host = str(peername[0])
+    if host.startswith("::ffff:"):
+        try:
+            mapped = ipaddress.IPv6Address(host).ipv4_mapped
+        except ValueError:
+            mapped = None
+        if mapped is not None:
+            return str(mapped)
+    return host
+
+
+class _Listener(socket.socket):
+    """The listening socket. asyncio's accept loop calls its accept(), which answers connections over
+    the server's bounds itself (503 in one send, then close) and returns only admitted ones: a refused
+    connection costs an accept, a send and a close, never an asyncio transport, task and protocol."""
+
+    admit: Callable[[socket.socket, Any], bool] | None = None
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        admit = self.admit
+        for _ in range(REFUSALS_PER_ACCEPT):
+            conn, addr = super().accept()  # BlockingIOError when none waits: asyncio's cue to stop
+            if admit is None or admit(conn, addr):
+                return conn, addr
+        raise BlockingIOError  # more wait: asyncio comes back to them after the loop's other work
+
+
+def _listen(host: str, port: int, backlog: int) -> _Listener:
+    """socket.create_server, on a _Listener."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = _Listener(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class Handler(Protocol):
@@ -169,27 +264,31 @@ class _Connection(asyncio.Protocol):
         self.reading_paused = False
         self.write_paused = False
         self.eof = False
+        self.counted = False
 
     # ---------------------------------------------------------------- transport callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        peer = transport.get_extra_info("peername")
-        self.peer = peer[0] if peer else "?"
-        conns = self.server._connections
-        if len(conns) >= self.server.max_connections:
-            _log.warning("%s refused: 503 over %d open connections", self.peer, self.server.max_connections)
+        server = self.server
+        # admitted and counted against the bounds by the listener's accept() (ControllerHTTPServer._admit)
+        self.peer = _peer_address(transport.get_extra_info("peername"))
+        self.counted = True
+        server._connections.add(self)
+        if server._stopping:  # accepted while the server shuts down
             self.state = "closed"
-            transport.write(_response(503, {"accepted": False, "error": "too many connections"}, close=True))  # type: ignore[attr-defined]
-            transport.close()
+            transport.abort()  # type: ignore[attr-defined]
             return
-        conns.add(self)
-        self._set_timer(self.server.idle_timeout_s)
+        # a connection that never sends a byte is closed like an idle keep-alive one
+        self._set_timer(server.idle_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = "closed"
         self._cancel_timer()
-        self.server._connections.discard(self)
+        if self.counted:
+            self.counted = False
+            self.server._connections.discard(self)
+            self.server._release(self.peer)
         self.buf = bytearray()
 
     def data_received(self, data: bytes) -> None:
@@ -235,7 +334,7 @@ class _Connection(asyncio.Protocol):
                 self._finish(exc.status, exc.payload, close=True)
                 return
             except _BadRequest as exc:
-                _log.debug("%s bad request: %d %s", self.peer, exc.status, exc.reason)
+                self.server._rlog.info("bad request", "%s bad request: %d %s", self.peer, exc.status, exc.reason)
                 self._finish(exc.status, {"error": exc.reason}, close=True)
                 return
 
@@ -284,12 +383,12 @@ class _Connection(asyncio.Protocol):
             self._refuse(404, {"error": f"no such endpoint {req.target[:80]!r}"})
             return
         if req.length is None:
-            _log.warning("%s %s refused: 411 no Content-Length", self.peer, req.target)
+            self.server._rlog.warning("refused: 411", "%s %s refused: 411 no Content-Length", self.peer, req.target)
             self._refuse(411, {"accepted": False, "error": "Content-Length required"})
             return
         if req.length > self.server.max_bytes:
             reason = f"body is {req.length} bytes, over the {self.server.max_bytes}-byte limit"
-            _log.warning("%s %s refused: 413 %s", self.peer, req.target, reason)
+            self.server._rlog.warning("refused: 413", "%s %s refused: 413 %s", self.peer, req.target, reason)
             self._refuse(413, {"accepted": False, "error": reason})
             return
         if req.expect_continue and req.length > len(self.buf):
@@ -399,7 +498,8 @@ class _Connection(asyncio.Protocol):
         if transport is None or self.state == "closed":
             return
         if self.state == "head" or self.state == "body":
-            _log.debug("%s request not complete within %g s: closed", self.peer, self.server.request_timeout_s)
+            self.server._rlog.info("request timeout", "%s request not complete within %g s: 408, closed", self.peer,
+                                   self.server.request_timeout_s)
             self.state = "closed"
             # 408 is best effort: the client may still be writing, and we close right after
             transport.write(_response(408, {"error": "request timeout"}, close=True))
@@ -434,23 +534,34 @@ class ControllerHTTPServer:
     serves on an event loop of its own in start_background()'s thread."""
 
     def __init__(self, listen: str, controller: Handler, max_bytes: int = DEFAULT_MAX_BYTES, *,
-                 request_timeout_s: float = 30.0, idle_timeout_s: float = 15.0, max_connections: int = 4096,
-                 request_threads: int = 8):
+                 request_timeout_s: float = 30.0, idle_timeout_s: float = 15.0,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
+                 request_threads: int = 8, log_interval_s: float = LOG_INTERVAL_S):
         host, _, port = listen.rpartition(":")
         host = host.strip("[]")
+        if max_connections < 1 or max_connections_per_peer < 1:
+            raise ValueError("max_connections and max_connections_per_peer must be at least 1")
         self.controller = controller
         self.max_bytes = max_bytes
         self.request_timeout_s = request_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.max_connections_per_peer = max_connections_per_peer
         # backlog 1024 (http.server's was 5): a fleet's reports arrive in bursts after a round
-        self.socket = socket.create_server((host, int(port)), family=family, backlog=1024)
+        self.socket = _listen(host, int(port), backlog=1024)
+        self.socket.admit = self._admit
         self.server_address = self.socket.getsockname()
+        self.nofile = check_nofile(nofile_needed(max_connections))
         self._request_threads = request_threads
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._connections: set[_Connection] = set()
+        self._open = 0  # admitted connections not yet lost (some may not have a transport yet)
+        self._per_peer: dict[str, int] = {}  # source address -> its admitted connections
+        self._rlog = RateLimitedLog(_log, log_interval_s)
+        self._flusher: asyncio.TimerHandle | None = None
+        self._stopping = False
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
         self._done = threading.Event()
@@ -490,12 +601,22 @@ class ControllerHTTPServer:
             if self._shut:
                 self._stop.set()
         self._pool = concurrent.futures.ThreadPoolExecutor(self._request_threads, thread_name_prefix="healthd-controller-request")
+        loop.set_exception_handler(self._loop_exception)
         server = await loop.create_server(lambda: _Connection(self), sock=self.socket)
         self._started.set()
+        self._flusher = loop.call_later(self._rlog.interval_s, self._flush_log)
         try:
             await self._stop.wait()
         finally:
-            server.close()  # stop accepting (this also closes self.socket)
+            self._stopping = True
+            if self._flusher is not None:
+                self._flusher.cancel()
+            # stop accepting; connections accepted in the loop's last turn reach connection_made (and
+            # abort there) before the server closes: a server closed under them leaves their sockets open
+            loop.remove_reader(self.socket.fileno())
+            for _ in range(3):  # accept task -> transport -> connection_made -> connection_lost
+                await asyncio.sleep(0)
+            server.close()  # this also closes self.socket
             for conn in list(self._connections):
                 if conn.transport is not None:
                     conn.transport.abort()
@@ -504,6 +625,56 @@ class ControllerHTTPServer:
             # timeouts) so no pool thread outlives the server; its answer has nowhere to go
             await loop.run_in_executor(None, self._pool.shutdown, True)
             await loop.shutdown_default_executor()
+            self._rlog.flush(force=True)
+
+    def _admit(self, conn: socket.socket, addr: Any) -> bool:
+        """Count a just-accepted connection against the bounds (on the loop, from _Listener.accept);
+        over one, answer 503 in one non-blocking send and close it, reading nothing."""
+        peer = _peer_address(addr)
+        from_peer = self._per_peer.get(peer, 0)
+        if self._open >= self.max_connections:
+            self._rlog.warning("refused: max_connections", "%s refused: 503, %d connections open (max_connections)",
+                               peer, self._open)
+            error = "too many connections"
+        elif from_peer >= self.max_connections_per_peer:
+            self._rlog.warning("refused: max_connections_per_peer",
+                               "%s refused: 503, %d connections open from this address (max_connections_per_peer)",
+                               peer, from_peer)
+            error = "too many connections from this address"
+        else:
+            self._open += 1
+            self._per_peer[peer] = from_peer + 1
+            return True
+        try:
+            conn.send(_response(503, {"accepted": False, "error": error}, close=True), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        conn.close()
+        return False
+
+    def _release(self, peer: str) -> None:
+        self._open -= 1
+        left = self._per_peer.get(peer, 1) - 1
+        if left > 0:
+            self._per_peer[peer] = left
+        else:
+            self._per_peer.pop(peer, None)
+
+    def _flush_log(self) -> None:
+        """Tell what the rate limit held back (every interval, from the loop)."""
+        self._rlog.flush()
+        assert self._loop is not None
+        self._flusher = self._loop.call_later(self._rlog.interval_s, self._flush_log)
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio reports a failed accept() (EMFILE/ENFILE: the open-file limit) here once per retry;
+        those go through the rate limit, anything else to asyncio's own handler."""
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and "accept" in str(context.get("message", "")):
+            self._rlog.error("accept failed", "accepting a connection failed: %s (open files: RLIMIT_NOFILE %d)",
+                             exc, self.nofile)
+            return
+        loop.default_exception_handler(context)
 
     def shutdown(self) -> None:
         """Stop serving and wait for the loop thread to finish (idempotent)."""

@@ -230,11 +230,13 @@ def test_drain_request_runs_off_the_loop(server):
 
 
 def test_connection_cap_answers_503(server):
-    socks = [connect(server) for _ in range(50)]
+    # 50 open (max_connections) from five addresses, each under max_connections_per_peer
+    addr = server.server_address[:2]
+    socks = [socket.create_connection(addr, timeout=5, source_address=(f"127.0.0.{2 + i % 5}", 0)) for i in range(50)]
     try:
         time.sleep(0.2)
         with connect(server) as extra:
-            assert read_response(extra)[0] == 503
+            assert read_response(extra)[2] == b'{"accepted":false,"error":"too many connections"}'
     finally:
         for s in socks:
             s.close()
