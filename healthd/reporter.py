@@ -4,7 +4,10 @@
 the POST to `<controller.url>/v1/report` runs on the reporter's own thread. A document is sent at
 once when its verdict or its set of finding ids changed since the last delivered one, otherwise at
 most every `controller.heartbeat_s`. Each attempt is signed afresh with the node's munged
-(`healthd.controller.auth.sign_report`), so a retry never replays a credential.
+(`healthd.controller.auth.sign_report`), so a retry never replays a credential. What is sent is
+fitted to what the controller accepts (`healthd.controller.report_schema.fit_report`): at most 256
+findings, the strongest kept and the rest counted in `findings_dropped`, long text shortened; the
+state file on the node keeps everything.
 
 When the controller is unreachable or refuses a report, only the LATEST document is kept and the
 reporter retries with exponential backoff and jitter, up to `controller.backoff_max_s`. The log gets
@@ -139,6 +142,7 @@ class Reporter:
         self._last_sent_at: float | None = None
         self._next_try: float = 0.0
         self._failures = 0
+        self._fit_note = ""
 
         self.state = "unknown"
         """unknown (nothing sent yet) | ok | unreachable | refused."""
@@ -263,9 +267,26 @@ class Reporter:
 
         return auth.sign_report(doc, self.node, self.settings.munge_socket)
 
+    def _fit(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """The document as the controller accepts it (report_schema.fit_report: at most MAX_FINDINGS,
+        the strongest kept, `findings_dropped` counting the rest; long text shortened). The local
+        state file keeps everything; one log line when what is left out changes."""
+        from healthd.controller.report_schema import fit_report
+
+        try:
+            fitted, note = fit_report(doc)
+        except Exception:  # never lose the report over the trimming: the controller says why it refuses
+            log.exception("cannot fit the report to the controller's limits")
+            return doc
+        if note != self._fit_note:
+            if note:
+                log.warning("report to the controller trimmed to its limits: %s", note)
+            self._fit_note = note
+        return fitted
+
     def _attempt(self, doc: dict[str, Any]) -> bool:
         try:
-            body = self._sign(doc)
+            body = self._sign(self._fit(doc))
         except Exception as e:  # munged down, a node name that is not a hostname, a doc json refuses
             self.counters["sign_errors"] += 1
             self._failed("unsigned", f"cannot sign the report: {type(e).__name__}: {_line(e)}")
@@ -345,8 +366,10 @@ def request_drain(
     other answer, and no answer within timeout_s, is (False, the reason in one line)."""
     if not settings.url:
         return False, "controller.url is not set"
-    report = {"kind": "drain-request", "node": node, "finding": dict(finding), "job": job}
     try:
+        from healthd.controller.report_schema import fit_request_finding
+
+        report = {"kind": "drain-request", "node": node, "finding": fit_request_finding(finding), "job": job}
         if sign is not None:
             body = sign(report, node, settings.munge_socket)
         else:
