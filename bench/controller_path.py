@@ -429,7 +429,7 @@ def bench_round(args, tmp: Path) -> dict:
         parts: dict[str, list[float]] = {k: [] for k in ("topology_parse", "fleet_build", "decide", "context_and_gates",
                                                           "ledger_load_incidents", "ledger_drains_actions_breaker",
                                                           "ledger_approved")}
-        lview = LedgerView(healthd_drains={n: str(i) for n, i in ledger.healthd_drains().items()},
+        lview = LedgerView(holds=ledger.holds(),
                            incidents={k: str(v) for k, v in ctl._incidents.items()})
         for _ in range(min(args.rounds, 20)):
             t = time.perf_counter()
@@ -450,7 +450,7 @@ def bench_round(args, tmp: Path) -> dict:
             ctl._load_incidents()
             parts["ledger_load_incidents"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            ledger.healthd_drains()
+            ledger.holds()
             ledger.actions_applied_since(now - 3600)
             for p in fleet.partitions:
                 ledger.actions_applied_since(now - 3600, p)

@@ -28,7 +28,7 @@ from healthd.catalog import Catalog, load_catalog
 from healthd.classify import Classification, classify
 from healthd.history import History, HistoryError
 from healthd.hooks.agent_side import HookFiles
-from healthd.instructions import apply_clears, merge_clears, parse_clear
+from healthd.instructions import apply_clears, carry_episodes, clear_scope, merge_clears, parse_clear
 from healthd.model import (
     GpuSample,
     HostSample,
@@ -75,6 +75,14 @@ class Sources:
                     log.warning("closing %s: %s", type(c).__name__, e)
 
 
+def _times(raw: Any) -> dict[str, float]:
+    """A memory file's {finding id: epoch} map; anything else in it is dropped."""
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): float(v) for k, v in raw.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
 @dataclass
 class Memory:
     """What the agent remembers across restarts (`<state_dir>/agent-state.json`)."""
@@ -84,6 +92,10 @@ class Memory:
     ib_baseline: dict | None = None
     cleared: dict = dataclasses.field(default_factory=dict)
     """finding id -> epoch: evidence up to then no longer counts (the controller's clear-finding)."""
+    dismissed: dict = dataclasses.field(default_factory=dict)
+    """finding id -> epoch: the episode begun by then no longer counts (clear-finding, scope episode)."""
+    episodes: dict = dataclasses.field(default_factory=dict)
+    """finding id -> first_seen of its current episode (healthd.instructions.carry_episodes)."""
 
     @classmethod
     def load(cls, state_dir: str, *, readonly: bool = False) -> "Memory":
@@ -101,12 +113,8 @@ class Memory:
             history = History()
         cursor = doc.get("cursor") if isinstance(doc.get("cursor"), str) else None
         baseline = doc.get("infiniband") if isinstance(doc.get("infiniband"), dict) else None
-        cleared = {}
-        raw = doc.get("cleared")
-        if isinstance(raw, dict):
-            cleared = {str(k): float(v) for k, v in raw.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-        return cls(history=history, cursor=cursor, ib_baseline=baseline, cleared=cleared)
+        return cls(history=history, cursor=cursor, ib_baseline=baseline, cleared=_times(doc.get("cleared")),
+                   dismissed=_times(doc.get("dismissed")), episodes=_times(doc.get("episodes")))
 
     def save(self, state_dir: str, ib_state: dict | None) -> None:
         write_json_atomic(
@@ -118,6 +126,8 @@ class Memory:
                 "infiniband": ib_state,
                 "history": self.history.to_json(),
                 "cleared": self.cleared,
+                "dismissed": self.dismissed,
+                "episodes": self.episodes,
             },
             mode=0o600,
         )
@@ -232,7 +242,7 @@ class Agent:
         self.snapshot: Snapshot | None = None
         self.hook_files = HookFiles()
         """Quick-check results and job bindings the Slurm hooks leave in hooks.run_dir (read only)."""
-        self._clears: list[dict[str, float]] = []
+        self._clears: list[tuple[str, dict[str, float]]] = []
         self._clears_lock = threading.Lock()
         if reporter is not None:
             reporter.on_instruction = self.receive_instruction
@@ -240,8 +250,9 @@ class Agent:
     def receive_instruction(self, instruction: dict[str, Any]) -> None:
         """The controller's instruction (from the reporter's thread): queued for the next tick."""
         clears = parse_clear(instruction)  # ValueError: logged by the reporter
+        scope = clear_scope(instruction)
         with self._clears_lock:
-            self._clears.append(clears)
+            self._clears.append((scope, clears))
 
     # ------------------------------------------------------------------ one pass
 
@@ -283,11 +294,18 @@ class Agent:
         result = self.hook_files.apply(result, snap.time, self.settings)
         with self._clears_lock:
             pending, self._clears = self._clears, []
-        for clears in pending:
-            self.memory.cleared = merge_clears(self.memory.cleared, clears)
-            log.warning("controller cleared finding(s) %s (evidence up to %s no longer counts)",
-                        ", ".join(sorted(clears)), iso(max(clears.values())))
-        result, self.memory.cleared = apply_clears(result, self.memory.cleared)
+        for scope, clears in pending:
+            if scope == "episode":
+                self.memory.dismissed = merge_clears(self.memory.dismissed, clears)
+                log.warning("controller dismissed finding(s) %s (the episode begun by %s no longer counts)",
+                            ", ".join(sorted(clears)), iso(max(clears.values())))
+            else:
+                self.memory.cleared = merge_clears(self.memory.cleared, clears)
+                log.warning("controller cleared finding(s) %s (evidence up to %s no longer counts)",
+                            ", ".join(sorted(clears)), iso(max(clears.values())))
+        result, self.memory.episodes = carry_episodes(result, self.memory.episodes)
+        result, self.memory.cleared, self.memory.dismissed = apply_clears(result, self.memory.cleared,
+                                                                         self.memory.dismissed)
         self.snapshot, self.result = snap, result
         self.memory.history = result.history
         if kernel.cursor:

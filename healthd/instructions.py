@@ -1,9 +1,18 @@
 """What the agent does with the controller's instructions (they ride on report responses).
 
-The one instruction is `clear-finding`: after `healthctl repaired` the controller tells the agent
-that the evidence of some findings up to a time no longer counts (the GPU was reseated or replaced),
-so the agent stops reporting them until new evidence arrives. Pure functions over values; the agent
-keeps the clears in its memory file so a restart does not bring the old evidence back.
+The one instruction is `clear-finding`, in one of two scopes:
+
+- `evidence` (after `healthctl repaired`, or a completed reboot): the evidence of some findings up to
+  a time no longer counts (the GPU was reseated or replaced), so the agent stops reporting them until
+  new evidence arrives. A condition still observed after the repair is new evidence.
+- `episode` (after `healthctl undo` or `close`: an operator judged healthd wrong): the episode of the
+  finding that had begun by that time no longer counts, however long it lasts; a new episode (the
+  condition went away and came back) or a new kernel log line does. An episode starts at a
+  finding's `first_seen`, which the agent carries from tick to tick while the finding stays
+  (`carry_episodes`), so a persistent condition keeps the first_seen of its episode.
+
+Pure functions over values; the agent keeps the clears and the episodes in its memory file so a
+restart does not bring the old evidence back.
 """
 
 from __future__ import annotations
@@ -15,6 +24,9 @@ from typing import Any
 
 MAX_CLEARS = 256
 """Cleared finding ids remembered at most (oldest dropped first)."""
+SCOPES = ("evidence", "episode")
+MAX_EPISODES = 1024
+"""Episode starts remembered at most (one per current finding)."""
 
 
 def parse_clear(instruction: Mapping[str, Any]) -> dict[str, float]:
@@ -29,6 +41,14 @@ def parse_clear(instruction: Mapping[str, Any]) -> dict[str, float]:
     return {f: float(before) for f in findings[:MAX_CLEARS]}
 
 
+def clear_scope(instruction: Mapping[str, Any]) -> str:
+    """`evidence` (the default, what older controllers send) or `episode`. ValueError otherwise."""
+    scope = instruction.get("scope", "evidence")
+    if scope not in SCOPES:
+        raise ValueError(f"clear-finding scope must be one of {', '.join(SCOPES)}, found {scope!r}")
+    return str(scope)
+
+
 def merge_clears(current: Mapping[str, float], new: Mapping[str, float]) -> dict[str, float]:
     """The later `before` wins per finding; at most MAX_CLEARS kept (the oldest clears go first)."""
     out = dict(current)
@@ -39,33 +59,70 @@ def merge_clears(current: Mapping[str, float], new: Mapping[str, float]) -> dict
     return out
 
 
-def is_cleared(f: Any, cleared: Mapping[str, float]) -> bool:
-    """A finding whose latest evidence is not newer than its clear (finding id -> before) no longer
-    counts; new evidence brings it back. The agent and the controller judge by this one rule."""
+def same_episode(f: Any, before: float) -> bool:
+    """The finding is the episode that had begun by `before`, with no kernel log line after it."""
+    if f.first_seen is None or f.first_seen > before:
+        return False
+    return not (f.source == "kernel_log" and f.last_seen is not None and f.last_seen > before)
+
+
+def is_cleared(f: Any, cleared: Mapping[str, float], dismissed: Mapping[str, float] | None = None) -> bool:
+    """A finding whose latest evidence is not newer than its `evidence` clear (finding id -> before),
+    or that is the same episode as its `episode` clear (`dismissed`), no longer counts. The agent and
+    the controller judge by this one rule."""
     before = cleared.get(f.id)
     last = f.last_seen if f.last_seen is not None else f.first_seen
-    return before is not None and (last is None or last <= before)
+    if before is not None and (last is None or last <= before):
+        return True
+    episode = dismissed.get(f.id) if dismissed else None
+    return episode is not None and same_episode(f, episode)
 
 
-def apply_clears(classification: Any, cleared: Mapping[str, float]) -> tuple[Any, dict[str, float]]:
-    """(the classification without cleared findings, the clears still needed). A finding whose latest
-    evidence is newer than its clear comes back (the fault recurred) and its clear is dropped; a clear
-    whose finding is gone is dropped too (the history forgot the old evidence)."""
-    if not cleared:
-        return classification, {}
+def carry_episodes(classification: Any, episodes: Mapping[str, float]) -> tuple[Any, dict[str, float]]:
+    """(the classification with each finding's first_seen at the start of its episode, the episode
+    starts to remember). A finding present in the previous tick keeps the earlier first_seen; one
+    that was absent starts a new episode at its own."""
+    changed, starts = [], {}
+    for f in classification.findings:
+        start = episodes.get(f.id)
+        if start is not None and (f.first_seen is None or start < f.first_seen):
+            f = dataclasses.replace(f, first_seen=start)
+            changed.append(f)
+        else:
+            changed.append(f)
+        if f.first_seen is not None and len(starts) < MAX_EPISODES:
+            starts[f.id] = f.first_seen
+    if all(a is b for a, b in zip(changed, classification.findings, strict=True)):
+        return classification, starts
+    return dataclasses.replace(classification, findings=tuple(changed)), starts
+
+
+def apply_clears(classification: Any, cleared: Mapping[str, float],
+                 dismissed: Mapping[str, float] | None = None) -> tuple[Any, dict[str, float], dict[str, float]]:
+    """(the classification without cleared findings, the evidence clears still needed, the episode
+    clears still needed). A finding whose latest evidence is newer than its clear comes back (the
+    fault recurred) and its clear is dropped; a finding of a new episode drops its episode clear; a
+    clear whose finding is gone is dropped too (the history forgot the old evidence, or the episode
+    ended)."""
+    dismissed = dismissed or {}
+    if not cleared and not dismissed:
+        return classification, {}, {}
     from healthd.classify import would_do
     from healthd.hooks.checks import verdict
 
-    kept, still = [], {}
+    kept, still, still_dismissed = [], {}, {}
     for f in classification.findings:
-        if is_cleared(f, cleared):
-            still[f.id] = cleared[f.id]
+        if is_cleared(f, cleared, dismissed):
+            if f.id in cleared:
+                still[f.id] = cleared[f.id]
+            if f.id in dismissed:
+                still_dismissed[f.id] = dismissed[f.id]
         else:
             kept.append(f)
     if len(kept) == len(classification.findings):
-        return classification, still
+        return classification, still, still_dismissed
     findings = tuple(kept)
     # recompute the verdict from what is left, keeping `unknown` (a collector down) as it was
     base = "unknown" if classification.verdict == "unknown" else "healthy"
     return dataclasses.replace(classification, findings=findings, verdict=verdict(findings, base),
-                               would_do=would_do(findings)), still
+                               would_do=would_do(findings)), still, still_dismissed

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from healthd.controller.ledger import REMEDIATION_KINDS, Ledger, LedgerError
+from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES, REMEDIATION_KINDS, Ledger, LedgerError
 from healthd.lograte import RateLimitedLog
 
 OPERATOR_MODE = "operator"
@@ -117,13 +117,13 @@ def repaired(ledger: Ledger, node: str, operator: str, why: str | None = None) -
     """Record that `node` (drained by healthd) was repaired: it enters reintegration. The daemon puts
     it in a maintenance reservation, runs the validation, and resumes it only if that passes. The
     evidence the node had up to now no longer counts (its agent is told to drop it too)."""
-    drains = ledger.healthd_drains()
-    if node not in drains:
+    hold = ledger.hold(node)
+    if hold is None:
         return _refuse(f"{node} is not drained by healthd; healthd never resumes a drain it did not make")
     active = ledger.active_reintegration(node)
     if active is not None:
         return _refuse(f"{node} is already in reintegration {active.id} ({active.state})")
-    incident_id = drains[node]
+    incident_id = hold.incident_id
     why_text = (why or "").strip() or "marked repaired"
     findings = {f.finding_id for f in ledger.findings(node)}
     incident = ledger.incident(incident_id) if incident_id is not None else None
@@ -159,8 +159,10 @@ def undo(ledger: Ledger, action_id: int, operator: str, why: str | None) -> Admi
     call = UNDO_CALLS.get(action.kind)
     if call is None or action.kind not in REMEDIATION_KINDS:
         return _refuse(f"action {action.id} is a {action.kind}; only {', '.join(UNDO_CALLS)} can be undone")
-    if action.node not in ledger.healthd_drains():
-        return _refuse(f"{action.node} is no longer in healthd's {action.kind} (a later call superseded action {action.id})")
+    hold = ledger.hold(action.node)
+    if hold is None or hold.action_id != action.id:
+        return _refuse(f"{action.node} is no longer in healthd's {action.kind} (a later call superseded action {action.id}, "
+                       "or someone else took the node over)")
     argv = _reverse_argv(action.argv, call, action.node)
     source = ledger.decision(action.decision_id)
     with ledger.transaction():
@@ -179,6 +181,32 @@ def undo(ledger: Ledger, action_id: int, operator: str, why: str | None) -> Admi
     return AdminResult(True, f"undo of action {action.id} ({action.kind} {action.node}): {' '.join(planned.argv)}",
                        {"action_id": action.id, "undo_action_id": planned.id, "node": action.node, "call": call,
                         "argv": list(planned.argv)})
+
+
+def close(ledger: Ledger, incident_id: int, operator: str, why: str | None) -> AdminResult:
+    """Close an incident by hand (handled out of band, or healthd's evidence was wrong): its findings'
+    current episode no longer counts on its nodes, so the same evidence never re-opens it, and a new
+    episode of the fault is a new incident. Refused while healthd still holds a node for it: `undo`
+    resumes the node, `repaired` validates it first."""
+    missing = _need_why(why, "close")
+    if missing:
+        return missing
+    incident = ledger.incident(int(incident_id))
+    if incident is None:
+        return _refuse(f"no incident {incident_id}")
+    if incident.status in CLOSED_INCIDENT_STATUSES:
+        return _refuse(f"incident {incident.id} is already {incident.status}")
+    held = sorted(n for n, h in ledger.holds().items() if h.incident_id == incident.id)
+    if held:
+        return _refuse(f"incident {incident.id}: healthd still holds {', '.join(held)} for it; "
+                       f"`healthctl undo` resumes it, `healthctl repaired` validates it first")
+    active = [r for r in ledger.reintegrations(state="active", incident_id=incident.id)]
+    if active:
+        return _refuse(f"incident {incident.id} is in reintegration {active[0].id} ({active[0].state}); let it finish")
+    closed = ledger.close_incident(incident.id, "closed", by=operator, why=str(why))
+    return AdminResult(True, f"incident {incident.id} ({incident.signature}) closed by {operator}; a new episode of the "
+                             "same fault opens a new incident",
+                       {"incident_id": closed.id, "status": closed.status, "closed_at": closed.closed_at})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,6 +235,7 @@ DEFAULT_HANDLERS: dict[str, Handler] = {
     "reject": Handler(reject, True),
     "undo": Handler(undo, True),
     "repaired": Handler(repaired, True),
+    "close": Handler(close, True),
     "breaker-reset": Handler(breaker_reset, True),
     "breaker": Handler(breaker, False),
     "ping": Handler(ping, False),

@@ -31,7 +31,7 @@ from healthd.controller.auth import ReportRejected, verify_report
 from healthd.controller.config import ControllerSettings, load_controller_settings
 from healthd.controller.executor import ExecResult, Executor
 from healthd.controller.gates import BreakerState, GroupIncident, Outcome, apply_gates, build_context
-from healthd.controller.ledger import Ledger
+from healthd.controller.ledger import Ledger, LedgerError
 from healthd.controller.metrics import ControllerMetrics
 from healthd.controller.policy import (
     FleetView,
@@ -43,7 +43,10 @@ from healthd.controller.policy import (
     parse_topology_conf,
     without_cleared,
 )
+from healthd.controller.reconcile import Reconciler
+from healthd.lograte import RateLimitedLog
 from healthd.controller.reintegrate import Reintegrator
+from healthd.controller.report_schema import MAX_ERROR_CHARS, validate_report, validate_request
 from healthd.controller.server import ControllerHTTPServer
 from healthd.slurm import default_backend
 from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
@@ -51,6 +54,8 @@ from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
 _log = logging.getLogger("healthd.controller")
 
 ROUND_INTERVAL_S = 5.0
+MAX_OPEN_INCIDENTS_PER_NODE = 8
+"""Open incidents one node may have; more findings from it wait until one closes (logged)."""
 ADDR_REFRESH_S = 300.0
 LEDGER_OUTCOME = {"allowed": "allowed", "waiting-approval": "waiting", "refused": "refused", "recorded": "refused"}
 """gates' Outcome.status -> the ledger's decision outcome (`recorded` is a refusal by policy)."""
@@ -116,7 +121,9 @@ class Controller:
         self.clock = clock
         self.decode = decode
         self.executor = executor or Executor(backend, ledger, dry_run=dry_run, requeue_opt_in=settings.requeue_opt_in,
-                                             slurm_conf=settings.slurm_conf, out=out)
+                                             slurm_conf=settings.slurm_conf, clock=clock, out=out)
+        self.reconciler = Reconciler(self.executor, clock=clock)
+        self._limited = RateLimitedLog(_log)
         self.reintegrator = Reintegrator(settings.reintegration, self.executor, slurm_conf=settings.slurm_conf,
                                          dry_run=dry_run, out=out)
         self.topology_text = topology_text
@@ -166,7 +173,9 @@ class Controller:
             return verify_report(body, socket=self.settings.munge_socket, node_addrs=self.node_addrs(), now=now,
                                  decode=self.decode), now
         except ReportRejected as exc:
-            _log.warning("%s from %s refused: %d %s", what, peer or "?", exc.http_status, exc.reason)
+            # a flood of forged or replayed reports is one line per status per interval, not one per report
+            self._limited.warning(f"refused-{exc.http_status}", "%s from %s refused: %d %s", what, peer or "?",
+                                  exc.http_status, exc.reason)
             self.metrics.reports.labels(result=str(exc.http_status)).inc()
             raise
 
@@ -179,12 +188,12 @@ class Controller:
         try:
             if verified.report.get("kind") == "drain-request":
                 raise ValueError("a drain-request goes to /v1/request")
-            report = NodeReport.from_document(verified.report, now)
-            if report.node != verified.node:
-                raise ValueError(f"document is for {report.node!r}, envelope for {verified.node!r}")
+            # every field checked before anything reaches self.reports (report_schema)
+            validate_report(verified.report, node=verified.node)
+            report = NodeReport.from_document(verified.report, now, checked=True)
         except (KeyError, ValueError, TypeError) as exc:
-            reason = f"report from {verified.node!r} is not a state document: {str(exc)[:120]}"
-            _log.warning("report refused: 400 %s", reason)
+            reason = f"report from {verified.node!r} is not a state document: {str(exc)[:MAX_ERROR_CHARS]}"
+            self._limited.warning("refused-400", "report refused: 400 %s", reason)
             self.metrics.reports.labels(result="400").inc()
             return 400, {"accepted": False, "error": reason}
         with self.reports_lock:
@@ -208,14 +217,12 @@ class Controller:
             return exc.http_status, {"granted": False, "reason": exc.reason}
         doc = verified.report
         try:
-            if doc.get("kind") != "drain-request":
-                raise ValueError("kind must be 'drain-request'")
-            if doc.get("node") != verified.node:
-                raise ValueError(f"request is for {doc.get('node')!r}, envelope for {verified.node!r}")
-            finding = finding_from_json(doc["finding"])
+            validate_request(doc, node=verified.node)  # every field, as for a report
+            finding = finding_from_json(doc["finding"], checked=True)
         except (KeyError, ValueError, TypeError) as exc:
-            reason = f"drain request from {verified.node!r} is malformed: {str(exc)[:120]}"
-            _log.warning("drain request refused: 400 %s", reason)
+            reason = f"drain request from {verified.node!r} is malformed: {str(exc)[:MAX_ERROR_CHARS]}"
+            self._limited.warning("refused-400-request", "drain request refused: 400 %s", reason)
+            self.metrics.reports.labels(result="400").inc()
             return 400, {"granted": False, "reason": reason}
         future = self._pool.submit(self._evaluate_request, verified.node, finding, doc.get("job"), now)
         try:
@@ -259,28 +266,50 @@ class Controller:
         self._incidents = incidents
 
     def _ensure_incidents(self, reports: Mapping[str, NodeReport], now: float, jobs: Mapping[str, str] | None) -> None:
-        for node, report in reports.items():
-            if not report.findings or now - report.received_at > self.policy.report_ttl_s:
+        """An open incident for every fresh T1/T2 finding; at most MAX_OPEN_INCIDENTS_PER_NODE per node
+        (a node reporting thousands of faults gets a few incidents, not thousands of ledger rows), all
+        written in one transaction. One node's bad data is logged and skipped."""
+        per_node: dict[str, int] = {}
+        for node, _finding in self._incidents:
+            per_node[node] = per_node.get(node, 0) + 1
+        with self.ledger.transaction():
+            for node, report in reports.items():
+                if not report.findings or now - report.received_at > self.policy.report_ttl_s:
+                    continue
+                try:
+                    self._ensure_node_incidents(node, report, now, jobs, per_node)
+                except LedgerError:
+                    raise  # the ledger itself: the round cannot go on
+                except Exception as exc:
+                    self._limited.warning("incidents", "%s: cannot record its findings (%s: %s); skipped this round",
+                                          node, type(exc).__name__, exc)
+
+    def _ensure_node_incidents(self, node: str, report: NodeReport, now: float, jobs: Mapping[str, str] | None,
+                               per_node: dict[str, int]) -> None:
+        for f in sorted(report.findings, key=lambda f: (f.tier, f.id)):
+            if f.tier not in (1, 2):
                 continue
-            for f in report.findings:
-                if f.tier not in (1, 2):
-                    continue
-                key = (node, f.id)
-                if key in self._incidents:
-                    if jobs and node in jobs:
-                        self.ledger.update_incident(self._incidents[key], add_jobs=[jobs[node]])
-                    continue
-                serial = f.component.serial or None  # the board to RMA, for the repeat-offender report
-                self.ledger.record_finding(node, f.id, gpu_serial=serial, attribution=f.attribution, tier=f"T{f.tier}",
-                                           action=f.action, summary=f.summary,
-                                           evidence=[e.to_json() for e in f.evidence], at=now)
-                inc = self.ledger.open_incident(
-                    f.id, attribution=f.attribution, tier=f"T{f.tier}", nodes=[node],
-                    gpu_serials=[serial] if serial else (),
-                    jobs=[jobs[node]] if jobs and node in jobs else (),
-                    first_evidence_at=f.first_seen if f.first_seen is not None else report.received_at,
-                    detected_at=report.received_at, at=now)
-                self._incidents[key] = inc.id
+            key = (node, f.id)
+            if key in self._incidents:
+                if jobs and node in jobs:
+                    self.ledger.update_incident(self._incidents[key], add_jobs=[jobs[node]])
+                continue
+            if per_node.get(node, 0) >= MAX_OPEN_INCIDENTS_PER_NODE:
+                self._limited.warning("incident-cap", "%s: %d open incidents already; finding %s not recorded as "
+                                      "a new incident", node, MAX_OPEN_INCIDENTS_PER_NODE, f.id[:80])
+                continue
+            serial = f.component.serial or None  # the board to RMA, for the repeat-offender report
+            self.ledger.record_finding(node, f.id, gpu_serial=serial, attribution=f.attribution, tier=f"T{f.tier}",
+                                       action=f.action, summary=f.summary,
+                                       evidence=[e.to_json() for e in f.evidence], at=now)
+            inc = self.ledger.open_incident(
+                f.id, attribution=f.attribution, tier=f"T{f.tier}", nodes=[node],
+                gpu_serials=[serial] if serial else (),
+                jobs=[jobs[node]] if jobs and node in jobs else (),
+                first_evidence_at=f.first_seen if f.first_seen is not None else report.received_at,
+                detected_at=report.received_at, at=now)
+            self._incidents[key] = inc.id
+            per_node[node] = per_node.get(node, 0) + 1
 
     def _group_incidents(self, groups: Iterable[GroupIncident], now: float) -> None:
         """One ledger incident per correlated topology group (signature `group:<group>`), attributed
@@ -358,26 +387,46 @@ class Controller:
         return BreakerState(open=b.open, opened_at=b.opened_at, reset_at=b.reset_at, cause=b.cause or "",
                             nodes=frozenset(b.nodes))
 
+    def cleared(self, now: float) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+        """node -> (evidence clears, episode clears): finding id -> before. Evidence clears come from
+        reintegrations (a repair) and completed reboots; episode clears from undo, close and hand-over.
+        Read from SQL within the support window: clears accumulate for as long as the ledger lives."""
+        since = now - self.settings.reintegration.support_window_s
+        out: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
+        for node, findings in self.reintegrator.cleared(now).items():
+            out.setdefault(node, ({}, {}))[0].update(findings)
+        for c in self.ledger.clears(since=since):
+            per = out.setdefault(c.node, ({}, {}))[0 if c.scope == "evidence" else 1]
+            per[c.finding_id] = max(per.get(c.finding_id, 0.0), c.before)
+        return out
+
     def evaluate(self, now: float, *, only: str | None = None,
                  jobs: Mapping[str, str] | None = None) -> list[tuple[Outcome, ExecResult | None]] | None:
         """One control round (or the part of it for node `only`). None when Slurm is unreachable:
-        then nothing is decided or applied (nothing stale is acted on)."""
+        then nothing is decided or applied (nothing stale is acted on).
+
+        Order: read the fleet; reconcile the ledger with it (adopt writes that landed, notice writes
+        Slurm lost or someone took over); then decide from the reports, gate, record and apply. One
+        node's bad data is logged and skipped; every other node's decisions still happen."""
         with self.round_lock:
             try:
                 nodes: list[NodeInfo] = self.backend.nodes()
             except SlurmError as exc:
                 _log.warning("Slurm unreachable, skipping this round: %s", exc)
                 return None
+            mode = self.policy.mode
+            if only is None:
+                for change in self.reconciler.round({n.name: n for n in nodes}, now, mode):
+                    self.metrics.actions.labels(kind="reconcile", status=change.what).inc()
             with self.reports_lock:
                 reports = dict(self.reports)
-            # only the few nodes in a reintegration have cleared findings to filter out
-            for n, findings in self.reintegrator.cleared(now).items():
+            # only the few nodes with a clear have findings to filter out
+            for n, (evidence, episodes) in self.cleared(now).items():
                 if n in reports:
-                    reports[n] = without_cleared(reports[n], findings)
+                    reports[n] = without_cleared(reports[n], evidence, episodes)
             self._load_incidents()
             self._ensure_incidents(reports, now, jobs)
-            drains = {n: "" if i is None else str(i) for n, i in self.ledger.healthd_drains().items()}
-            lview = LedgerView(healthd_drains=drains, incidents={k: str(v) for k, v in self._incidents.items()},
+            lview = LedgerView(holds=self.ledger.holds(), incidents={k: str(v) for k, v in self._incidents.items()},
                                escalations=self._escalations(reports, now))
             fleet = FleetView.build(reports.values(), nodes, self.topology_text, self.policy)
             hour = now - 3600.0
@@ -393,29 +442,41 @@ class Controller:
             decisions = decide(fleet, lview, self.policy, now)
             if only is not None:
                 decisions = tuple(d for d in decisions if d.node == only)
-            if only is None and self.policy.mode != "observe":
-                # operator undos, and anything a start-up recovery could not finish (Slurm was down)
-                for r in self.executor.recover(now):
-                    self.metrics.actions.labels(kind="recover", status=r.status).inc()
+            if only is None and mode != "observe":
+                for r in self.executor.run_undos(now):  # operators' undos
+                    self.metrics.actions.labels(kind="undo", status=r.status).inc()
             outcomes = list(apply_gates(decisions, ctx))
-            acts = [self.policy.mode != "observe" and o.status == "allowed" for o in outcomes]
+            acts = [mode != "observe" and o.status == "allowed" for o in outcomes]
             self._record_batch([o for o, a in zip(outcomes, acts, strict=True) if not a], now)
             results: list[tuple[Outcome, ExecResult | None]] = []
             for outcome, act in zip(outcomes, acts, strict=True):
                 result = None
                 if act:
-                    # each acting decision commits on its own, before its Slurm call (write-ahead)
-                    row_id = self._record(outcome, now)
-                    result = self.executor.apply(outcome, now, decision_id=row_id, mode=self.policy.mode)
-                    self.metrics.actions.labels(kind=outcome.decision.kind, status=result.status).inc()
-                    if result.status == "applied" and outcome.decision.escalation:
-                        self._escalate(outcome.decision)
+                    result = self._act(outcome, now, mode)
                 results.append((outcome, result))
-            if only is None and self.policy.mode != "observe":
-                self._reintegrate(fleet, ctx.breaker.open, now)
+            if only is None and mode != "observe":
+                self._reintegrate(fleet, lview, ctx.breaker.open, now)
             if only is None:
                 self.metrics.update_from_round(self, now)
+                self._limited.flush()  # tell the counts of refusals it kept out of the log
             return results
+
+    def _act(self, outcome: Outcome, now: float, mode: str) -> ExecResult:
+        """Record and apply one allowed outcome; a failure of this node's write never stops the round."""
+        try:
+            # each acting decision commits on its own, before its Slurm call (write-ahead)
+            row_id = self._record(outcome, now)
+            result = self.executor.apply(outcome, now, decision_id=row_id, mode=mode)
+        except LedgerError:
+            raise  # the ledger itself is broken: nothing can be recorded, so nothing may be done
+        except Exception as exc:
+            self._limited.warning("act", "%s: %s not applied: %s: %s", outcome.decision.node,
+                                  outcome.decision.kind, type(exc).__name__, exc)
+            result = ExecResult("failed", f"{type(exc).__name__}: {exc}"[:300])
+        self.metrics.actions.labels(kind=outcome.decision.kind, status=result.status).inc()
+        if result.status == "applied" and outcome.decision.escalation:
+            self._escalate(outcome.decision)
+        return result
 
     def _escalations(self, reports: Mapping[str, NodeReport], now: float) -> dict[tuple[str, str], str]:
         """(node, finding id) -> escalation for the actionable findings of fresh reports, from the
@@ -426,7 +487,7 @@ class Controller:
         for node, report in reports.items():
             if not report.findings or now - report.received_at > self.policy.report_ttl_s:
                 continue
-            actionable = [f for f in report.findings if is_actionable(f)]
+            actionable = [f for f in report.findings if is_actionable(f)][:MAX_OPEN_INCIDENTS_PER_NODE]
             if not actionable:
                 continue
             on_node = self.ledger.remediations_on_node(node, now - rs.support_window_s)
@@ -443,12 +504,11 @@ class Controller:
         self.ledger.set_escalation(int(decision.incident), decision.escalation)
         _log.error("ALERT %s: %s [#%s]: %s", decision.node, decision.escalation, decision.incident, decision.reason)
 
-    def _reintegrate(self, fleet: FleetView, breaker_open: bool, now: float) -> None:
+    def _reintegrate(self, fleet: FleetView, lview: LedgerView, breaker_open: bool, now: float) -> None:
         """Queue nodes whose fault cleared (auto mode, breaker closed), then move every reintegration on."""
         try:
             if not breaker_open:
-                self.reintegrator.auto_requests(fleet, self.ledger.healthd_drains(), self.policy.mode, now,
-                                                self.policy.report_ttl_s)
+                self.reintegrator.auto_requests(fleet, lview.holds, self.policy.mode, now, self.policy.report_ttl_s)
             for r, what in self.reintegrator.step(now, self.policy.mode):
                 self.metrics.actions.labels(kind="reintegrate", status=r.state).inc()
                 _log.info("%s: reintegration %s: %s", r.node, r.id, what)
@@ -456,14 +516,14 @@ class Controller:
             _log.exception("reintegration step failed")
 
     def recover(self, now: float) -> None:
-        if self.policy.mode == "observe":
-            pending = self.ledger.pending_actions()
-            if pending:
-                _log.warning("observe mode: %d planned action(s) left as they are (no Slurm write in observe)",
-                             len(pending))
-            return
-        for r in self.executor.recover(now):
-            _log.info("recover: action %s: %s %s", r.action_id, r.status, r.detail)
+        """At start, before the first round: settle what a crash left planned against Slurm (adopted
+        when Slurm shows it, abandoned otherwise: re-decided by the next round through every gate).
+        Recording the truth is not an action, so this runs in observe mode too."""
+        try:
+            for change in self.reconciler.at_start(now, self.policy.mode):
+                _log.info("recover: action %s: %s %s", change.action_id, change.what, change.detail)
+        except LedgerError as exc:
+            _log.error("recover: %s", exc)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -590,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
             controller.evaluate(time.time())
             return 0
         admin_server = _serve_admin(settings, ledger)
-        server = ControllerHTTPServer(settings.listen, controller)
+        server = ControllerHTTPServer(settings.listen, controller, max_connections=settings.max_connections,
+                                      max_connections_per_peer=settings.max_connections_per_peer)
         server.start_background()
         if settings.metrics_listen:
             controller.metrics.serve(settings.metrics_listen)

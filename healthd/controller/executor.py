@@ -1,10 +1,15 @@
 """Apply allowed Decisions to Slurm, exactly once, with the ledger as the write-ahead log.
 
-For each allowed decision: re-read the node, repeat the ownership check (`gates.still_safe`), plan the
-action in the ledger under an idempotency key (decision id + incident) with the exact argv the backend
-describes, make the call, then mark the action applied or failed with Slurm's message. A crash
-between plan and call leaves a `planned` row; `recover()` at start finishes it: marked applied when
-Slurm already shows it done, else re-checked and applied once.
+For each allowed decision: find where its series of attempts stands (one series per decision and
+incident), re-read the node, adopt an earlier attempt Slurm shows landed (its client reported failure,
+or it was abandoned at a restart while its client still ran), repeat the ownership check
+(`gates.still_safe`), plan the action in the ledger under the next attempt's idempotency key with the
+exact argv the backend describes, make the call, read the node back and mark the action applied with
+the reason time and user Slurm recorded (healthd's hold on the node, healthd.controller.ownership), or
+failed with Slurm's message. A drain-and-requeue then requeues the opted-in jobs, each its own action.
+
+What a crash or a lost write leaves behind is the reconciler's (healthd.controller.reconcile): it never
+applies an old plan blindly; the next round re-decides from current evidence through every gate.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.controller.gates import Outcome, Refusal, still_safe
+from healthd.controller.gates import Outcome, still_safe
 from healthd.controller.ledger import Action, Ledger
+from healthd.controller.ownership import NODE_STATE_KINDS, describe_reason, owned, shows_write
 from healthd.controller.policy import Decision, LedgerView
 from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
 
@@ -31,11 +38,13 @@ JobLister = Callable[[str], list["JobInfo"]]
 
 @dataclass(frozen=True)
 class JobInfo:
-    """A job running on a node, as far as requeue opt-in needs it."""
+    """A job running on a node, as far as requeue opt-in and its reconciliation need it."""
 
     job_id: str
     batch: bool
     comment: str
+    restarts: int = 0
+    """Slurm's restart count: a requeue Slurm kept leaves the job with a higher count, elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +60,15 @@ class ExecResult:
 
 def squeue_jobs(node: str, slurm_conf: str | None = None, timeout_s: float = 10.0,
                 squeue: str | None = None) -> list[JobInfo]:
-    """Running jobs on `node` from squeue (job id, batch flag, comment), run with SLURM_CONF set to
-    `slurm_conf` (a client without it may look for a configless server in DNS). Empty when squeue is
-    missing."""
+    """Running jobs on `node` from squeue (job id, batch flag, restart count, comment), run with
+    SLURM_CONF set to `slurm_conf` (a client without it may look for a configless server in DNS).
+    Empty when squeue is missing."""
     exe = squeue or shutil.which("squeue", path=SAFE_PATH)
     if exe is None:
         return []
-    # the batch flag (sbatch, not salloc/srun) is only in --Format; fields padded, '|' ends the first two
-    argv = [exe, "--noheader", f"--nodelist={node}", "--states=RUNNING", "--Format=JobID:40|,BatchFlag:4|,Comment:1000"]
+    # the batch flag (sbatch, not salloc/srun) is only in --Format; fields padded, '|' ends the first three
+    argv = [exe, "--noheader", f"--nodelist={node}", "--states=RUNNING",
+            "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000"]
     try:
         env = {"PATH": SAFE_PATH, "LANG": "C"}
         if slurm_conf:
@@ -68,18 +78,29 @@ def squeue_jobs(node: str, slurm_conf: str | None = None, timeout_s: float = 10.
         raise SlurmError(f"squeue failed: {exc}", argv) from None
     if done.returncode != 0:
         raise SlurmError(f"squeue failed: {done.stderr.strip()}", argv, done.returncode, done.stderr)
+    return parse_squeue_jobs(done.stdout)
+
+
+def parse_squeue_jobs(text: str) -> list[JobInfo]:
+    """The lines of `squeue --Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000` (pure)."""
     out = []
-    for line in done.stdout.splitlines():
-        parts = line.split("|", 2)
-        if len(parts) != 3 or not parts[0].strip():
+    for line in text.splitlines():
+        parts = line.split("|", 3)
+        if len(parts) != 4 or not parts[0].strip():
             continue
-        out.append(JobInfo(parts[0].strip(), parts[1].strip() == "1", parts[2].strip()))
+        restarts = parts[2].strip()
+        out.append(JobInfo(parts[0].strip(), parts[1].strip() == "1", parts[3].strip(),
+                           int(restarts) if restarts.isdigit() else 0))
     return out
 
 
 MAX_ATTEMPTS = 3
-"""Tries of one decision for one incident: a write Slurm refused or that failed (slurmctld restarting,
-a state race) is tried again on later rounds, each attempt its own ledger row, then left to a human."""
+"""Failed tries of one decision for one incident: a write Slurm refused or that failed (slurmctld
+restarting, a state race) is tried again on later rounds, each attempt its own ledger row, then left to a
+human."""
+MAX_LOST = 3
+"""Times Slurm may lose one decision's write (slurmctld restarting from an older state save) before
+healthd stops re-applying it and leaves it to a human."""
 
 
 def idempotency_key(decision: Decision, attempt: int = 1) -> str:
@@ -87,22 +108,31 @@ def idempotency_key(decision: Decision, attempt: int = 1) -> str:
     return key if attempt == 1 else f"{key}#try{attempt}"
 
 
-def _tier(value: Any) -> int:
-    try:
-        return int(str(value).lstrip("Tt"))
-    except ValueError:
-        return 3
+def next_attempt(attempts: list[Action]) -> tuple[int | None, str, Action | None]:
+    """Where one series stands (pure): (the next attempt's number, '', None), or (None, why not,
+    the action that settles it: an applied one, or the last ended one)."""
+    if not attempts:
+        return 1, "", None
+    latest = attempts[-1]
+    if latest.status == "applied":
+        return None, f"action {latest.id} is applied", latest
+    if latest.status == "planned":
+        return None, f"action {latest.id} is planned (being reconciled)", latest
+    if latest.status in ("released", "undone", "completed"):
+        return None, f"action {latest.id} is {latest.status}: the series ended", latest
+    failed = sum(1 for a in attempts if a.status == "failed")
+    if failed >= MAX_ATTEMPTS:
+        return None, f"action {latest.id} is failed after {failed} attempts", latest
+    lost = sum(1 for a in attempts if a.status == "lost")
+    if lost >= MAX_LOST:
+        return None, f"Slurm lost this write {lost} times; left to a human", latest
+    return max(a.attempt for a in attempts) + 1, "", None
 
 
-def _done_in_slurm(kind: str, reason: str, info: NodeInfo) -> bool:
-    """Slurm already shows the action: our reason with the drain/reboot flag, or resumed."""
-    if kind in ("drain", "drain-and-requeue"):
-        return info.drain_requested and info.reason == reason
-    if kind == "reboot-asap":
-        return (info.reboot_requested or info.drain_requested) and info.reason == reason
-    if kind == "resume":
-        return not info.resumable and not info.reason.startswith("healthd:")
-    return False
+def error_text(exc: BaseException) -> str:
+    """One line, at most 500 characters, of what Slurm (or the validation) said."""
+    msg = getattr(exc, "stderr", "") or str(exc)
+    return " ".join(str(msg).split())[:500] or type(exc).__name__
 
 
 class Executor:
@@ -110,21 +140,22 @@ class Executor:
 
     def __init__(self, backend: SlurmBackend, ledger: Ledger, dry_run: bool = False, *,
                  requeue_opt_in: str = "healthd:requeue", list_jobs: JobLister | None = None,
-                 slurm_conf: str | None = None,
+                 slurm_conf: str | None = None, clock: Callable[[], float] = time.time,
                  out: Callable[[str], None] | None = None):
         self.backend = backend
         self.ledger = ledger
         self.dry_run = dry_run
         self.requeue_opt_in = requeue_opt_in
         self.list_jobs = list_jobs or (lambda node: squeue_jobs(node, slurm_conf))
+        self.clock = clock
+        """When a write really returned: the ledger's applied_at is this, not the round's start."""
         self.out = out or (lambda line: print(line, flush=True))
         self._printed: set[str] = set()
 
     # -- views ---------------------------------------------------------------------------------------
 
     def ledger_view(self) -> LedgerView:
-        drains = {n: "" if i is None else str(i) for n, i in self.ledger.healthd_drains().items()}
-        return LedgerView(healthd_drains=drains)
+        return LedgerView(holds=self.ledger.holds())
 
     def argv_for(self, decision: Decision) -> list[str]:
         if decision.kind in ("drain", "drain-and-requeue"):
@@ -136,14 +167,11 @@ class Executor:
         raise ValueError(f"decision kind {decision.kind!r} has no Slurm call")
 
     def _call(self, decision: Decision) -> str:
-        """Make the Slurm write(s); returns a one-line outcome. Raises SlurmError."""
+        """Make the Slurm write; returns a one-line outcome. Raises SlurmError."""
         node = decision.node
-        if decision.kind == "drain":
+        if decision.kind in ("drain", "drain-and-requeue"):
             self.backend.drain(node, decision.reason)
             return "drained"
-        if decision.kind == "drain-and-requeue":
-            self.backend.drain(node, decision.reason)
-            return f"drained; {self._requeue(node)}"
         if decision.kind == "reboot-asap":
             self.backend.reboot_asap(node, decision.reason)
             return "reboot ASAP requested (nextstate=RESUME)"
@@ -152,40 +180,25 @@ class Executor:
             return "resumed"
         raise ValueError(f"decision kind {decision.kind!r} has no Slurm call")
 
-    def _requeue(self, node: str) -> str:
-        """Requeue the opted-in batch jobs still running on `node` (a job already requeued is no
-        longer running there, so a second pass after a crash requeues nothing twice)."""
-        if not self.requeue_opt_in:
-            return "requeue disabled"
-        jobs = [j for j in self.list_jobs(node) if j.batch and self.requeue_opt_in in j.comment]
-        requeued = []
-        for job in jobs:
-            try:
-                self.backend.requeue(job.job_id)
-                requeued.append(job.job_id)
-            except SlurmError as exc:
-                _log.warning("requeue of job %s on %s failed: %s", job.job_id, node, exc)
-        return f"requeued {', '.join(requeued) or 'no opted-in job'}"
-
     def applied(self, decision: Decision) -> Action | None:
         """The action that applied `decision` for its incident (any attempt), if one did."""
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            action = self.ledger.action_by_key(idempotency_key(decision, attempt))
-            if action is None or action.status == "applied":
-                return action
-        return None
+        return next((a for a in self.ledger.series(idempotency_key(decision)) if a.status == "applied"), None)
 
     def _incident_int(self, decision: Decision) -> int | None:
         return int(decision.incident) if decision.incident.isdigit() else None
 
-    def _timeline(self, decision: Decision, stage: str, at: float) -> None:
-        iid = self._incident_int(decision)
-        if iid is None:
+    def _timeline(self, incident_id: int | None, stage: str, at: float) -> None:
+        if incident_id is None:
             return
         try:
-            self.ledger.mark_timeline(iid, stage, at)
+            self.ledger.mark_timeline(incident_id, stage, at)
         except Exception as exc:  # the timeline is bookkeeping; never fail an action on it
-            _log.warning("incident %s: cannot set %s: %s", iid, stage, exc)
+            _log.warning("incident %s: cannot set %s: %s", incident_id, stage, exc)
+
+    def _print_once(self, key: str, argv: Any) -> None:
+        if key not in self._printed:  # once per action, not every round
+            self._printed.add(key)
+            self.out("dry-run: would run: " + " ".join(argv))
 
     # -- apply ---------------------------------------------------------------------------------------
 
@@ -196,11 +209,21 @@ class Executor:
         decision = outcome.decision
         if outcome.status != "allowed" or not decision.acts:
             return ExecResult("skipped", f"outcome {outcome.label}")
+        series = idempotency_key(decision)
+        attempts = self.ledger.series(series)
+        attempt, why, settled = next_attempt(attempts)
+        if attempt is None:
+            assert settled is not None
+            status = "already-applied" if settled.status == "applied" else "skipped"
+            return ExecResult(status, why, settled.id, settled.argv)
         try:
             fresh = self.backend.node(decision.node)
         except SlurmError as exc:
             _log.warning("%s: cannot re-read the node before %s: %s", decision.node, decision.kind, exc)
             return ExecResult("refused", f"cannot re-read node: {exc}")
+        landed = self._landed_attempt(attempts, fresh)
+        if landed is not None:  # an earlier attempt's write is in Slurm after all: never write it twice
+            return self.adopt(landed, fresh, "Slurm shows this write", mode=mode)
         refusal = still_safe(decision, fresh, self.ledger_view())
         if refusal is not None:
             _log.info("%s: %s not applied: %s", decision.node, decision.kind, refusal.reason)
@@ -210,51 +233,160 @@ class Executor:
         except ValueError as exc:
             return ExecResult("refused", f"invalid call: {exc}")
         if self.dry_run:
-            key = idempotency_key(decision)
-            if key not in self._printed:  # once per decision and incident, not every round
-                self._printed.add(key)
-                self.out("dry-run: would run: " + " ".join(argv))
+            self._print_once(series, argv)
             return ExecResult("dry-run", "", None, tuple(argv))
         if decision_id is None:
             decision_id = self.ledger.record_decision(
                 node=decision.node, kind=decision.kind, tier=f"T{decision.tier}", mode=mode, reason=decision.reason,
                 outcome="allowed", incident_id=self._incident_int(decision), at=now).id
-        self._timeline(decision, "decided_at", decision.decided_at or now)
+        self._timeline(self._incident_int(decision), "decided_at", decision.decided_at or now)
         partition = fresh.partitions[0] if fresh.partitions else None
-        attempt = 1
-        while True:
-            action = self.ledger.plan_action(decision_id=decision_id, idempotency_key=idempotency_key(decision, attempt),
-                                             node=decision.node, kind=decision.kind, argv=argv, partition=partition,
-                                             evidence={"decision": decision.id, "attempt": attempt}, at=now)
-            if action.status != "failed" or attempt >= MAX_ATTEMPTS:
-                break
-            attempt += 1  # the previous attempt failed: this round tries again, under a new key
-        if action.status != "planned":
-            return ExecResult("already-applied" if action.status == "applied" else "skipped",
-                              f"action {action.id} is {action.status}" + (
-                                  f" after {attempt} attempts" if action.status == "failed" else ""),
-                              action.id, action.argv)
-        return self._run(action, decision, now)
+        action = self.ledger.plan_action(
+            decision_id=decision_id, idempotency_key=idempotency_key(decision, attempt), series=series, attempt=attempt,
+            node=decision.node, kind=decision.kind, argv=argv, partition=partition,
+            reason=decision.reason if decision.kind in NODE_STATE_KINDS else None,
+            evidence={"decision": decision.id, "attempt": attempt}, at=now)
+        if action.status != "planned":  # planned by another path meanwhile
+            return ExecResult("skipped", f"action {action.id} is {action.status}", action.id, action.argv)
+        return self._run(action, decision.kind, mode)
 
-    def _run(self, action: Action, decision: Decision, now: float) -> ExecResult:
+    def _landed_attempt(self, attempts: list[Action], fresh: NodeInfo) -> Action | None:
+        """The latest failed or abandoned node-state attempt whose write Slurm shows."""
+        for a in reversed(attempts):
+            if a.status in ("failed", "abandoned") and a.kind in NODE_STATE_KINDS and a.reason \
+                    and shows_write(fresh, a.reason, a.kind, a.planned_at):
+                return a
+        return None
+
+    def _run(self, action: Action, kind: str, mode: str) -> ExecResult:
+        decision = self.ledger.decision(action.decision_id)
+        incident_id = decision.incident_id if decision is not None else None
+        call = Decision(id=action.series, kind=kind, node=action.node, reason=action.reason or "",  # type: ignore[arg-type]
+                        tier=1)
         try:
-            detail = self._call(decision)
+            detail = self._call(call)
         except (SlurmError, ValueError) as exc:
-            msg = getattr(exc, "stderr", "") or str(exc)
-            msg = " ".join(str(msg).split())[:500] or type(exc).__name__
-            self.ledger.mark_failed(action.id, msg, at=now)
-            _log.warning("%s: %s failed: %s", decision.node, " ".join(action.argv), msg)
+            msg = error_text(exc)
+            self.ledger.mark_failed(action.id, msg, at=self.clock())
+            _log.warning("%s: %s failed: %s", action.node, " ".join(action.argv), msg)
             return ExecResult("failed", msg, action.id, action.argv)
-        self.ledger.mark_applied(action.id, detail, at=now)
-        self._timeline(decision, "action_applied_at", now)
-        _log.info("%s: applied %s: %s", decision.node, " ".join(action.argv), detail)
+        done_at = self.clock()
+        if kind in NODE_STATE_KINDS:
+            self._record_write(action, detail, done_at)
+        else:
+            self.ledger.mark_applied(action.id, detail, at=done_at)
+        self._timeline(incident_id, "action_applied_at", done_at)
+        _log.info("%s: applied %s: %s", action.node, " ".join(action.argv), detail)
+        if kind == "drain-and-requeue":
+            detail += f"; {self.requeue_opted_in(self.ledger.action(action.id) or action, mode)}"
         return ExecResult("applied", detail, action.id, action.argv)
+
+    def _record_write(self, action: Action, detail: str, at: float) -> None:
+        """Mark a node-state write applied with the proof of ownership Slurm shows for it: the reason
+        time and user read back right after the write. A read that fails leaves the hold unconfirmed
+        (the reconciler confirms it); a node someone else changed in between is not healthd's."""
+        try:
+            info: NodeInfo | None = self.backend.node(action.node)
+        except SlurmError as exc:
+            _log.warning("%s: cannot read the node back after the write (confirmed later): %s", action.node, exc)
+            info = None
+        if info is None:
+            self.ledger.mark_applied(action.id, detail, at=at)
+        elif shows_write(info, action.reason or "", action.kind, action.planned_at):
+            self.ledger.mark_applied(action.id, detail, at=at, reason_time=info.reason_time,
+                                     reason_user=info.reason_user)
+        else:
+            self.ledger.mark_applied(action.id, detail, at=at, hold=False)
+            self.ledger.mark_ended(action.id, "released",
+                                   f"changed by someone else right after the write: {describe_reason(info)}", at=at)
+            _log.warning("%s: changed right after healthd's write (%s); not healthd's", action.node,
+                         describe_reason(info))
+
+    def adopt(self, action: Action, fresh: NodeInfo, why: str, *, mode: str) -> ExecResult:
+        """An attempt whose write Slurm shows although its client failed, or which a restart abandoned:
+        mark it applied at the time Slurm recorded it, with its ownership proof, once."""
+        at = fresh.reason_time if fresh.reason_time is not None else self.clock()
+        outcome = f"adopted: {why} ({describe_reason(fresh)}; was {action.status}: {action.outcome or '-'})"
+        self.ledger.mark_applied(action.id, outcome[:500], at=at, reason_time=fresh.reason_time,
+                                 reason_user=fresh.reason_user)
+        decision = self.ledger.decision(action.decision_id)
+        self._timeline(decision.incident_id if decision else None, "action_applied_at", at)
+        _log.warning("%s: action %s (%s) adopted: %s", action.node, action.id, action.kind, outcome)
+        detail = outcome
+        if action.kind == "drain-and-requeue":
+            detail += f"; {self.requeue_opted_in(self.ledger.action(action.id) or action, mode)}"
+        return ExecResult("already-applied", detail, action.id, action.argv)
+
+    # -- requeue: the second half of a drain-and-requeue, one action per job ------------------------
+
+    def requeue_opted_in(self, drain: Action, mode: str) -> str:
+        """Requeue the opted-in batch jobs still running on the node `drain` took out of service,
+        each an action of its own (key `<drain key>:requeue:<job>`, attempts like any series). A job
+        still running there after its requeue was applied means Slurm lost the requeue: that attempt
+        is marked lost and the job requeued again. Nothing in observe mode."""
+        if not self.requeue_opt_in:
+            return "requeue disabled"
+        if mode == "observe":
+            return "observe mode: no requeue"
+        try:
+            jobs = [j for j in self.list_jobs(drain.node) if j.batch and self.requeue_opt_in in j.comment]
+        except SlurmError as exc:
+            _log.warning("%s: cannot list jobs for the requeue (tried again next round): %s", drain.node, exc)
+            return f"requeue waits: cannot list jobs: {error_text(exc)}"
+        done, waiting = [], []
+        for job in jobs:
+            result = self._requeue_job(drain, job)
+            (done if result.status == "applied" else waiting).append(f"{job.job_id}" + (
+                "" if result.status == "applied" else f" ({result.detail})"))
+        if not jobs:
+            return "no opted-in job running"
+        text = f"requeued {', '.join(done)}" if done else ""
+        if waiting:
+            text += ("; " if text else "") + f"not requeued: {', '.join(waiting)}"
+        return text
+
+    def _requeue_job(self, drain: Action, job: JobInfo) -> ExecResult:
+        series = f"{drain.series}:requeue:{job.job_id}"
+        attempts = self.ledger.series(series)
+        if attempts and attempts[-1].status == "applied":
+            # still running here after a requeue that was applied: Slurm lost it (restored state)
+            self.ledger.mark_ended(attempts[-1].id, "lost", f"job {job.job_id} still running on {drain.node} "
+                                   f"(restarts {job.restarts}) after its requeue", at=self.clock())
+            _log.warning("%s: requeue of job %s was lost by Slurm; requeueing again", drain.node, job.job_id)
+            attempts = self.ledger.series(series)
+        attempt, why, settled = next_attempt(attempts)
+        if attempt is None:
+            return ExecResult("skipped", why, settled.id if settled else None)
+        try:
+            argv = self.backend.describe("requeue", job_id=job.job_id)
+        except ValueError as exc:
+            return ExecResult("refused", f"invalid job id: {exc}")
+        if self.dry_run:
+            self._print_once(series, argv)
+            return ExecResult("dry-run", "", None, tuple(argv))
+        action = self.ledger.plan_action(
+            decision_id=drain.decision_id, idempotency_key=series if attempt == 1 else f"{series}#try{attempt}",
+            series=series, attempt=attempt, node=drain.node, partition=drain.partition, kind="requeue", argv=argv,
+            evidence={"job": job.job_id, "restarts": job.restarts, "drain": drain.id, "attempt": attempt})
+        if action.status != "planned":
+            return ExecResult("skipped", f"action {action.id} is {action.status}", action.id, action.argv)
+        try:
+            self.backend.requeue(job.job_id)
+        except (SlurmError, ValueError) as exc:
+            msg = error_text(exc)
+            self.ledger.mark_failed(action.id, msg, at=self.clock())
+            _log.warning("%s: requeue of job %s failed: %s", drain.node, job.job_id, msg)
+            return ExecResult("failed", msg, action.id, action.argv)
+        self.ledger.mark_applied(action.id, f"requeued job {job.job_id}", at=self.clock())
+        _log.info("%s: requeued opted-in job %s", drain.node, job.job_id)
+        return ExecResult("applied", f"requeued {job.job_id}", action.id, action.argv)
 
     # -- operator undo (planned by healthctl through admin.undo) --------------------------------------
 
     def run_undos(self, now: float) -> list[ExecResult]:
         """Run the reversals `healthctl undo` planned (key `undo:<action id>`): re-read the node, check
-        the drain is still healthd's, make the call once, mark it applied and the original undone."""
+        the node is still healthd's by record, make the call once, mark it applied and the original
+        undone, and close the incident as a false positive."""
         return [self._undo(a, now) for a in self.ledger.pending_actions() if a.idempotency_key.startswith(UNDO_PREFIX)]
 
     def _undo(self, action: Action, now: float) -> ExecResult:
@@ -268,30 +400,35 @@ class Executor:
             return ExecResult("skipped", f"cannot re-read the node: {exc}", action.id, action.argv)
 
         def finish(detail: str) -> ExecResult:
-            self.ledger.mark_applied(action.id, detail, at=now)
+            self.ledger.mark_applied(action.id, detail, at=self.clock())
             if original is not None and original.status == "applied":
-                self.ledger.mark_undone(original.id, f"undone by action {action.id}", at=now)
+                self.ledger.mark_undone(original.id, f"undone by action {action.id}", at=self.clock())
+            decision = self.ledger.decision(action.decision_id)
+            if decision is not None and decision.incident_id is not None:
+                why = (decision.evidence or {}).get("why") if isinstance(decision.evidence, dict) else None
+                operator = (decision.evidence or {}).get("operator") if isinstance(decision.evidence, dict) else None
+                self.ledger.close_incident(decision.incident_id, "false_positive", by=operator,
+                                           why=str(why or f"undone by action {action.id}"))
             _log.info("%s: undo (action %s): %s", action.node, action.id, detail)
             return ExecResult("applied", detail, action.id, action.argv)
 
+        hold = self.ledger.hold(action.node)
+        ours = original is not None and hold is not None and hold.action_id == original.id and owned(hold, fresh)
         if action.kind == "resume":
             done = not fresh.drain_requested and not fresh.resumable
         elif action.kind == "cancel-reboot":
             done = not fresh.reboot_requested
         else:
-            self.ledger.mark_failed(action.id, f"unknown undo kind {action.kind!r}", at=now)
+            self.ledger.mark_failed(action.id, f"unknown undo kind {action.kind!r}", at=self.clock())
             return ExecResult("failed", f"unknown undo kind {action.kind!r}", action.id, action.argv)
         if done:
             return finish("Slurm already shows it undone")
-        if not fresh.reason.startswith("healthd:") or action.node not in self.ledger.healthd_drains():
-            who = f"{fresh.reason[:80]!r} by {fresh.reason_user or 'someone else'}" if fresh.reason else "no reason"
-            msg = f"not undone: {action.node}'s reason is no longer healthd's ({who})"
-            self.ledger.mark_failed(action.id, msg, at=now)
+        if not ours:
+            msg = f"not undone: {action.node} is no longer healthd's by record ({describe_reason(fresh)})"
+            self.ledger.mark_failed(action.id, msg, at=self.clock())
             return ExecResult("refused", msg, action.id, action.argv)
         if self.dry_run:
-            if action.idempotency_key not in self._printed:
-                self._printed.add(action.idempotency_key)
-                self.out("dry-run: would run: " + " ".join(action.argv))
+            self._print_once(action.idempotency_key, action.argv)
             return ExecResult("dry-run", "", action.id, action.argv)
         try:
             if action.kind == "resume":
@@ -299,64 +436,7 @@ class Executor:
             else:
                 self.backend.cancel_reboot(action.node)
         except (SlurmError, ValueError) as exc:
-            msg = " ".join(str(getattr(exc, "stderr", "") or exc).split())[:500] or type(exc).__name__
-            self.ledger.mark_failed(action.id, msg, at=now)
+            msg = error_text(exc)
+            self.ledger.mark_failed(action.id, msg, at=self.clock())
             return ExecResult("failed", msg, action.id, action.argv)
         return finish("resumed" if action.kind == "resume" else "reboot cancelled")
-
-    # -- recovery ------------------------------------------------------------------------------------
-
-    def recover(self, now: float) -> list[ExecResult]:
-        """Finish what a crash left `planned`: mark applied when Slurm already shows it, otherwise
-        re-check ownership and apply it once (or mark it failed with the refusal)."""
-        results = []
-        for action in self.ledger.pending_actions():
-            if action.idempotency_key.startswith(UNDO_PREFIX):
-                results.append(self._undo(action, now))
-                continue
-            row = self.ledger.decision(action.decision_id)
-            reason = row.reason if row is not None else ""
-            decision = Decision(
-                id=action.idempotency_key.split("#", 1)[0], kind=action.kind,  # type: ignore[arg-type]
-                node=action.node, reason=reason, tier=_tier(row.tier if row else 3),
-                incident=str(row.incident_id) if row is not None and row.incident_id is not None else "",
-                decided_at=row.decided_at if row is not None else now,
-            )
-            try:
-                fresh = self.backend.node(action.node)
-            except SlurmError as exc:
-                _log.warning("recover: action %s on %s left planned: cannot read the node: %s",
-                             action.id, action.node, exc)
-                results.append(ExecResult("skipped", str(exc), action.id, action.argv))
-                continue
-            if _done_in_slurm(action.kind, reason, fresh):
-                detail = "found applied in Slurm at recovery"
-                if action.kind == "drain-and-requeue" and not self.dry_run:
-                    # the crash may have come between the drain and the requeue: finish the second half
-                    try:
-                        detail += f"; {self._requeue(action.node)}"
-                    except SlurmError as exc:
-                        detail += f"; requeue failed: {exc}"
-                self.ledger.mark_applied(action.id, detail, at=now)
-                self._timeline(decision, "action_applied_at", now)
-                results.append(ExecResult("already-applied", "Slurm shows it done", action.id, action.argv))
-                continue
-            breaker = self.ledger.breaker_state()
-            if breaker.open or (breaker.reset_at is not None and decision.decided_at < breaker.reset_at):
-                why = "the circuit breaker is open" if breaker.open else "decided before the breaker reset (stale)"
-                self.ledger.mark_failed(action.id, f"not applied at recovery: {why}", at=now)
-                results.append(ExecResult("refused", why, action.id, action.argv))
-                continue
-            refusal: Refusal | None = still_safe(decision, fresh, self.ledger_view())
-            if refusal is not None:
-                self.ledger.mark_failed(action.id, f"not applied at recovery: {refusal.reason}", at=now)
-                results.append(ExecResult("refused", refusal.reason, action.id, action.argv))
-                continue
-            if self.dry_run:
-                if action.idempotency_key not in self._printed:
-                    self._printed.add(action.idempotency_key)
-                    self.out("dry-run: would run: " + " ".join(action.argv))
-                results.append(ExecResult("dry-run", "", action.id, action.argv))
-                continue
-            results.append(self._run(action, decision, now))
-        return results

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from healthd.controller.ownership import describe_reason, owned
 from healthd.controller.policy import (
-    REASON_PREFIX,
     REMOVING_KINDS,
     ControllerPolicySettings,
     Decision,
@@ -358,26 +358,27 @@ def gate_capacity(decision: Decision, ctx: GateContext) -> Refusal | None:
 
 
 def ownership_refusal(decision: Decision, info: NodeInfo | None, ledger: LedgerView) -> Refusal | None:
-    """The ownership rule on one NodeInfo: never touch a reason someone else wrote; resume only
-    nodes whose reason is healthd's and whose drain the ledger recorded."""
+    """The ownership rule on one NodeInfo (healthd.controller.ownership): resume only a node healthd
+    holds by record, and write over no reason healthd does not hold — whatever it starts with, so an
+    administrator's `healthd: ...` or their re-drain with healthd's own text stays theirs."""
     if decision.kind == "none":
         return None
     if info is None:
         return Refusal("ownership", f"{decision.node}: Slurm does not know this node")
     if info.name != decision.node:
         return Refusal("ownership", f"{decision.node}: re-read returned node {info.name!r}")
-    reason = info.reason or ""
+    hold = ledger.holds.get(decision.node)
     if decision.kind == "resume":
-        if not reason.startswith(REASON_PREFIX):
-            who = f"{reason!r} by {info.reason_user or 'unknown'}" if reason else "no reason"
-            return Refusal("ownership", f"{decision.node}: not resuming, reason is not healthd's ({who})")
-        if decision.node not in ledger.healthd_drains:
-            return Refusal("ownership", f"{decision.node}: not resuming, the ledger has no record of healthd "
-                                        "draining it")
+        if hold is None:
+            return Refusal("ownership", f"{decision.node}: not resuming, the ledger holds no healthd write on it "
+                                        f"({describe_reason(info)})")
+        if not owned(hold, info):
+            return Refusal("ownership", f"{decision.node}: not resuming, Slurm no longer shows healthd's write "
+                                        f"({describe_reason(info)})")
         return None
-    if reason and not reason.startswith(REASON_PREFIX):
-        return Refusal("ownership", f"{decision.node}: reason {reason[:80]!r} set by "
-                                    f"{info.reason_user or 'someone else'}; not overwriting")
+    if info.reason and not owned(hold, info):
+        return Refusal("ownership", f"{decision.node}: reason {describe_reason(info)} is not healthd's by record; "
+                                    "not overwriting")
     return None
 
 
@@ -393,7 +394,8 @@ def still_safe(decision: Decision, fresh: NodeInfo | None, ledger: LedgerView | 
     if refusal is not None or fresh is None:
         return refusal
     if decision.kind in ("drain", "drain-and-requeue") and fresh.drain_requested and fresh.reason == decision.reason:
-        return Refusal("ownership", f"{decision.node}: already drained with this reason")
+        return Refusal("ownership", f"{decision.node}: already drained with this reason by a write healthd "
+                                    f"did not make ({describe_reason(fresh)})")
     if decision.kind == "resume" and not fresh.resumable:
         return Refusal("ownership", f"{decision.node}: nothing to resume (state {fresh.state})")
     return None

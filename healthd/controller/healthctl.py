@@ -3,7 +3,8 @@
 Reads open the ledger read-only (`file:...?mode=ro`); changes go to the controller's admin socket,
 so only the controller writes. Tables by default, `--json` for scripts.
 
-Exit codes: 0 ok, 1 refused by the controller, 2 usage, 3 cannot reach the ledger or the controller;
+Exit codes: 0 ok, 1 refused by the controller, 2 usage, 3 cannot reach the ledger or the controller (or it was
+busy or timed the request out: worth trying again);
 every failure is one line on stderr.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
-from healthd.controller.ledger import REMEDIATION_KINDS, Incident, Ledger, LedgerError
+from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES, REMEDIATION_KINDS, Incident, Ledger, LedgerError
 from healthd.render import _table
 
 DEFAULT_CONFIG = "/etc/healthd/controller.yaml"
@@ -107,8 +108,8 @@ def cmd_status(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
     if args.budget is None:
         args.budget = _configured_budget(args.config)
     waiting = led.waiting_decisions()
-    open_incidents = [i for i in led.incidents() if i.status not in ("closed", "resolved", "false_positive")]
-    drains = led.healthd_drains()
+    open_incidents = [i for i in led.incidents() if i.status not in CLOSED_INCIDENT_STATUSES]
+    drains = {n: h.incident_id for n, h in led.holds().items()}
     doc = {
         "mode": mode,
         "breaker": {"open": b.open, "opened_at": b.opened_at, "cause": b.cause, "nodes": list(b.nodes),
@@ -138,14 +139,14 @@ def cmd_status(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
 
 
 def cmd_nodes(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
-    drains = led.healthd_drains()
+    drains = {n: h.incident_id for n, h in led.holds().items()}
     nodes: dict[str, dict[str, Any]] = {}
     for inc in led.incidents():
         for n in inc.nodes:
             e = nodes.setdefault(n, {"node": n, "incidents": 0, "open_incidents": [], "last_incident_at": None,
                                      "gpu_serials": set()})
             e["incidents"] += 1
-            if inc.status not in ("closed", "resolved", "false_positive"):
+            if inc.status not in CLOSED_INCIDENT_STATUSES:
                 e["open_incidents"].append(inc.id)
             e["last_incident_at"] = max(e["last_incident_at"] or 0, inc.created_at)
             e["gpu_serials"].update(inc.gpu_serials)
@@ -170,7 +171,7 @@ def cmd_nodes(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
 def cmd_incidents(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
     incs = led.incidents()
     if args.open:
-        incs = [i for i in incs if i.status not in ("closed", "resolved", "false_positive")]
+        incs = [i for i in incs if i.status not in CLOSED_INCIDENT_STATUSES]
     rows = [[i.id, i.status, i.signature, tier(i.tier), i.attribution,
              ",".join(i.nodes) or "-", ",".join(i.gpu_serials) or "-", ts(i.first_evidence_at),
              dur(i.detection_latency), dur(i.recovery_time)] for i in incs]
@@ -187,10 +188,11 @@ def _next_steps(inc: Incident, decisions: list, actions: list, led: Ledger) -> l
                      f"or `healthctl reject {d.id} --why ...`")
     for a in actions:
         if a.status == "planned":
-            steps.append(f"action {a.id} is planned but not applied: the controller completes or fails it on restart")
+            steps.append(f"action {a.id} is planned but not applied: the controller adopts it (if Slurm shows it) "
+                         "or abandons it and re-decides, on its next round")
         if a.status == "failed":
             steps.append(f"action {a.id} failed ({a.outcome}); check `scontrol show node {a.node}`")
-    drains = led.healthd_drains()
+    drains = {n: h.incident_id for n, h in led.holds().items()}
     for n in inc.nodes:
         if drains.get(n) == inc.id:
             held = [a for a in actions if a.node == n and a.status == "applied" and a.kind in REMEDIATION_KINDS]
@@ -371,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("repaired", help="mark a healthd-drained node repaired: it enters reintegration")
     s.add_argument("node")
     s.add_argument("--why", type=_why, default=None)
+    s = sub.add_parser("close", help="close an incident by hand (its evidence episode no longer counts)")
+    s.add_argument("incident", type=int)
+    s.add_argument("--why", type=_why, required=True)
     s = sub.add_parser("breaker", help="the circuit breaker")
     bs = s.add_subparsers(dest="breaker_cmd", required=True, parser_class=_Parser)
     r = bs.add_parser("reset", help="close the breaker")
@@ -385,6 +390,8 @@ def _change_request(args: argparse.Namespace) -> dict[str, Any]:
         return {"cmd": "undo", "args": {"action_id": args.id, "why": args.why}}
     if args.cmd == "repaired":
         return {"cmd": "repaired", "args": {"node": args.node, "why": args.why}}
+    if args.cmd == "close":
+        return {"cmd": "close", "args": {"incident_id": args.incident, "why": args.why}}
     return {"cmd": "breaker-reset", "args": {"why": args.why}}
 
 
@@ -423,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(EXIT_REFUSED, str(exc))
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
+    if not reply.get("ok") and reply.get("error") in ("busy", "timeout"):
+        return _fail(EXIT_UNREACHABLE, str(reply.get("message") or reply.get("error")))  # worth trying again
     if not reply.get("ok"):
         return _fail(EXIT_REFUSED, str(reply.get("message", "refused")).splitlines()[0] if reply.get("message") else "refused")
     if not args.json:

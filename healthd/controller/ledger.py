@@ -45,12 +45,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2
+from healthd.controller.ownership import NODE_STATE_KINDS, Hold
+
+SCHEMA_VERSION = 3
 APPLICATION_ID = 0x68446C67  # "hDlg": marks a healthd ledger (PRAGMA application_id)
 DEFAULT_BUSY_TIMEOUT_S = 5.0
 
 DECISION_OUTCOMES = ("allowed", "waiting", "refused")
-ACTION_STATUSES = ("planned", "applied", "failed", "undone")
+ACTION_STATUSES = ("planned", "applied", "failed", "undone", "lost", "released", "abandoned", "completed")
+"""planned -> applied (the write returned, or the reconciler found it in Slurm) | failed (the client
+reported failure; the reconciler still adopts it if Slurm shows it landed) | abandoned (planned before a
+restart and not in Slurm: re-decided from current evidence, never applied blindly). An applied
+node-state action ends as undone (an operator's `healthctl undo`), lost (Slurm lost it, e.g. slurmctld
+came back from an older state save: re-applied through the gates as a new attempt), released (someone
+else changed the node: ownership passed to them) or completed (a requested reboot happened)."""
+ENDED_STATUSES = ("undone", "lost", "released", "completed")
+"""How an applied action's effect ended."""
+BUDGET_STATUSES = ("applied", "undone", "released", "completed")
+"""Applied actions that spent rate-limit budget; a lost one gives its slot to the attempt that
+re-applies it."""
+REMEDIATED_STATUSES = ("applied", "released", "completed")
+"""Applied actions that count as a remediation for escalation (an undone one was a false positive)."""
+CLEAR_SCOPES = ("evidence", "episode")
+"""A clear of a finding on a node: `evidence` (a repair: evidence up to `before` no longer counts,
+anything newer does) or `episode` (an operator dismissed it: the episode that had begun by `before`
+no longer counts; a new episode, or a new kernel log line, does). See healthd.instructions."""
+CLOSED_INCIDENT_STATUSES = ("closed", "false_positive", "handed-over", "resolved")
 VERDICTS = ("approve", "reject")
 REMEDIATION_KINDS = ("drain", "drain-and-requeue", "reboot-asap")
 """Action kinds (policy's decision kinds) that take a node out of service and count as a remediation
@@ -109,6 +129,9 @@ class Incident:
     escalation: str | None = None
     """None, `inspect-hardware` (the same fault after `inspect_after` remediations) or
     `contact-support` (`support_after` remediations on the node within the support window)."""
+    closed_at: float | None = None
+    closed_by: str | None = None
+    close_why: str | None = None
 
     @property
     def detection_latency(self) -> float | None:
@@ -168,6 +191,31 @@ class Action:
     applied_at: float | None
     failed_at: float | None
     undone_at: float | None
+    series: str = ""
+    """The idempotency key of the first attempt: every attempt of one decision for one incident."""
+    attempt: int = 1
+    reason: str | None = None
+    """The Slurm reason the write sets (node-state actions)."""
+    ended_at: float | None = None
+    """When it became lost, released, completed or abandoned."""
+    slurm_reason_time: float | None = None
+    """Slurm's reason time right after the write: with `slurm_reason_user`, the ownership proof."""
+    slurm_reason_user: str | None = None
+
+
+@dataclass(frozen=True)
+class Clear:
+    """Evidence of one finding on one node that no longer counts (see CLEAR_SCOPES)."""
+
+    id: int
+    node: str
+    finding_id: str
+    before: float
+    scope: str
+    incident_id: int | None
+    by: str | None
+    why: str | None
+    at: float
 
 
 @dataclass(frozen=True)
@@ -403,7 +451,99 @@ def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
         conn.execute(sql)
 
 
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_0_to_1, 2: _migrate_1_to_2}
+def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
+    """Actions get attempts (series), the reason they write, the ownership proof and the statuses of
+    reconciliation; holds record which nodes healthd owns; clears record dismissed evidence;
+    incidents record who closed them and why. SQLite cannot change a CHECK, so actions is rebuilt."""
+    statuses = ", ".join(repr(s) for s in ACTION_STATUSES)
+    statements = [
+        f"""CREATE TABLE actions_v3 (
+            id INTEGER PRIMARY KEY,
+            decision_id INTEGER NOT NULL REFERENCES decisions (id),
+            idempotency_key TEXT NOT NULL UNIQUE,
+            series TEXT NOT NULL,
+            attempt INTEGER NOT NULL DEFAULT 1,
+            node TEXT NOT NULL,
+            partition TEXT,
+            kind TEXT NOT NULL,
+            argv TEXT NOT NULL,
+            evidence TEXT NOT NULL,
+            reason TEXT,
+            status TEXT NOT NULL CHECK (status IN ({statuses})),
+            outcome TEXT,
+            planned_at REAL NOT NULL,
+            applied_at REAL,
+            failed_at REAL,
+            undone_at REAL,
+            ended_at REAL,
+            slurm_reason_time REAL,
+            slurm_reason_user TEXT
+        )""",
+        # series: the key without its `#tryN` suffix; reason: the decision's, for node-state writes
+        """INSERT INTO actions_v3 (id, decision_id, idempotency_key, series, attempt, node, partition, kind, argv,
+            evidence, reason, status, outcome, planned_at, applied_at, failed_at, undone_at)
+           SELECT a.id, a.decision_id, a.idempotency_key,
+                  CASE WHEN instr(a.idempotency_key, '#try') > 0
+                       THEN substr(a.idempotency_key, 1, instr(a.idempotency_key, '#try') - 1)
+                       ELSE a.idempotency_key END,
+                  CASE WHEN instr(a.idempotency_key, '#try') > 0
+                       THEN CAST(substr(a.idempotency_key, instr(a.idempotency_key, '#try') + 4) AS INTEGER)
+                       ELSE 1 END,
+                  a.node, a.partition, a.kind, a.argv, a.evidence,
+                  CASE WHEN a.kind IN ('drain', 'drain-and-requeue', 'reboot-asap') THEN d.reason END,
+                  a.status, a.outcome, a.planned_at, a.applied_at, a.failed_at, a.undone_at
+           FROM actions a JOIN decisions d ON a.decision_id = d.id""",
+        "DROP TABLE actions",
+        "ALTER TABLE actions_v3 RENAME TO actions",
+        "CREATE INDEX actions_status ON actions (status)",
+        "CREATE INDEX actions_applied_at ON actions (applied_at)",
+        "CREATE INDEX actions_node ON actions (node)",
+        "CREATE INDEX actions_series ON actions (series)",
+        """CREATE TABLE holds (
+            node TEXT PRIMARY KEY,
+            action_id INTEGER NOT NULL REFERENCES actions (id),
+            incident_id INTEGER REFERENCES incidents (id),
+            kind TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            reason_time REAL,
+            reason_user TEXT,
+            since REAL NOT NULL,
+            planned_at REAL NOT NULL,
+            verified_at REAL NOT NULL
+        )""",
+        # the nodes the old rule said healthd holds: its latest applied node-state write, not undone or resumed
+        """INSERT INTO holds (node, action_id, incident_id, kind, reason, since, planned_at, verified_at)
+           SELECT a.node, a.id, d.incident_id, a.kind, a.reason, a.applied_at, a.planned_at, a.applied_at
+           FROM actions a JOIN decisions d ON a.decision_id = d.id
+           WHERE a.status = 'applied' AND a.kind IN ('drain', 'drain-and-requeue', 'reboot-asap')
+             AND a.reason IS NOT NULL
+             AND NOT EXISTS (SELECT 1 FROM actions b WHERE b.node = a.node AND b.applied_at IS NOT NULL
+                             AND b.status IN ('applied', 'undone')
+                             AND b.kind IN ('drain', 'drain-and-requeue', 'reboot-asap', 'resume')
+                             AND (b.applied_at > a.applied_at OR (b.applied_at = a.applied_at AND b.id > a.id)))""",
+        f"""CREATE TABLE clears (
+            id INTEGER PRIMARY KEY,
+            node TEXT NOT NULL,
+            finding_id TEXT NOT NULL,
+            before REAL NOT NULL,
+            scope TEXT NOT NULL CHECK (scope IN ({", ".join(repr(s) for s in CLEAR_SCOPES)})),
+            incident_id INTEGER REFERENCES incidents (id),
+            by TEXT,
+            why TEXT,
+            at REAL NOT NULL
+        )""",
+        "CREATE INDEX clears_at ON clears (at)",
+        "CREATE INDEX clears_node ON clears (node, at)",
+        "ALTER TABLE incidents ADD COLUMN closed_at REAL",
+        "ALTER TABLE incidents ADD COLUMN closed_by TEXT",
+        "ALTER TABLE incidents ADD COLUMN close_why TEXT",
+        "CREATE INDEX incidents_status ON incidents (status)",
+    ]
+    for sql in statements:
+        conn.execute(sql)
+
+
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_0_to_1, 2: _migrate_1_to_2, 3: _migrate_2_to_3}
 """MIGRATIONS[n] takes a schema at version n-1 to version n."""
 
 
@@ -738,7 +878,7 @@ class Ledger:
 
     _INCIDENT_COLS = (
         "id, signature, attribution, tier, status, jobs, first_evidence_at, detected_at, decided_at, "
-        "action_applied_at, back_in_service_at, created_at, escalation"
+        "action_applied_at, back_in_service_at, created_at, escalation, closed_at, closed_by, close_why"
     )
 
     def _incident(self, row: tuple[Any, ...]) -> Incident:
@@ -749,6 +889,7 @@ class Ledger:
             id=iid, signature=row[1], attribution=row[2], tier=row[3], status=row[4], nodes=nodes, gpu_serials=gpus,
             jobs=tuple(json.loads(row[5])), first_evidence_at=row[6], detected_at=row[7], decided_at=row[8],
             action_applied_at=row[9], back_in_service_at=row[10], created_at=row[11], escalation=row[12],
+            closed_at=row[13], closed_by=row[14], close_why=row[15],
         )
 
     def incident(self, incident_id: int) -> Incident | None:
@@ -843,7 +984,8 @@ class Ledger:
 
     _ACTION_COLS = (
         "id, decision_id, idempotency_key, node, partition, kind, argv, evidence, status, outcome, "
-        "planned_at, applied_at, failed_at, undone_at"
+        "planned_at, applied_at, failed_at, undone_at, series, attempt, reason, ended_at, slurm_reason_time, "
+        "slurm_reason_user"
     )
 
     @staticmethod
@@ -851,7 +993,8 @@ class Ledger:
         return Action(
             id=row[0], decision_id=row[1], idempotency_key=row[2], node=row[3], partition=row[4], kind=row[5],
             argv=tuple(json.loads(row[6])), evidence=json.loads(row[7]), status=row[8], outcome=row[9],
-            planned_at=row[10], applied_at=row[11], failed_at=row[12], undone_at=row[13],
+            planned_at=row[10], applied_at=row[11], failed_at=row[12], undone_at=row[13], series=row[14],
+            attempt=row[15], reason=row[16], ended_at=row[17], slurm_reason_time=row[18], slurm_reason_user=row[19],
         )
 
     def plan_action(
@@ -864,26 +1007,39 @@ class Ledger:
         argv: Sequence[str],
         partition: str | None = None,
         evidence: Any = None,
+        series: str | None = None,
+        attempt: int = 1,
+        reason: str | None = None,
         at: float | None = None,
     ) -> Action:
         """Record an action as `planned` before it is executed. If `idempotency_key` is already
         known, the existing row is returned unchanged (whatever its status): the recorded argv wins,
-        so a restart re-plans to the very same call and never to a second one."""
+        so a restart re-plans to the very same call and never to a second one. `series` groups the
+        attempts of one decision for one incident (default: the key itself, a first attempt);
+        `reason` is the Slurm reason a node-state write sets (default: its decision's reason)."""
         if not idempotency_key:
             raise LedgerError(f"{self.path}: an action needs an idempotency key")
         if not argv or not all(isinstance(a, str) for a in argv):
             raise LedgerError(f"{self.path}: argv must be a non-empty list of strings")
         with self.transaction():
+            if kind in NODE_STATE_KINDS and not reason:
+                decision = self.decision(decision_id)  # policy's decision reason is the Slurm reason
+                reason = decision.reason if decision is not None else None
+                if not reason:
+                    raise LedgerError(f"{self.path}: a {kind} action needs the reason it writes")
             self._exec(
-                "INSERT INTO actions (decision_id, idempotency_key, node, partition, kind, argv, evidence, status, planned_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 'planned', ?) ON CONFLICT (idempotency_key) DO NOTHING",
-                (decision_id, idempotency_key, node, partition, kind, _dump(list(argv)), _dump(evidence), _now(at)),
+                "INSERT INTO actions (decision_id, idempotency_key, series, attempt, node, partition, kind, argv, evidence, "
+                "reason, status, planned_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'planned', ?) "
+                "ON CONFLICT (idempotency_key) DO NOTHING",
+                (decision_id, idempotency_key, series or idempotency_key, attempt, node, partition, kind,
+                 _dump(list(argv)), _dump(evidence), reason, _now(at)),
             )
             row = self._one(f"SELECT {self._ACTION_COLS} FROM actions WHERE idempotency_key = ?", (idempotency_key,))
         assert row is not None
         return self._action(row)
 
-    def _transition(self, action_id: int, to: str, from_: tuple[str, ...], stamp: str, outcome: str | None, at: float | None) -> Action:
+    def _transition(self, action_id: int, to: str, from_: tuple[str, ...], stamp: str, outcome: str | None,
+                    at: float | None) -> Action:
         # `stamp` is one of the fixed column names passed by the methods below.
         with self.transaction():
             current = self.action(action_id)
@@ -897,10 +1053,39 @@ class Ledger:
                 f"UPDATE actions SET status = ?, outcome = COALESCE(?, outcome), {stamp} = ? WHERE id = ?",
                 (to, outcome, _now(at), action_id),
             )
+            if current.status == "applied" or to in ENDED_STATUSES:
+                self._exec("DELETE FROM holds WHERE action_id = ?", (action_id,))
         return self.action(action_id)  # type: ignore[return-value]
 
-    def mark_applied(self, action_id: int, outcome: str | None = None, *, at: float | None = None) -> Action:
-        return self._transition(action_id, "applied", ("planned",), "applied_at", outcome, at)
+    def mark_applied(self, action_id: int, outcome: str | None = None, *, at: float | None = None,
+                     reason_time: float | None = None, reason_user: str | None = None,
+                     hold: bool = True) -> Action:
+        """The write is in Slurm: returned without error (`planned` ->), or found there after its client
+        reported failure (`failed` ->, an adoption). `reason_time`/`reason_user` are what Slurm showed
+        for it right after (None when it could not be read back; the reconciler confirms later). A
+        node-state write makes healthd the node's holder (unless `hold=False`: someone else already
+        changed the node); a resume ends healthd's hold on its node."""
+        with self.transaction():
+            before = self.action(action_id)
+            action = self._transition(action_id, "applied", ("planned", "failed", "abandoned"), "applied_at", outcome, at)
+            if before is not None and before.status == "applied":
+                return action  # applied already: repeating the step changes nothing
+            self._exec("UPDATE actions SET slurm_reason_time = ?, slurm_reason_user = ? WHERE id = ?",
+                       (reason_time, reason_user, action_id))
+            if action.kind in NODE_STATE_KINDS and hold:
+                decision = self.decision(action.decision_id)
+                self._exec(
+                    "INSERT INTO holds (node, action_id, incident_id, kind, reason, reason_time, reason_user, since, "
+                    "planned_at, verified_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (node) DO UPDATE SET "
+                    "action_id = excluded.action_id, incident_id = excluded.incident_id, kind = excluded.kind, "
+                    "reason = excluded.reason, reason_time = excluded.reason_time, reason_user = excluded.reason_user, "
+                    "since = excluded.since, planned_at = excluded.planned_at, verified_at = excluded.verified_at",
+                    (action.node, action_id, decision.incident_id if decision else None, action.kind, action.reason,
+                     reason_time, reason_user, action.applied_at, action.planned_at, action.applied_at),
+                )
+            elif action.kind == "resume":
+                self._exec("DELETE FROM holds WHERE node = ?", (action.node,))
+        return self.action(action_id)  # type: ignore[return-value]
 
     def mark_failed(self, action_id: int, outcome: str, *, at: float | None = None) -> Action:
         return self._transition(action_id, "failed", ("planned",), "failed_at", outcome, at)
@@ -908,6 +1093,108 @@ class Ledger:
     def mark_undone(self, action_id: int, outcome: str | None = None, *, at: float | None = None) -> Action:
         """An applied action reversed (`healthctl undo`). It keeps its applied_at for budgets."""
         return self._transition(action_id, "undone", ("applied",), "undone_at", outcome, at)
+
+    def mark_abandoned(self, action_id: int, outcome: str, *, at: float | None = None) -> Action:
+        """A planned action that is not in Slurm and will not be applied as planned (re-decided)."""
+        return self._transition(action_id, "abandoned", ("planned",), "ended_at", outcome, at)
+
+    def mark_ended(self, action_id: int, status: str, outcome: str, *, at: float | None = None) -> Action:
+        """An applied write whose effect ended otherwise than by healthd: `lost`, `released` or
+        `completed` (see ACTION_STATUSES). Ends healthd's hold on the node when it was this action's."""
+        if status not in ("lost", "released", "completed"):
+            raise LedgerError(f"{self.path}: {status!r} is not how an applied action ends")
+        return self._transition(action_id, status, ("applied",), "ended_at", outcome, at)
+
+    # -- holds (ownership by record, healthd.controller.ownership) -------------------------------------
+
+    _HOLD_COLS = "node, action_id, incident_id, kind, reason, reason_time, reason_user, since, planned_at, verified_at"
+
+    def holds(self) -> dict[str, Hold]:
+        """node -> healthd's hold on it: every node healthd has taken out of service and still owns."""
+        return {r[0]: Hold(*r) for r in self._rows(f"SELECT {self._HOLD_COLS} FROM holds ORDER BY node")}
+
+    def hold(self, node: str) -> Hold | None:
+        row = self._one(f"SELECT {self._HOLD_COLS} FROM holds WHERE node = ?", (node,))
+        return None if row is None else Hold(*row)
+
+    def confirm_hold(self, node: str, action_id: int, reason_time: float | None, reason_user: str | None,
+                     *, at: float | None = None) -> None:
+        """Record the reason time and user Slurm shows for healthd's write (read back later than the
+        write, when the read right after it failed)."""
+        ts = _now(at)
+        with self.transaction():
+            self._exec("UPDATE holds SET reason_time = ?, reason_user = ?, verified_at = ? WHERE node = ? AND action_id = ?",
+                       (reason_time, reason_user, ts, node, action_id))
+            self._exec("UPDATE actions SET slurm_reason_time = ?, slurm_reason_user = ? WHERE id = ?",
+                       (reason_time, reason_user, action_id))
+
+    def verify_holds(self, nodes: Iterable[str], at: float | None = None) -> None:
+        """Slurm was seen showing healthd's writes on `nodes` at `at`: one statement for all of them."""
+        names = sorted(set(nodes))
+        if not names:
+            return
+        ts = _now(at)
+        with self.transaction():
+            for i in range(0, len(names), 500):
+                chunk = names[i:i + 500]
+                self._exec(f"UPDATE holds SET verified_at = MAX(verified_at, ?) WHERE node IN ({', '.join('?' for _ in chunk)})",
+                           (ts, *chunk))
+
+    def series(self, series: str) -> list[Action]:
+        """Every attempt of one decision for one incident, first attempt first."""
+        rows = self._rows(f"SELECT {self._ACTION_COLS} FROM actions WHERE series = ? ORDER BY attempt, id", (series,))
+        return [self._action(r) for r in rows]
+
+    def unresolved_since(self, since: float) -> list[Action]:
+        """Writes that may still land: failed (the client reported failure: a timeout, slurmctld
+        stopped mid-call) or abandoned (planned before a crash; its client may outlive the
+        controller) at or after `since`. The reconciler adopts those Slurm shows."""
+        rows = self._rows(
+            f"SELECT {self._ACTION_COLS} FROM actions WHERE (status = 'failed' AND failed_at >= ?) "
+            "OR (status = 'abandoned' AND ended_at >= ?) ORDER BY id", (since, since))
+        return [self._action(r) for r in rows]
+
+    # -- clears ------------------------------------------------------------------------------------
+
+    _CLEAR_COLS = "id, node, finding_id, before, scope, incident_id, by, why, at"
+
+    def add_clears(self, node: str, finding_ids: Iterable[str], *, before: float, scope: str,
+                   incident_id: int | None = None, by: str | None = None, why: str | None = None,
+                   at: float | None = None) -> list[Clear]:
+        """Evidence of these findings on `node` up to `before` no longer counts, in `scope`."""
+        if scope not in CLEAR_SCOPES:
+            raise LedgerError(f"{self.path}: clear scope {scope!r} is not one of {CLEAR_SCOPES}")
+        ts = _now(at)
+        with self.transaction():
+            for fid in sorted(set(finding_ids)):
+                self._exec("INSERT INTO clears (node, finding_id, before, scope, incident_id, by, why, at) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (node, fid, before, scope, incident_id, by, why, ts))
+        return [c for c in self.clears(node=node) if c.at == ts]
+
+    def clears(self, *, since: float | None = None, node: str | None = None) -> list[Clear]:
+        """Clears recorded at or after `since` (and of `node`), oldest first."""
+        rows = self._rows(f"SELECT {self._CLEAR_COLS} FROM clears WHERE (? IS NULL OR at >= ?) AND (? IS NULL OR node = ?) "
+                          "ORDER BY id", (since, since, node, node))
+        return [Clear(*r) for r in rows]
+
+    def close_incident(self, incident_id: int, status: str, *, by: str | None, why: str, at: float | None = None) -> Incident:
+        """End an incident (`closed` by an operator, `false_positive` after an undo, `handed-over` when
+        someone else took its node, `resolved`). Its findings' current episode is cleared on its nodes,
+        so the same evidence never re-opens it; a new episode opens a new incident."""
+        if status not in CLOSED_INCIDENT_STATUSES:
+            raise LedgerError(f"{self.path}: {status!r} is not one of {CLOSED_INCIDENT_STATUSES}")
+        ts = _now(at)
+        with self.transaction():
+            current = self.incident(incident_id)
+            if current is None:
+                raise LedgerError(f"{self.path}: no incident {incident_id}")
+            self._exec("UPDATE incidents SET status = ?, closed_at = ?, closed_by = ?, close_why = ? WHERE id = ?",
+                       (status, ts, by, why, incident_id))
+            if not current.signature.startswith("group:"):
+                for node in current.nodes:
+                    self.add_clears(node, [current.signature], before=ts, scope="episode", incident_id=incident_id,
+                                    by=by, why=why, at=ts)
+        return self.incident(incident_id)  # type: ignore[return-value]
 
     def action(self, action_id: int) -> Action | None:
         row = self._one(f"SELECT {self._ACTION_COLS} FROM actions WHERE id = ?", (action_id,))
@@ -935,11 +1222,13 @@ class Ledger:
     def actions_applied_since(self, since: float, partition: str | None = None) -> int:
         """Node-removing actions (REMEDIATION_KINDS) applied at or after `since` (fleet-wide, or in
         one partition): the rate limiter's budget. Undone actions still count: they spent the budget
-        when they were applied. Resumes and requeues do not take capacity away and do not count."""
+        when they were applied; a lost one does not (its re-application takes its slot). Resumes and
+        requeues do not take capacity away and do not count."""
         row = self._one(
             "SELECT COUNT(*) FROM actions WHERE applied_at IS NOT NULL AND applied_at >= ? AND (? IS NULL OR partition = ?) "
-            f"AND kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
-            (since, partition, partition, *REMEDIATION_KINDS),
+            f"AND kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)}) "
+            f"AND status IN ({', '.join('?' for _ in BUDGET_STATUSES)})",
+            (since, partition, partition, *REMEDIATION_KINDS, *BUDGET_STATUSES),
         )
         assert row is not None
         return int(row[0])
@@ -952,41 +1241,21 @@ class Ledger:
         row = self._one(
             "SELECT COUNT(DISTINCT i.id) FROM actions a JOIN decisions d ON a.decision_id = d.id "
             "JOIN incidents i ON d.incident_id = i.id "
-            f"WHERE a.node = ? AND i.signature = ? AND a.status = 'applied' AND a.applied_at >= ? "
-            f"AND a.kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
-            (node, signature, since, *REMEDIATION_KINDS),
+            f"WHERE a.node = ? AND i.signature = ? AND a.status IN ({', '.join('?' for _ in REMEDIATED_STATUSES)}) "
+            f"AND a.applied_at >= ? AND a.kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
+            (node, signature, *REMEDIATED_STATUSES, since, *REMEDIATION_KINDS),
         )
         assert row is not None
         return int(row[0])
-
-    def healthd_drains(self) -> dict[str, int | None]:
-        """node -> incident id, for nodes whose latest applied node-state action (by applied_at) is
-        a healthd remediation still in force (applied, not undone, not followed by a resume): the
-        ownership gate's "healthd drained it and has a ledger record" (policy.LedgerView)."""
-        kinds = (*REMEDIATION_KINDS, RESUME_KIND)
-        rows = self._rows(
-            "SELECT a.node, a.kind, a.status, d.incident_id FROM actions a JOIN decisions d ON a.decision_id = d.id "
-            f"WHERE a.applied_at IS NOT NULL AND a.status IN ('applied', 'undone') AND a.kind IN ({', '.join('?' for _ in kinds)}) "
-            "ORDER BY a.applied_at, a.id",
-            kinds,
-        )
-        latest: dict[str, tuple[str, str, int | None]] = {}
-        for node, kind, status, incident_id in rows:
-            latest[node] = (kind, status, incident_id)
-        return {
-            node: incident_id
-            for node, (kind, status, incident_id) in sorted(latest.items())
-            if kind in REMEDIATION_KINDS and status == "applied"
-        }
 
     def remediations_on_node(self, node: str, since: float) -> int:
         """Remediated incidents on `node` (any signature) at or after `since`: the `contact-support`
         counter (5 in 7 days by default)."""
         row = self._one(
             "SELECT COUNT(DISTINCT d.incident_id) FROM actions a JOIN decisions d ON a.decision_id = d.id "
-            f"WHERE a.node = ? AND a.status = 'applied' AND a.applied_at >= ? AND d.incident_id IS NOT NULL "
-            f"AND a.kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
-            (node, since, *REMEDIATION_KINDS),
+            f"WHERE a.node = ? AND a.status IN ({', '.join('?' for _ in REMEDIATED_STATUSES)}) AND a.applied_at >= ? "
+            f"AND d.incident_id IS NOT NULL AND a.kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
+            (node, *REMEDIATED_STATUSES, since, *REMEDIATION_KINDS),
         )
         assert row is not None
         return int(row[0])

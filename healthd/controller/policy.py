@@ -20,7 +20,9 @@ from typing import Any, Literal
 from ClusterShell.NodeSet import NodeSet, NodeSetException
 from ClusterShell.RangeSet import RangeSetException
 
+from healthd.controller.report_schema import ReportInvalid, validate_finding, validate_report
 from healthd.instructions import is_cleared
+from healthd.controller.ownership import Hold, owned
 from healthd.model import ACTION_SEVERITY, Component, Evidence, Finding
 from healthd.slurm.backend import NodeInfo
 
@@ -129,39 +131,47 @@ def _epoch(value: Any) -> float | None:
     return None
 
 
-def finding_from_json(doc: Mapping[str, Any]) -> Finding:
-    """One finding of the README's state document -> Finding. Raises ValueError on a malformed one."""
-    if not isinstance(doc, Mapping):
-        raise ValueError(f"finding must be an object, found {type(doc).__name__}")
-    try:
-        comp = doc.get("component") or {"kind": "node"}
-        known = {k: comp.get(k) for k in ("kind", "index", "uuid", "serial", "bus_id", "device", "port")}
-        known["kind"] = known["kind"] or "node"
-        evidence = tuple(
-            Evidence(
-                kind=str(e.get("kind", "state")),
-                text=str(e.get("text", "")),
-                data={k: v for k, v in e.items() if k not in ("kind", "text")},
-            )
-            for e in doc.get("evidence") or ()
-        )
-        return Finding(
-            id=str(doc["id"]),
-            component=Component(**known),
-            source=doc.get("source", "host"),
-            attribution=doc.get("attribution", "unknown"),
-            tier=int(doc["tier"]),
-            action=doc.get("action", "none"),
-            summary=str(doc.get("summary", doc["id"])),
-            evidence=evidence,
-            xid=doc.get("xid"),
-            count=int(doc.get("count", 1) or 1),
-            first_seen=_epoch(doc.get("first_seen")),
-            last_seen=_epoch(doc.get("last_seen")),
-            job=doc.get("job"),
-        )
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"malformed finding {dict(doc).get('id', '?')!r}: {exc}") from None
+def finding_from_json(doc: Mapping[str, Any], *, checked: bool = False) -> Finding:
+    """One finding of the README's state document -> Finding. Raises ValueError on a malformed one
+    (healthd.controller.report_schema decides what is malformed, and names the field).
+
+    `checked=True`: the caller has validated `doc` already (receive_report validates the whole
+    document at intake), so it is only converted. Otherwise it is validated here first: a Finding
+    never carries a value of the wrong type into a control round."""
+    if not checked:
+        try:
+            validate_finding(doc)
+        except ReportInvalid as exc:
+            fid = doc.get("id") if isinstance(doc, dict) else None
+            shown = repr(fid[:80]) if isinstance(fid, str) else "?"
+            raise ValueError(f"malformed finding {shown}: {exc.reason}") from None
+    comp = doc["component"]
+    return Finding(
+        id=doc["id"],
+        component=Component(
+            kind=comp["kind"],
+            index=comp.get("index"),
+            uuid=comp.get("uuid"),
+            serial=comp.get("serial"),
+            bus_id=comp.get("bus_id"),
+            device=comp.get("device"),
+            port=comp.get("port"),
+        ),
+        source=doc["source"],
+        attribution=doc["attribution"],
+        tier=doc["tier"],
+        action=doc["action"],
+        summary=doc["summary"],
+        evidence=tuple(
+            Evidence(kind=e["kind"], text=e["text"], data={k: v for k, v in e.items() if k not in ("kind", "text")})
+            for e in doc["evidence"]
+        ),
+        xid=doc.get("xid"),
+        count=doc.get("count") or 1,
+        first_seen=_epoch(doc.get("first_seen")),
+        last_seen=_epoch(doc.get("last_seen")),
+        job=doc.get("job"),
+    )
 
 
 @dataclass(frozen=True)
@@ -182,12 +192,16 @@ class NodeReport:
         object.__setattr__(self, "findings", converted)
 
     @classmethod
-    def from_document(cls, doc: Mapping[str, Any], received_at: float) -> NodeReport:
-        """The README's JSON state document -> NodeReport."""
+    def from_document(cls, doc: Mapping[str, Any], received_at: float, *, checked: bool = False) -> NodeReport:
+        """The README's JSON state document -> NodeReport. Raises ValueError (report_schema's
+        ReportInvalid, naming the field) for a document the controller does not accept;
+        `checked=True`: validate_report already passed on `doc`, it is only converted."""
+        if not checked:
+            validate_report(doc)
         return cls(
-            node=str(doc["node"]),
-            verdict=str(doc.get("verdict", "unknown")),
-            findings=tuple(doc.get("findings") or ()),
+            node=doc["node"],
+            verdict=doc["verdict"],
+            findings=tuple(finding_from_json(f, checked=True) for f in doc["findings"]),
             received_at=received_at,
         )
 
@@ -331,8 +345,9 @@ class FleetView:
 class LedgerView:
     """What the ledger remembers that policy and gates need (a read-only projection)."""
 
-    healthd_drains: Mapping[str, str] = field(default_factory=dict)
-    """node -> incident id, for nodes healthd drained (or rebooted) and has not yet resumed."""
+    holds: Mapping[str, Hold] = field(default_factory=dict)
+    """node -> healthd's hold on it: the nodes healthd took out of service and owns by record
+    (healthd.controller.ownership). A node is healthd's only while Slurm still shows its write."""
     incidents: Mapping[tuple[str, str], str] = field(default_factory=dict)
     """(node, finding id) -> the open incident id it belongs to."""
     escalations: Mapping[tuple[str, str], str] = field(default_factory=dict)
@@ -340,7 +355,7 @@ class LedgerView:
     say a drain for it is no longer routine (reintegrate.ReintegrationSettings)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "healthd_drains", _frozen_map(self.healthd_drains))
+        object.__setattr__(self, "holds", _frozen_map(self.holds))
         object.__setattr__(self, "incidents", _frozen_map(self.incidents))
         object.__setattr__(self, "escalations", _frozen_map(self.escalations))
 
@@ -406,12 +421,14 @@ def is_actionable(f: Finding) -> bool:
     return f.tier in (1, 2) and f.attribution != "user" and f.action in _ACTION_TO_KIND
 
 
-def without_cleared(report: NodeReport, cleared: Mapping[str, float]) -> NodeReport:
-    """The report without the findings a reintegration cleared (finding id -> before): a finding
-    whose latest evidence is not newer than the clear no longer counts; new evidence brings it back."""
-    if not cleared:
+def without_cleared(report: NodeReport, cleared: Mapping[str, float],
+                    dismissed: Mapping[str, float] | None = None) -> NodeReport:
+    """The report without the findings cleared on its node (finding id -> before; see
+    healthd.instructions): `cleared` by evidence (a repair: new evidence brings a finding back),
+    `dismissed` by episode (an undo or close: a new episode brings it back)."""
+    if not cleared and not dismissed:
         return report
-    kept = [f for f in report.findings if not is_cleared(f, cleared)]
+    kept = [f for f in report.findings if not is_cleared(f, cleared, dismissed)]
     if len(kept) == len(report.findings):
         return report
     verdict = report.verdict
@@ -485,55 +502,62 @@ def decide(
     out: list[Decision] = []
     # a node Slurm lists but no agent reports on has no evidence to decide on
     for node, report in fleet.reports.items():
-        if now - report.received_at > settings.report_ttl_s:
-            out.append(_none(node, "stale-report", f"report is {now - report.received_at:.0f} s old "
-                             f"(ttl {settings.report_ttl_s:.0f} s): not acting on it", now))
-            continue
-        drained_incident = ledger.healthd_drains.get(node)
-        if not report.findings and drained_incident is None:
-            continue  # healthy and not drained by healthd: most of the fleet, nothing to say
-        info = fleet.nodes.get(node)
-        ours = info is not None and info.reason.startswith(REASON_PREFIX)
-        actionable = sorted((f for f in report.findings if is_actionable(f)), key=_primary_order)
-        if not actionable:
-            if drained_incident is not None and ours:
-                out.append(_none(node, "cleared", f"fault cleared on a node healthd drained "
-                                 f"[#{drained_incident}]: awaiting reintegration (validation, then resume)",
-                                 now, incident=drained_incident))
-            elif report.findings:
-                observed = tuple(sorted(report.findings, key=_primary_order))
-                why = "user code" if all(f.attribution == "user" for f in observed) else "T3 or no remedy"
-                out.append(_none(node, observed[0].id, f"recorded only ({why}): never acts", now,
-                                 tier=min(f.tier for f in observed), findings=observed))
-            continue
-        primary = actionable[0]
-        kind = _ACTION_TO_KIND[primary.action]
-        incident = ledger.incidents.get((node, primary.id)) or incident_id(node, primary)
-        if info is not None and ours and drained_incident is not None:
-            if kind in ("drain", "drain-and-requeue") and info.drain_requested:
-                out.append(_none(node, primary.id, f"already drained by healthd [#{drained_incident}]", now,
-                                 tier=primary.tier, findings=tuple(actionable), incident=drained_incident))
-                continue
-            if kind == "reboot-asap" and (info.reboot_requested or info.drain_requested):
-                out.append(_none(node, primary.id, f"reboot already requested by healthd [#{drained_incident}]",
-                                 now, tier=primary.tier, findings=tuple(actionable), incident=drained_incident))
-                continue
-        escalation = ledger.escalations.get((node, primary.id), "")
-        cause = f"{ESCALATION_TEXT.get(escalation, escalation)}: {primary.summary}" if escalation else primary.summary
-        out.append(
-            Decision(
-                id=f"{kind}:{node}:{primary.id}",
-                kind=kind,  # type: ignore[arg-type]
-                node=node,
-                reason=make_reason(cause, incident),
-                tier=primary.tier,
-                attribution=primary.attribution,
-                evidence=tuple(e for f in actionable for e in f.evidence),
-                finding_ids=tuple(f.id for f in actionable),
-                incident=incident,
-                decided_at=now,
-                escalation=escalation,
-            )
-        )
+        try:
+            decision = _decide_node(node, report, fleet, ledger, settings, now)
+        except Exception as exc:  # one node's bad data must not stop every other node's decision
+            decision = _none(node, "error", f"cannot decide: {type(exc).__name__}: {exc}"[:200], now)
+        if decision is not None:
+            out.append(decision)
     # one decision per node: sorting the few decisions is cheaper than sorting the whole fleet first
     return tuple(sorted(out, key=lambda d: d.node))
+
+
+def _decide_node(node: str, report: NodeReport, fleet: FleetView, ledger: LedgerView,
+                 settings: ControllerPolicySettings, now: float) -> Decision | None:
+    """decide() for one node: its decision, or None when there is nothing to say."""
+    if now - report.received_at > settings.report_ttl_s:
+        return _none(node, "stale-report", f"report is {now - report.received_at:.0f} s old "
+                     f"(ttl {settings.report_ttl_s:.0f} s): not acting on it", now)
+    hold = ledger.holds.get(node)
+    if not report.findings and hold is None:
+        return None  # healthy and not drained by healthd: most of the fleet, nothing to say
+    info = fleet.nodes.get(node)
+    ours = owned(hold, info)
+    drained_incident = "" if hold is None or hold.incident_id is None else str(hold.incident_id)
+    actionable = sorted((f for f in report.findings if is_actionable(f)), key=_primary_order)
+    if not actionable:
+        if ours:
+            return _none(node, "cleared", f"fault cleared on a node healthd drained "
+                         f"[#{drained_incident}]: awaiting reintegration (validation, then resume)",
+                         now, incident=drained_incident)
+        if report.findings:
+            observed = tuple(sorted(report.findings, key=_primary_order))
+            why = "user code" if all(f.attribution == "user" for f in observed) else "T3 or no remedy"
+            return _none(node, observed[0].id, f"recorded only ({why}): never acts", now,
+                         tier=min(f.tier for f in observed), findings=observed)
+        return None
+    primary = actionable[0]
+    kind = _ACTION_TO_KIND[primary.action]
+    incident = ledger.incidents.get((node, primary.id)) or incident_id(node, primary)
+    if info is not None and ours:
+        if kind in ("drain", "drain-and-requeue") and info.drain_requested:
+            return _none(node, primary.id, f"already drained by healthd [#{drained_incident}]", now,
+                         tier=primary.tier, findings=tuple(actionable), incident=drained_incident)
+        if kind == "reboot-asap" and (info.reboot_requested or info.drain_requested):
+            return _none(node, primary.id, f"reboot already requested by healthd [#{drained_incident}]",
+                         now, tier=primary.tier, findings=tuple(actionable), incident=drained_incident)
+    escalation = ledger.escalations.get((node, primary.id), "")
+    cause = f"{ESCALATION_TEXT.get(escalation, escalation)}: {primary.summary}" if escalation else primary.summary
+    return Decision(
+        id=f"{kind}:{node}:{primary.id}",
+        kind=kind,  # type: ignore[arg-type]
+        node=node,
+        reason=make_reason(cause, incident),
+        tier=primary.tier,
+        attribution=primary.attribution,
+        evidence=tuple(e for f in actionable for e in f.evidence),
+        finding_ids=tuple(f.id for f in actionable),
+        incident=incident,
+        decided_at=now,
+        escalation=escalation,
+    )

@@ -37,8 +37,9 @@ from healthd.controller.executor import Executor
 from healthd.controller.gates import Outcome
 from healthd.controller.ledger import Reintegration
 from healthd.instructions import is_cleared
+from healthd.controller.ownership import Hold, describe_reason, owned
 from healthd.controller.policy import Decision, FleetView, NodeReport, is_actionable, make_reason
-from healthd.slurm.backend import SlurmError
+from healthd.slurm.backend import SlurmError, SlurmRefused
 from healthd.slurm.scontrol import CommandResult, CommandTimeout, run_command
 
 _log = logging.getLogger("healthd.controller.reintegrate")
@@ -191,31 +192,44 @@ class Reintegrator:
         return cleared_findings(recent)
 
     def instructions_for(self, report: NodeReport) -> list[dict[str, Any]]:
-        """`clear-finding` for the agent while its report still carries evidence a reintegration cleared."""
+        """`clear-finding` for the agent while its report still carries evidence a reintegration cleared
+        (scope `evidence`), or the episode of a finding an operator dismissed (undo, close, hand-over:
+        scope `episode`)."""
+        out = []
         active = self.ledger.active_reintegration(report.node)
-        if active is None or not active.findings:
-            return []
-        clears = dict.fromkeys(active.findings, active.requested_at)
-        stale = [f.id for f in report.findings if is_cleared(f, clears)]
-        if not stale:
-            return []
-        return [{"kind": "clear-finding", "findings": sorted(stale), "before": active.requested_at,
-                 "incident": active.incident_id, "reintegration": active.id}]
+        if active is not None and active.findings:
+            clears = dict.fromkeys(active.findings, active.requested_at)
+            stale = [f.id for f in report.findings if is_cleared(f, clears)]
+            if stale:
+                out.append({"kind": "clear-finding", "findings": sorted(stale), "before": active.requested_at,
+                            "incident": active.incident_id, "reintegration": active.id})
+        if report.findings:
+            since = report.received_at - self.settings.support_window_s
+            dismissed: dict[str, float] = {}
+            for c in self.ledger.clears(node=report.node, since=since):
+                if c.scope == "episode":
+                    dismissed[c.finding_id] = max(dismissed.get(c.finding_id, 0.0), c.before)
+            same = [f.id for f in report.findings if dismissed and is_cleared(f, {}, dismissed)]
+            if same:
+                out.append({"kind": "clear-finding", "scope": "episode", "findings": sorted(same),
+                            "before": max(dismissed[f] for f in same)})
+        return out
 
     # -- the round ---------------------------------------------------------------------------------
 
-    def auto_requests(self, fleet: FleetView, drains: Mapping[str, int | None], mode: str, now: float,
+    def auto_requests(self, fleet: FleetView, holds: Mapping[str, Hold], mode: str, now: float,
                       report_ttl_s: float) -> list[Reintegration]:
         """In auto mode, queue the nodes healthd drained whose agent now reports nothing actionable
         (evidence cleared by a reintegration already filtered out of `fleet`)."""
         if mode != "auto" or not self.settings.auto_on_clear:
             return []
         started = []
-        for node, incident_id in drains.items():
+        for node, hold in holds.items():
+            incident_id = hold.incident_id
             report, info = fleet.reports.get(node), fleet.nodes.get(node)
             if incident_id is None or report is None or info is None or now - report.received_at > report_ttl_s:
                 continue
-            if not info.reason.startswith("healthd:") or not info.drain_requested or info.reboot_requested:
+            if not owned(hold, info) or not info.drain_requested or info.reboot_requested:
                 continue
             if report.verdict == "unknown" or any(is_actionable(f) for f in report.findings):
                 continue
@@ -277,21 +291,18 @@ class Reintegrator:
         name = reservation_name(r.node, r.id)
         resume = self._decision(r, "resume", f"reintegration {r.id}: resume inside {name} for validation", now)
         if self.executor.applied(resume) is None:
-            if r.node not in self.ledger.healthd_drains() or not fresh.reason.startswith("healthd:"):
-                who = f"{fresh.reason[:80]!r} by {fresh.reason_user or 'someone else'}" if fresh.reason else "no reason"
-                return self._abort(r, f"{r.node} is no longer drained by healthd ({fresh.state}, {who})", now)
+            if not owned(self.ledger.hold(r.node), fresh):
+                return self._abort(r, f"{r.node} is no longer healthd's by record ({fresh.state}, "
+                                      f"{describe_reason(fresh)})", now)
             if not fresh.drained:
                 return None  # jobs still running on the draining node: validation waits for them
             if self.dry_run:
                 self._would(f"reservation:{r.id}", ["scontrol", "create", "reservation", f"ReservationName={name}",
                                                     f"Nodes={r.node}", "Users=root", "Flags=MAINT,IGNORE_JOBS"])
                 return None
-            try:
-                self.backend.delete_reservation(name)  # left by a controller that died after creating it
-            except SlurmError:
-                pass
-            self.backend.create_reservation(name, r.node, self.settings.reservation_minutes, users=("root",),
-                                            flags=("MAINT", "IGNORE_JOBS"))
+            # left by a controller that died after creating it: start from a clean one (gone is done)
+            self.backend.delete_reservation(name)
+            self._create_reservation(name, r.node)
             ok, detail = self._apply(resume, mode, now)
             if not ok:
                 self._delete_reservation(name)
@@ -324,6 +335,16 @@ class Reintegrator:
             self._threads[rid] = thread
         thread.start()
 
+    def _create_reservation(self, name: str, node: str) -> None:
+        """The MAINT reservation validation runs in; one that exists already (a restart) is done."""
+        try:
+            self.backend.create_reservation(name, node, self.settings.reservation_minutes, users=("root",),
+                                            flags=("MAINT", "IGNORE_JOBS"))
+        except SlurmRefused as exc:
+            if "Duplicate reservation name" not in f"{exc.stderr} {exc}":
+                raise
+            _log.info("reservation %s exists already", name)
+
     def _delete_reservation(self, name: str | None) -> bool:
         if not name:
             return True
@@ -342,8 +363,14 @@ class Reintegrator:
                 results = self._results.pop(r.id, None)
                 running = r.id in self._threads
             if results is None:
+                name = r.reservation or reservation_name(r.node, r.id)
+                if not self.dry_run and not self.backend.reservation_exists(name):
+                    # gone while the node is resumed for validation (deleted by someone, or slurmctld came
+                    # back from an older state save): user jobs could land on it, so it comes back first
+                    _log.warning("%s: reservation %s is gone during validation; creating it again", r.node, name)
+                    self._create_reservation(name, r.node)
                 if not running:  # a restart: validation is repeatable, run it again
-                    self._launch(r.id, r.node, r.reservation or reservation_name(r.node, r.id), r.incident_id)
+                    self._launch(r.id, r.node, name, r.incident_id)
                 return None
             with self._lock:
                 self._threads.pop(r.id, None)
@@ -374,7 +401,7 @@ class Reintegrator:
         return f"validation failed: {summary}"
 
     def _probation(self, r: Reintegration, now: float, mode: str) -> str | None:
-        if r.node in self.ledger.healthd_drains():
+        if self.ledger.hold(r.node) is not None:
             self.ledger.update_reintegration(r.id, state="recurred", detail="drained again by healthd during probation",
                                              stamp="ended_at", incident_status="recurred", at=now)
             _log.error("%s: reintegration %s: the node failed again during probation", r.node, r.id)

@@ -222,9 +222,12 @@ def test_slurmctld_down_skips_rounds_and_nothing_stale_is_applied(cluster, fleet
         ledger.close()
 
 
-def test_restart_after_crash_between_plan_and_write_applies_once(cluster, fleet, tmp_path):
+def test_restart_after_crash_between_plan_and_write_adopts_or_abandons(cluster, fleet, tmp_path):
+    """At start, a write a crash left planned is adopted when the real slurmctld shows it (with the reason time
+    and user it recorded) and abandoned otherwise; nothing is written at start."""
     from healthd.controller.executor import Executor, idempotency_key
     from healthd.controller.policy import Decision, make_reason
+    from healthd.controller.reconcile import Reconciler
 
     cluster.wait_idle()
     backend = ScontrolBackend(str(cluster.conf_path), timeout_s=10)
@@ -238,15 +241,19 @@ def test_restart_after_crash_between_plan_and_write_applies_once(cluster, fleet,
             row = ledger.record_decision(node=node, kind="drain", tier="T1", mode="auto", reason=d.reason,
                                          outcome="allowed")
             planned[node] = ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node=node,
-                                               kind="drain", argv=Executor(backend, ledger).argv_for(d))
+                                               kind="drain", argv=Executor(backend, ledger).argv_for(d), reason=d.reason)
         # node04's write landed before the crash; node03's did not
-        backend.drain("node04", ledger.decision(planned["node04"].decision_id).reason)
-        before04 = backend.node("node04").reason_time
-        results = {r.action_id: r.status for r in Executor(backend, ledger).recover(time.time())}
-        assert results == {planned["node03"].id: "applied", planned["node04"].id: "already-applied"}
-        assert Executor(backend, ledger).recover(time.time()) == []
-        assert backend.node("node03").drain_requested and backend.node("node03").reason.startswith("healthd:")
-        assert backend.node("node04").reason_time == before04  # not written a second time
+        backend.drain("node04", planned["node04"].reason)
+        shown = backend.node("node04")
+        reconciler = Reconciler(Executor(backend, ledger))
+        changes = {c.action_id: c.what for c in reconciler.at_start(time.time(), "auto")}
+        assert changes == {planned["node03"].id: "abandoned", planned["node04"].id: "adopted"}
+        assert reconciler.at_start(time.time(), "auto") == []
+        assert not backend.node("node03").drain_requested  # an old plan is never applied blindly
+        assert backend.node("node04").reason_time == shown.reason_time  # not written a second time
+        hold = ledger.hold("node04")
+        assert (hold.reason_time, hold.reason_user) == (shown.reason_time, shown.reason_user)
+        assert ledger.hold("node03") is None
     finally:
         ledger.close()
         cluster.run(["scontrol", "update", "NodeName=node03,node04", "State=RESUME"], timeout=15)

@@ -148,7 +148,9 @@ def test_t1_report_in_auto_drains_with_incident_reason(rig_factory):
     assert reason.startswith("healthd: ") and reason.endswith(f"[#{incident}]")
     inc = rig.ledger.incident(incident)
     assert inc.decided_at is not None and inc.action_applied_at is not None
-    assert rig.ledger.healthd_drains() == {"node02": incident}
+    hold = rig.ledger.hold("node02")
+    assert hold.incident_id == incident and hold.reason == reason
+    assert hold.reason_time == rig.backend.state["node02"].reason_time  # the proof of ownership, read back
     rig.controller.evaluate(time.time())  # the next round: already drained, no second write
     assert len(rig.backend.writes) == 1
 
@@ -238,22 +240,22 @@ def test_request_thread_is_not_blocked_by_a_slow_slurm(rig_factory):
     assert status == 200 and payload["granted"] is False and "could not decide" in payload["reason"]
 
 
-def test_recover_at_start_finishes_a_planned_drain(rig_factory):
-    rig = rig_factory("auto")
-    d = drain_decision("node04")
+@pytest.mark.parametrize("mode", ["auto", "observe"])
+def test_recover_at_start_never_applies_an_old_plan_blindly(rig_factory, mode):
+    """A plan a crash left is abandoned at start when Slurm does not show it (the next round re-decides from
+    current evidence, through every gate), adopted when it does; no Slurm write either way, in any mode."""
+    rig = rig_factory(mode)
+    d, landed = drain_decision("node04"), drain_decision("node03", incident="H2")
     crash_after_plan(rig.ledger, rig.backend, d, at=time.time())
+    crash_after_plan(rig.ledger, rig.backend, landed, at=time.time())
+    rig.backend.drain("node03", landed.reason)
+    rig.backend.writes.clear()
     rig.controller.recover(time.time())
     rig.controller.recover(time.time())
-    assert rig.backend.writes == [("drain", "node04", d.reason)]
+    assert rig.backend.writes == []
     assert rig.ledger.pending_actions() == []
-
-
-def test_recover_in_observe_writes_nothing(rig_factory):
-    rig = rig_factory("observe")
-    d = drain_decision("node04")
-    crash_after_plan(rig.ledger, rig.backend, d, at=time.time())
-    rig.controller.recover(time.time())
-    assert rig.backend.writes == [] and len(rig.ledger.pending_actions()) == 1
+    assert {a.node: a.status for a in rig.ledger.actions()} == {"node04": "abandoned", "node03": "applied"}
+    assert set(rig.ledger.holds()) == {"node03"}
 
 
 def test_config_maps_yaml_onto_settings(tmp_path):

@@ -32,40 +32,44 @@ def test_fake_backend_is_a_slurm_backend():
     assert isinstance(FakeBackend(), SlurmBackend)
 
 
+def backend() -> FakeBackend:
+    return FakeBackend(clock=lambda: NOW)
+
+
 def test_applied_once(ledger):
-    be = FakeBackend()
-    ex = Executor(be, ledger)
+    be = backend()
+    ex = Executor(be, ledger, clock=lambda: NOW)
     d = drain_decision()
     first = ex.apply(Outcome(d, "allowed"), NOW)
     assert first.status == "applied"
     assert be.writes == [("drain", "node02", d.reason)]
     again = ex.apply(Outcome(d, "allowed"), NOW + 5)
-    assert again.status in ("refused", "already-applied")
+    assert again.status == "already-applied"
     assert len(be.writes) == 1
     action = ledger.action_by_key(idempotency_key(d))
     assert action.status == "applied" and action.argv[-1] == f"Reason={d.reason}"
-    assert ledger.healthd_drains() == {"node02": None}  # "H1" is not a ledger incident id
+    assert ledger.hold("node02").incident_id is None  # "H1" is not a ledger incident id
     assert ledger.actions_applied_since(NOW - 1) == 1
 
 
 def test_not_allowed_is_skipped(ledger):
-    be = FakeBackend()
-    assert Executor(be, ledger).apply(Outcome(drain_decision(), "refused", "mode", "observe"), NOW).status == "skipped"
+    be = backend()
+    assert Executor(be, ledger, clock=lambda: NOW).apply(Outcome(drain_decision(), "refused", "mode", "observe"), NOW).status == "skipped"
     assert be.writes == []
 
 
 def test_failure_is_recorded_with_slurms_message(ledger):
-    be = FakeBackend()
+    be = backend()
     be.fail_next = "Invalid node state specified"
-    res = Executor(be, ledger).apply(Outcome(drain_decision(), "allowed"), NOW)
+    res = Executor(be, ledger, clock=lambda: NOW).apply(Outcome(drain_decision(), "allowed"), NOW)
     assert res.status == "failed"
     assert ledger.action(res.action_id).status == "failed"
     assert "Invalid node state" in ledger.action(res.action_id).outcome
 
 
 def test_a_failed_write_is_tried_again_next_round_then_left_to_a_human(ledger):
-    be = FakeBackend()
-    ex = Executor(be, ledger)
+    be = backend()
+    ex = Executor(be, ledger, clock=lambda: NOW)
     d = drain_decision()
     be.fail_next = "Unable to contact slurm controller"
     assert ex.apply(Outcome(d, "allowed"), NOW).status == "failed"
@@ -73,7 +77,7 @@ def test_a_failed_write_is_tried_again_next_round_then_left_to_a_human(ledger):
     assert retry.status == "applied" and be.state["node02"].drain_requested
     assert ledger.action(retry.action_id).idempotency_key == f"{idempotency_key(d)}#try2"
     writes = len(be.writes)
-    assert ex.apply(Outcome(d, "allowed"), NOW + 10).status in ("refused", "skipped")  # applied: nothing more
+    assert ex.apply(Outcome(d, "allowed"), NOW + 10).status == "already-applied"  # applied: nothing more
     assert len(be.writes) == writes
 
     other = drain_decision("node03", incident="H2")
@@ -88,10 +92,10 @@ def test_a_failed_write_is_tried_again_next_round_then_left_to_a_human(ledger):
 
 
 def test_foreign_reason_between_decide_and_write_refused(ledger):
-    be = FakeBackend()
+    be = backend()
     be.state["node02"] = dataclasses.replace(be.state["node02"], flags=frozenset({"DRAIN"}),
                                              reason="bad DIMM, ticket 123", reason_user="alice")
-    res = Executor(be, ledger).apply(Outcome(drain_decision(), "allowed"), NOW)
+    res = Executor(be, ledger, clock=lambda: NOW).apply(Outcome(drain_decision(), "allowed"), NOW)
     assert res.status == "refused" and "alice" in res.detail
     assert be.writes == []
     assert ledger.pending_actions() == [] and ledger.actions() == []
@@ -99,55 +103,85 @@ def test_foreign_reason_between_decide_and_write_refused(ledger):
 
 def crash_after_plan(ledger, be, d, at: float = NOW):
     """A decision recorded and its action planned, then nothing: what a SIGKILL before the Slurm call leaves."""
-    ex = Executor(be, ledger)
+    ex = Executor(be, ledger, clock=lambda: NOW)
     row = ledger.record_decision(node=d.node, kind=d.kind, tier="T1", mode="auto", reason=d.reason, outcome="allowed",
                                  at=at)
     ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node=d.node, kind=d.kind,
-                       argv=ex.argv_for(d), at=at)
+                       argv=ex.argv_for(d), reason=d.reason, at=at)
     return row
 
 
-def test_recover_applies_exactly_once(ledger):
-    be = FakeBackend()
+def test_a_write_whose_client_failed_but_landed_is_adopted_never_written_twice(ledger):
+    """The client reports failure (a timeout) after slurmctld applied the drain: the next round finds the
+    write in Slurm and adopts that attempt, with the reason time Slurm recorded, instead of writing again."""
+    be = backend()
+    ex = Executor(be, ledger, clock=lambda: NOW)
     d = drain_decision()
-    crash_after_plan(ledger, be, d)
-    ex = Executor(be, ledger)
-    results = ex.recover(NOW + 10)
-    assert [r.status for r in results] == ["applied"]
-    assert be.writes == [("drain", "node02", d.reason)]
-    assert ex.recover(NOW + 20) == []  # nothing pending any more
-    assert ex.apply(Outcome(d, "allowed"), NOW + 30).status in ("refused", "already-applied")
-    assert len(be.writes) == 1
+    be.fail_next = "Socket timed out on send/recv operation"
+    assert ex.apply(Outcome(d, "allowed"), NOW).status == "failed"
+    be.drain("node02", d.reason)  # ...but it had landed
+    writes = len(be.writes)
+    again = ex.apply(Outcome(d, "allowed"), NOW + 5)
+    assert again.status == "already-applied" and again.detail.startswith("adopted")
+    assert len(be.writes) == writes
+    (action,) = ledger.actions(node="node02")
+    assert action.status == "applied" and action.slurm_reason_time == be.state["node02"].reason_time
+    hold = ledger.hold("node02")
+    assert hold.action_id == action.id and hold.reason == d.reason and hold.reason_user == "root"
+    assert ex.apply(Outcome(d, "allowed"), NOW + 10).status == "already-applied"
 
 
-def test_recover_marks_applied_when_slurm_shows_it(ledger):
-    be = FakeBackend()
+def test_the_write_is_read_back_as_the_proof_of_ownership(ledger):
+    be = backend()
+    res = Executor(be, ledger, clock=lambda: NOW + 0.5).apply(Outcome(drain_decision(), "allowed"), NOW)
+    action = ledger.action(res.action_id)
+    assert action.applied_at == NOW + 0.5  # when the write returned, not when the round began
+    hold = ledger.hold("node02")
+    assert (hold.reason_time, hold.reason_user) == (be.state["node02"].reason_time, "root")
+
+
+def test_a_node_changed_right_after_the_write_is_not_healthds(ledger):
+    be = backend()
     d = drain_decision()
-    crash_after_plan(ledger, be, d)
-    be.drain("node02", d.reason)  # the write landed, the crash came before mark_applied
-    be.writes.clear()
-    results = Executor(be, ledger).recover(NOW + 10)
-    assert [r.status for r in results] == ["already-applied"]
-    assert be.writes == []
-    assert ledger.action_by_key(idempotency_key(d)).status == "applied"
+
+    class Racing(FakeBackend):
+        def node(self, name):
+            info = super().node(name)
+            if self.writes:  # the read-back: an administrator re-drained it in between
+                self.set_reason(name, "admin: bad fan", user="alice")
+                info = super().node(name)
+            return info
+
+    be = Racing(clock=lambda: NOW)
+    res = Executor(be, ledger, clock=lambda: NOW).apply(Outcome(d, "allowed"), NOW)
+    assert res.status == "applied"
+    assert ledger.action(res.action_id).status == "released" and ledger.hold("node02") is None
 
 
-def test_recover_refuses_a_foreign_reason(ledger):
-    be = FakeBackend()
-    d = drain_decision()
-    crash_after_plan(ledger, be, d)
-    be.state["node02"] = dataclasses.replace(be.state["node02"], flags=frozenset({"DRAIN"}), reason="maintenance",
-                                             reason_user="bob")
-    results = Executor(be, ledger).recover(NOW + 10)
-    assert [r.status for r in results] == ["refused"]
-    assert be.writes == []
-    assert ledger.action_by_key(idempotency_key(d)).status == "failed"
+def test_drain_and_requeue_requeues_each_opted_in_job_once_as_its_own_action(ledger):
+    be = backend()
+    jobs = [JobInfo("101", True, "healthd:requeue", restarts=0)]
+    ex = Executor(be, ledger, clock=lambda: NOW, list_jobs=lambda node: jobs)
+    d = drain_decision(kind="drain-and-requeue")
+    assert ex.apply(Outcome(d, "allowed"), NOW).status == "applied"
+    drain, requeue = ledger.actions(node="node02")
+    assert (requeue.kind, requeue.status, requeue.idempotency_key) == ("requeue", "applied",
+                                                                       f"{drain.series}:requeue:101")
+    assert requeue.evidence["restarts"] == 0
+    # the job still runs on the drained node after the requeue was applied: Slurm lost it; requeued again
+    assert "requeued 101" in ex.requeue_opted_in(drain, "auto")
+    statuses = [(a.kind, a.status, a.attempt) for a in ledger.actions(node="node02")]
+    assert statuses == [("drain-and-requeue", "applied", 1), ("requeue", "lost", 1), ("requeue", "applied", 2)]
+    assert be.writes.count(("requeue", "101")) == 2
+    jobs.clear()  # requeued for good: nothing more
+    assert ex.requeue_opted_in(drain, "auto") == "no opted-in job running"
+    assert ex.requeue_opted_in(drain, "observe") == "observe mode: no requeue"
 
 
 def test_drain_and_requeue_requeues_only_opted_in_batch_jobs(ledger):
-    be = FakeBackend()
+    be = backend()
     jobs = [JobInfo("101", True, "healthd:requeue"), JobInfo("102", True, "no"), JobInfo("103", False, "healthd:requeue")]
-    ex = Executor(be, ledger, list_jobs=lambda node: jobs)
+    ex = Executor(be, ledger, clock=lambda: NOW, list_jobs=lambda node: jobs)
     d = drain_decision(kind="drain-and-requeue")
     res = ex.apply(Outcome(d, "allowed"), NOW)
     assert res.status == "applied" and "101" in res.detail
@@ -155,30 +189,9 @@ def test_drain_and_requeue_requeues_only_opted_in_batch_jobs(ledger):
 
 
 def test_dry_run_prints_and_writes_nothing(ledger):
-    be = FakeBackend()
+    be = backend()
     printed: list[str] = []
-    res = Executor(be, ledger, dry_run=True, out=printed.append).apply(Outcome(drain_decision(), "allowed"), NOW)
+    res = Executor(be, ledger, clock=lambda: NOW, dry_run=True, out=printed.append).apply(Outcome(drain_decision(), "allowed"), NOW)
     assert res.status == "dry-run"
     assert be.writes == [] and ledger.actions() == []
     assert printed and "State=DRAIN" in printed[0] and "node02" in printed[0]
-
-
-def test_recover_refuses_while_the_breaker_is_open(ledger):
-    be = FakeBackend()
-    d = drain_decision()
-    crash_after_plan(ledger, be, d)
-    ledger.open_breaker("switch:leaf1", nodes=["node01", "node02", "node03"], at=NOW + 1)
-    results = Executor(be, ledger).recover(NOW + 10)
-    assert [r.status for r in results] == ["refused"] and "breaker" in results[0].detail
-    assert be.writes == []
-
-
-def test_recover_refuses_a_decision_older_than_a_breaker_reset(ledger):
-    be = FakeBackend()
-    d = drain_decision()
-    crash_after_plan(ledger, be, d)
-    ledger.open_breaker("unknown", at=NOW + 1)
-    ledger.reset_breaker(by="alice", why="switch replaced", at=NOW + 2)
-    results = Executor(be, ledger).recover(NOW + 10)
-    assert [r.status for r in results] == ["refused"] and "stale" in results[0].detail
-    assert be.writes == []

@@ -18,6 +18,8 @@ from healthd.controller.gates import (
     reset_breaker,
     still_safe,
 )
+from healthd.controller.ownership import owned
+from tests.support.holds import hold_for, holds_for
 from healthd.controller.policy import (
     ControllerPolicySettings,
     Decision,
@@ -286,27 +288,44 @@ def test_resume_refused_without_ledger_record_or_foreign_reason():
              info("node03", state="down")]
     _, ctx, _ = run([], infos=infos)
     outs = by_node(apply_gates([_resume("node01"), _resume("node02"), _resume("node03")], ctx))
-    assert outs["node01"].label == "refused-by-ownership" and "no record" in outs["node01"].reason
+    assert outs["node01"].label == "refused-by-ownership" and "holds no healthd write" in outs["node01"].reason
     assert outs["node02"].label == "refused-by-ownership"
     assert outs["node03"].label == "refused-by-ownership" and "no reason" in outs["node03"].reason
-    _, ctx, _ = run([], infos=infos, ledger=LedgerView(healthd_drains={"node01": "I1", "node02": "I9"}))
+    # node02's hold records healthd's own write, but an administrator has since written over it
+    holds = holds_for(infos[:1], {"node01": 1}) | {"node02": hold_for(
+        dataclasses.replace(infos[1], reason="healthd: x [#9]", reason_user="root"), 9)}
+    _, ctx, _ = run([], infos=infos, ledger=LedgerView(holds=holds))
     outs = by_node(apply_gates([_resume("node01"), _resume("node02")], ctx))
     assert outs["node01"].status == "allowed" and outs["node02"].label == "refused-by-ownership"
+    assert "no longer shows healthd's write" in outs["node02"].reason
+
+
+def test_a_healthd_prefix_healthd_did_not_write_is_foreign():
+    """Ownership by record: `healthd:` text proves nothing; healthd's own text re-written later is the writer's."""
+    d = Decision(id="drain:node01:xid:gpu0:79", kind="drain", node="node01", reason="healthd: y [#2]", tier=1)
+    forged = info("node01", flags={"DRAIN"}, reason="healthd: looks like ours [#1]", user="alice")
+    assert still_safe(d, forged, LedgerView()).gate == "ownership"
+    ours = dataclasses.replace(forged, reason_time=NOW, reason_user="root")
+    held = LedgerView(holds={"node01": hold_for(ours, 1)})
+    assert still_safe(d, ours, held) is None  # healthd's own drain: it may write again (an escalation)
+    redrained = dataclasses.replace(ours, reason_time=NOW + 30)  # same text, a later write by someone
+    assert "not healthd's by record" in still_safe(d, redrained, held).reason
+    assert still_safe(_resume(), redrained, held).gate == "ownership"
 
 
 def test_still_safe_rereads_before_write():
     d = Decision(id="drain:node01:xid:gpu0:79", kind="drain", node="node01", reason="healthd: x [#I1]", tier=1)
     assert still_safe(d, info("node01")) is None
     assert still_safe(d, info("node01", flags={"DRAIN"}, reason="admin drain", user="bob")).gate == "ownership"
-    assert "already drained" in still_safe(d, info("node01", flags={"DRAIN"}, reason="healthd: x [#I1]")).reason
+    assert "not healthd's by record" in still_safe(d, info("node01", flags={"DRAIN"}, reason="healthd: x [#I1]")).reason
     assert still_safe(d, None) is not None
     assert still_safe(d, info("node02")) is not None
     r = _resume()
     drained = info("node01", flags={"DRAIN"}, reason="healthd: x [#I1]")
     assert still_safe(r, drained) is not None  # no ledger given: no record
-    assert still_safe(r, drained, LedgerView(healthd_drains={"node01": "I1"})) is None
-    assert "nothing to resume" in still_safe(r, info("node01", reason="healthd: x [#I1]"),
-                                             LedgerView(healthd_drains={"node01": "I1"})).reason
+    assert still_safe(r, drained, LedgerView(holds=holds_for([drained], {"node01": 1}))) is None
+    undrained = info("node01", reason="healthd: x [#I1]")
+    assert still_safe(r, undrained, LedgerView(holds=holds_for([undrained], {"node01": 1}))).gate == "ownership"
 
 
 def test_broken_input_fails_closed():
@@ -350,7 +369,7 @@ def fleets(draw):
     ]
     groups = {f"rack:r{i}": frozenset(draw(st.sets(st.sampled_from(names), max_size=6))) for i in range(2)}
     fleet = FleetView(reports={r.node: r for r in reports}, nodes={i.name: i for i in infos}, groups=groups)
-    ledger = LedgerView(healthd_drains={n: "H1" for n in names if draw(st.booleans())})
+    ledger = LedgerView(holds=holds_for([i for i in infos if draw(st.booleans())], {n: 1 for n in names}))
     s = ControllerPolicySettings(
         mode=draw(st.sampled_from(["observe", "supervised", "auto"])),
         auto_tier2=draw(st.booleans()),
@@ -393,9 +412,9 @@ def test_apply_gates_never_raises_and_never_acts_in_observe_or_on_foreign_reason
         assert d.kind != "none"
         assert s.mode != "observe"
         info_ = fleet.nodes[d.node]
-        assert not info_.reason or info_.reason.startswith("healthd:")
+        assert not info_.reason or owned(ledger.holds.get(d.node), info_)  # never over a reason not healthd's
         if d.kind == "resume":
-            assert info_.reason.startswith("healthd:") and d.node in ledger.healthd_drains
+            assert owned(ledger.holds.get(d.node), info_)
         assert not ctx.breaker.open
         assert d.tier in (1, 2) and d.attribution != "user"
     allowed_removing = [o for o in outs if o.status == "allowed" and o.decision.kind != "resume"]

@@ -118,7 +118,7 @@ def test_show_tells_the_reintegration_and_the_escalation(world, capsys, tmp_path
     with sqlite3.connect(src) as a, sqlite3.connect(path) as b:
         a.backup(b)
     with Ledger(path) as led:
-        inc = led.healthd_drains()["node02"]
+        inc = led.hold("node02").incident_id
         r = led.request_reintegration("node02", incident_id=inc, trigger="repaired", operator="root", why="GPU 0 reseated",
                                       findings=["xid:gpu0:79"], at=NOW)
         led.update_reintegration(r.id, state="failed", detail="gpu_check.sh rc=3: GPU 0 bad", at=NOW,

@@ -247,10 +247,10 @@ def test_action_lifecycle(led: Ledger) -> None:
     b = led.plan_action(decision_id=d.id, idempotency_key="d1:requeue", node="n1", kind="requeue", argv=["scontrol", "requeue", "42"], at=12)
     b = led.mark_failed(b.id, "scontrol: error: Invalid job id", at=13)
     assert (b.status, b.failed_at, b.outcome) == ("failed", 13, "scontrol: error: Invalid job id")
-    with pytest.raises(LedgerError, match="cannot mark it applied"):
-        led.mark_applied(b.id)
     with pytest.raises(LedgerError, match="cannot mark it undone"):
         led.mark_undone(b.id)
+    with pytest.raises(LedgerError, match="cannot mark it abandoned"):
+        led.mark_abandoned(b.id, "x")
     assert led.action_by_key("d1:requeue") == b
     assert [x.id for x in led.actions(decision_id=d.id)] == [a.id, b.id]
     assert [x.id for x in led.actions(status="failed")] == [b.id]
@@ -259,6 +259,9 @@ def test_action_lifecycle(led: Ledger) -> None:
     with pytest.raises(LedgerError):
         led.plan_action(decision_id=9999, idempotency_key="orphan", node="n1", kind="drain", argv=["true"])
     assert led.action_by_key("orphan") is None
+    # a write whose client reported failure but which Slurm shows: adopted, once
+    b = led.mark_applied(b.id, "adopted: Slurm shows it", at=14)
+    assert (b.status, b.failed_at, b.applied_at) == ("applied", 13, 14)
 
 
 def test_plan_action_same_key_returns_existing_row(led: Ledger) -> None:
@@ -341,33 +344,75 @@ def test_remediation_count_for_escalation(led: Ledger) -> None:
     assert led.remediation_count("n2", "xid79", since=0) == 0
 
 
-def test_healthd_drains_tracks_the_latest_node_state_action(led: Ledger) -> None:
-    def act(node: str, kind: str, at: float, fate: str = "applied", incident: bool = True) -> None:
+def test_holds_follow_healthd_writes_and_how_they_end(led: Ledger) -> None:
+    def act(node: str, kind: str, at: float, fate: str = "applied", incident: bool = True, **claim):
         inc = led.open_incident("sig", attribution="gpu", tier="T1", nodes=[node], at=at) if incident else None
         d = _decision(led, incident_id=inc.id if inc else None, node=node, kind=kind, at=at)
-        a = led.plan_action(decision_id=d.id, idempotency_key=f"{node}:{kind}:{at}", node=node, kind=kind, argv=["x"], at=at)
+        a = led.plan_action(decision_id=d.id, idempotency_key=f"{node}:{kind}:{at}", node=node, kind=kind, argv=["x"],
+                            reason=f"healthd: {node} [#{inc.id if inc else '-'}]" if kind != "resume" else None, at=at)
         if fate == "planned":
-            return
+            return a
         if fate == "failed":
-            led.mark_failed(a.id, "boom", at=at)
-            return
-        led.mark_applied(a.id, at=at)
+            return led.mark_failed(a.id, "boom", at=at)
+        a = led.mark_applied(a.id, at=at, **claim)
         if fate == "undone":
-            led.mark_undone(a.id, at=at + 1)
+            a = led.mark_undone(a.id, at=at + 1)
+        elif fate in ("lost", "released", "completed"):
+            a = led.mark_ended(a.id, fate, "because", at=at + 1)
+        return a
 
-    act("n1", "drain", 10)  # still drained
+    n1 = act("n1", "drain", 10, reason_time=10.0, reason_user="root")  # still drained, confirmed
     act("n2", "drain", 10)
-    act("n2", "resume", 20)  # resumed
+    act("n2", "resume", 20)  # resumed by healthd
     act("n3", "drain-and-requeue", 10, fate="undone")  # operator undid it
     act("n4", "reboot-asap", 10)
     act("n4", "resume", 20, fate="failed")  # resume failed: still healthd's
     act("n5", "drain", 10, fate="planned")  # never applied
     act("n6", "resume", 10)
     act("n6", "drain", 30, incident=False)
-    drains = led.healthd_drains()
-    assert set(drains) == {"n1", "n4", "n6"}
-    assert drains["n6"] is None
-    assert drains["n1"] == led.incidents(node="n1")[0].id
+    act("n7", "drain", 10, fate="released")  # an administrator took it over
+    act("n8", "drain", 10, fate="lost")  # slurmctld lost it
+    holds = led.holds()
+    assert set(holds) == {"n1", "n4", "n6"}
+    assert holds["n6"].incident_id is None and not holds["n6"].confirmed
+    h1 = holds["n1"]
+    assert (h1.action_id, h1.incident_id, h1.kind, h1.reason, h1.reason_time, h1.reason_user, h1.since) == (
+        n1.id, led.incidents(node="n1")[0].id, "drain", n1.reason, 10.0, "root", 10)
+    assert (n1.slurm_reason_time, n1.slurm_reason_user) == (10.0, "root")
+    led.confirm_hold("n6", holds["n6"].action_id, 31.0, "slurm", at=40)
+    assert led.hold("n6").confirmed and led.hold("n6").verified_at == 40
+    led.verify_holds(["n1", "n4"], at=50)
+    assert led.hold("n1").verified_at == 50 and led.hold("n4").verified_at == 50
+    # lost and abandoned writes do not spend the rate-limit budget; the others do
+    assert led.actions_applied_since(0) == 6
+
+
+def test_series_attempts_and_writes_that_may_still_land(led: Ledger) -> None:
+    d = _decision(led)
+    first = led.plan_action(decision_id=d.id, idempotency_key="k", node="n1", kind="drain", argv=["x"], reason="r", at=1)
+    led.mark_failed(first.id, "timed out", at=2)
+    second = led.plan_action(decision_id=d.id, idempotency_key="k#try2", series="k", attempt=2, node="n1", kind="drain",
+                             argv=["x"], reason="r", at=3)
+    led.mark_abandoned(second.id, "planned before a restart", at=4)
+    assert [(a.attempt, a.status) for a in led.series("k")] == [(1, "failed"), (2, "abandoned")]
+    assert [a.id for a in led.unresolved_since(2)] == [first.id, second.id]
+    assert [a.id for a in led.unresolved_since(3)] == [second.id]
+    adopted = led.mark_applied(second.id, "adopted", at=5, reason_time=4.0, reason_user="root")
+    assert adopted.status == "applied" and led.hold("n1").action_id == second.id
+
+
+def test_close_incident_clears_its_episode(led: Ledger) -> None:
+    inc = led.open_incident("xid:gpu0:79", attribution="hardware", tier="T1", nodes=["n1"], at=1)
+    closed = led.close_incident(inc.id, "closed", by="alice", why="handled by the vendor", at=10)
+    assert (closed.status, closed.closed_at, closed.closed_by, closed.close_why) == ("closed", 10, "alice",
+                                                                                   "handled by the vendor")
+    (c,) = led.clears(node="n1")
+    assert (c.finding_id, c.before, c.scope, c.incident_id, c.by) == ("xid:gpu0:79", 10, "episode", inc.id, "alice")
+    assert led.clears(since=11) == []
+    with pytest.raises(LedgerError, match="not one of"):
+        led.close_incident(inc.id, "gone", by=None, why="x")
+    with pytest.raises(LedgerError, match="scope"):
+        led.add_clears("n1", ["f"], before=1, scope="forever")
 
 
 # -- crash safety -----------------------------------------------------------------------------------

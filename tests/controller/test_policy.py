@@ -7,6 +7,7 @@ import datetime as dt
 
 import pytest
 
+from tests.support.holds import holds_for
 from healthd.controller.policy import (
     MAX_REASON_CHARS,
     ControllerPolicySettings,
@@ -126,17 +127,29 @@ def test_t1_outranks_t2_and_strongest_action_wins():
 
 
 def test_cleared_fault_on_healthd_drained_node_is_none_for_reintegration():
-    infos = [info("node01", flags={"DRAIN"}, reason="healthd: xid 79 [#I7]")]
+    infos = [info("node01", flags={"DRAIN"}, reason="healthd: xid 79 [#7]")]
     f = fleet([report("node01", verdict="healthy")], infos=infos)
-    d = only(decide(f, LedgerView(healthd_drains={"node01": "I7"}), S, NOW), "node01")
-    assert d.kind == "none" and "reintegration" in d.note and d.incident == "I7"
+    d = only(decide(f, LedgerView(holds=holds_for(infos, {"node01": 7})), S, NOW), "node01")
+    assert d.kind == "none" and "reintegration" in d.note and d.incident == "7"
 
 
 def test_already_drained_by_healthd_is_none():
-    infos = [info("node02", flags={"DRAIN"}, reason="healthd: xid 79 [#I7]")]
+    infos = [info("node02", flags={"DRAIN"}, reason="healthd: xid 79 [#7]")]
     f = fleet([report("node02", finding())], infos=infos)
-    d = only(decide(f, LedgerView(healthd_drains={"node02": "I7"}), S, NOW), "node02")
+    d = only(decide(f, LedgerView(holds=holds_for(infos, {"node02": 7})), S, NOW), "node02")
     assert d.kind == "none" and "already drained" in d.note
+
+
+def test_a_healthd_looking_reason_healthd_does_not_hold_is_not_healthds():
+    """An administrator's `healthd: ...` reason, or healthd's own text re-written later: not 'already drained'."""
+    infos = [info("node02", flags={"DRAIN"}, reason="healthd: xid 79 [#7]", user="alice")]
+    f = fleet([report("node02", finding())], infos=infos)
+    d = only(decide(f, LedgerView(), S, NOW), "node02")
+    assert d.kind == "drain-and-requeue"  # proposed; the ownership gate refuses to write over it
+    later = holds_for([dataclasses.replace(infos[0], reason_time=NOW - 60)], {"node02": 7})
+    d = only(decide(fleet([report("node02", finding())], infos=[dataclasses.replace(infos[0], reason_time=NOW)]),
+                    LedgerView(holds=later), S, NOW), "node02")
+    assert d.kind == "drain-and-requeue"
 
 
 def test_stale_report_decides_nothing():
@@ -145,9 +158,9 @@ def test_stale_report_decides_nothing():
 
 
 def test_no_resume_is_decided_here():
-    infos = [info(n, flags={"DRAIN"}, reason="healthd: x [#I1]") for n in ("node01", "node02")]
+    infos = [info(n, flags={"DRAIN"}, reason="healthd: x [#1]") for n in ("node01", "node02")]
     f = fleet([report("node01", verdict="healthy"), report("node02", verdict="healthy")], infos=infos)
-    ds = decide(f, LedgerView(healthd_drains={"node01": "I1", "node02": "I2"}), S, NOW)
+    ds = decide(f, LedgerView(holds=holds_for(infos, {"node01": 1, "node02": 2})), S, NOW)
     assert all(d.kind == "none" for d in ds)
 
 

@@ -33,7 +33,8 @@ class Rig:
         self.tmp = tmp_path
         self.script = tmp_path / "gpu_check.sh"
         self.set_check(script_rc)
-        self.backend = FakeBackend()
+        self.now = time.time()
+        self.backend = FakeBackend(clock=lambda: self.now)
         self.ledger_path = tmp_path / "ledger.sqlite"
         self.ledger = Ledger(self.ledger_path)
         reint.setdefault("validation", ((str(self.script), "{node}", "{reservation}"),))
@@ -41,8 +42,8 @@ class Rig:
         self.settings = ControllerSettings(ledger=str(self.ledger_path), policy=ControllerPolicySettings(mode=mode),  # type: ignore[arg-type]
                                            reintegration=ReintegrationSettings(**reint))
         self.lines: list[str] = []
-        self.controller = Controller(self.settings, self.ledger, self.backend, out=self.lines.append)
-        self.now = time.time()
+        self.controller = Controller(self.settings, self.ledger, self.backend, out=self.lines.append,
+                                     clock=lambda: self.now)
 
     def set_check(self, rc: int, message: str = "GPU 0: memory test failed") -> None:
         self.script.write_text(f"#!/bin/sh\necho \"checking $1 in $2\"\n[ {rc} -eq 0 ] || echo '{message}'\nexit {rc}\n")
@@ -73,7 +74,7 @@ class Rig:
         self.report("node02", xid79(self.now))
         self.round()
         assert self.backend.state["node02"].drain_requested
-        return next(iter(self.ledger.healthd_drains().values()))
+        return self.ledger.hold("node02").incident_id
 
     def close(self) -> None:
         self.controller.close()
@@ -139,7 +140,7 @@ def test_failed_validation_drains_again_with_the_failing_step_and_waits_for_a_hu
     assert node.reason == f"healthd: validation failed: gpu_check.sh rc=3: GPU 0: memory test failed [#{incident}]"
     assert writes(r, "delete_reservation")
     assert r.ledger.incident(incident).status == "validation-failed"
-    assert r.ledger.healthd_drains() == {"node02": incident}
+    assert r.ledger.hold("node02").incident_id == incident
     # the fault looks cleared now, but a failed validation is never retried by itself
     r.report("node02")
     for _ in range(3):

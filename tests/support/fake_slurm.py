@@ -4,17 +4,19 @@ about the controller, not Slurm (the real cluster is tests/support/slurm_cluster
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
-from healthd.slurm.backend import NodeInfo, SlurmRefused, filter_nodes, slurm_hostlist
+from healthd.slurm.backend import NodeInfo, SlurmRefused, filter_nodes, slurm_hostlist, validate_job_id
 
 
 class FakeBackend:
     """In-memory Slurm implementing the SlurmBackend Protocol; `writes` logs every write call."""
 
     def __init__(self, nodes: Iterable[str] = ("node01", "node02", "node03", "node04"),
-                 partition: str | Sequence[str] = "gpu"):
-        """`partition`: one for every node, or several dealt round-robin."""
+                 partition: str | Sequence[str] = "gpu", *, clock: Callable[[], float] = time.time):
+        """`partition`: one for every node, or several dealt round-robin; `clock` stamps reason times
+        (tests on a fixed clock pass theirs)."""
         parts = (partition,) if isinstance(partition, str) else tuple(partition)
         self.dry_run = False
         self.planned: list[list[str]] = []
@@ -23,6 +25,12 @@ class FakeBackend:
         self.fail_next: str | None = None
         self.before_write = None  # a hook run right before a write lands (race simulation)
         self.unavailable = False
+        self.clock = clock
+        """Stamps reason times, as slurmctld does (whole seconds)."""
+        self.user = "root"
+        self.started_at: float | None = 1_000_000_000.0
+        """slurmctld's start (ctld_started_at)."""
+        self.reservations: set[str] = set()
 
     def _names(self, nodes: str | Sequence[str]) -> list[str]:
         return [nodes] if isinstance(nodes, str) else list(nodes)
@@ -43,22 +51,32 @@ class FakeBackend:
     def node(self, name: str) -> NodeInfo:
         return self.state[name]
 
+    def _stamp(self) -> float:
+        return float(int(self.clock()))
+
+    def set_reason(self, node: str, reason: str, *, user: str = "admin", drain: bool = True) -> None:
+        """Someone else writes `node`'s reason (an administrator's `scontrol update`)."""
+        info = self.state[node]
+        self.state[node] = dataclasses.replace(info, flags=info.flags | ({"DRAIN"} if drain else set()),
+                                               reason=reason, reason_user=user, reason_time=self._stamp())
+
     def drain(self, nodes, reason):
         self._write(("drain", slurm_hostlist(nodes), reason))
         for n in self._names(nodes):
             self.state[n] = dataclasses.replace(self.state[n], flags=self.state[n].flags | {"DRAIN"}, reason=reason,
-                                                reason_user="root")
+                                                reason_user=self.user, reason_time=self._stamp())
 
     def resume(self, nodes):
         self._write(("resume", slurm_hostlist(nodes)))
         for n in self._names(nodes):
-            self.state[n] = dataclasses.replace(self.state[n], flags=frozenset(), reason="", reason_user=None)
+            self.state[n] = dataclasses.replace(self.state[n], flags=frozenset(), reason="", reason_user=None,
+                                                reason_time=None)
 
     def reboot_asap(self, nodes, reason, next_state="RESUME"):
         self._write(("reboot_asap", slurm_hostlist(nodes), reason, next_state))
         for n in self._names(nodes):
             self.state[n] = dataclasses.replace(self.state[n], flags=self.state[n].flags | {"DRAIN", "REBOOT_REQUESTED"},
-                                                reason=reason)
+                                                reason=reason, reason_user=self.user, reason_time=self._stamp())
 
     def cancel_reboot(self, nodes):
         self._write(("cancel_reboot", slurm_hostlist(nodes)))
@@ -67,10 +85,20 @@ class FakeBackend:
         self._write(("requeue", str(job_id)))
 
     def create_reservation(self, name, nodes, duration_min, users=("root",), flags=("MAINT", "IGNORE_JOBS")):
+        if name in self.reservations:
+            raise SlurmRefused("Duplicate reservation name", ["create_reservation", name], 1, "Duplicate reservation name")
         self._write(("create_reservation", name))
+        self.reservations.add(name)
 
     def delete_reservation(self, name):
         self._write(("delete_reservation", name))
+        self.reservations.discard(name)  # already gone is done
+
+    def reservation_exists(self, name) -> bool:
+        return name in self.reservations
+
+    def ctld_started_at(self) -> float | None:
+        return self.started_at
 
     def version(self) -> str:
         return "24.05.0"
@@ -82,4 +110,6 @@ class FakeBackend:
             return ["scontrol", "reboot", "ASAP", "nextstate=RESUME", f"Reason={kw['reason']}", slurm_hostlist(kw["nodes"])]
         if action == "resume":
             return ["scontrol", "update", f"NodeName={slurm_hostlist(kw['nodes'])}", "State=RESUME"]
+        if action == "requeue":
+            return ["scontrol", "requeue", validate_job_id(kw["job_id"])]
         raise ValueError(action)
