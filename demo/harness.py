@@ -164,6 +164,8 @@ class FleetHarness:
         self.munge: MungeFleet | None = None
         self.nodes: dict[str, SimNode] = {}
         self.controller: subprocess.Popen | None = None
+        self.controller_path_prefix: str | None = None
+        """A directory put first on the controller's PATH (a test's Slurm client wrapper)."""
         self.port = 0
         self._nvml_lib: Path | None = None
 
@@ -361,11 +363,14 @@ class FleetHarness:
         if not self.port:
             self.port = free_port()
         self.write_controller_config()
+        env = self.env
+        if self.controller_path_prefix:
+            env["PATH"] = f"{self.controller_path_prefix}:{env['PATH']}"
         with open(self.controller_log, "ab") as out:
             self.controller = subprocess.Popen(
                 [sys.executable, "-m", "healthd.controller.daemon", "--config", str(self.controller_config),
                  "--interval", str(self.round_s)],
-                env=self.env, cwd=str(self.dir), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=env, cwd=str(self.dir), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
 
         def up() -> bool:

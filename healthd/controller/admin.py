@@ -1,4 +1,4 @@
-"""The controller side of operator commands (`healthctl approve/reject/undo/repaired/breaker reset`).
+"""The controller side of operator commands (`healthctl approve/reject/undo/repaired/close/release/breaker reset`).
 
 Each handler is a function over a `Ledger` returning a frozen `AdminResult(ok, message, data)`;
 `ok=False` is a refusal with a one-line message. The daemon mounts them on its admin unix socket
@@ -183,6 +183,33 @@ def undo(ledger: Ledger, action_id: int, operator: str, why: str | None) -> Admi
                         "argv": list(planned.argv)})
 
 
+def release(ledger: Ledger, node: str, operator: str, why: str | None) -> AdminResult:
+    """Hand a node healthd holds over to the operator, changing nothing in Slurm: healthd forgets its
+    hold (the action is `released`, the incident handed over, its evidence episode cleared) and from
+    then on treats the node's reason as foreign: never written over, never resumed. This is how an
+    administrator takes a node healthd drained without rewriting its reason: Slurm ignores an update
+    that changes neither the state nor the reason, so re-draining with healthd's own text records
+    nothing anyone could see."""
+    missing = _need_why(why, "release")
+    if missing:
+        return missing
+    hold = ledger.hold(node)
+    if hold is None:
+        return _refuse(f"{node} is not held by healthd; there is nothing to release")
+    active = ledger.active_reintegration(node)
+    if active is not None:
+        return _refuse(f"{node} is in reintegration {active.id} ({active.state}); let it finish first")
+    detail = f"released to {operator} by healthctl release: {why}"[:500]
+    ledger.mark_ended(hold.action_id, "released", detail)
+    if hold.incident_id is not None:
+        incident = ledger.incident(hold.incident_id)
+        if incident is not None and incident.status not in CLOSED_INCIDENT_STATUSES:
+            ledger.close_incident(hold.incident_id, "handed-over", by=operator, why=str(why))
+    return AdminResult(True, f"{node} released to {operator}: healthd no longer holds it and will never write over or "
+                             "resume it; Slurm is unchanged",
+                       {"node": node, "action_id": hold.action_id, "incident_id": hold.incident_id})
+
+
 def close(ledger: Ledger, incident_id: int, operator: str, why: str | None) -> AdminResult:
     """Close an incident by hand (handled out of band, or healthd's evidence was wrong): its findings'
     current episode no longer counts on its nodes, so the same evidence never re-opens it, and a new
@@ -236,6 +263,7 @@ DEFAULT_HANDLERS: dict[str, Handler] = {
     "undo": Handler(undo, True),
     "repaired": Handler(repaired, True),
     "close": Handler(close, True),
+    "release": Handler(release, True),
     "breaker-reset": Handler(breaker_reset, True),
     "breaker": Handler(breaker, False),
     "ping": Handler(ping, False),

@@ -34,6 +34,7 @@ UNDO_PREFIX = "undo:"
 """Idempotency-key prefix of reversals planned by `healthctl undo` (healthd.controller.admin)."""
 SAFE_PATH = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin"
 JobLister = Callable[[str], list["JobInfo"]]
+JobReader = Callable[[str], "JobInfo | None"]
 
 
 @dataclass(frozen=True)
@@ -58,17 +59,31 @@ class ExecResult:
     argv: tuple[str, ...] = ()
 
 
+SQUEUE_FORMAT = "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000"
+"""The batch flag (sbatch, not salloc/srun) is only in --Format; fields padded, '|' ends the first three."""
+
+
 def squeue_jobs(node: str, slurm_conf: str | None = None, timeout_s: float = 10.0,
                 squeue: str | None = None) -> list[JobInfo]:
     """Running jobs on `node` from squeue (job id, batch flag, restart count, comment), run with
     SLURM_CONF set to `slurm_conf` (a client without it may look for a configless server in DNS).
     Empty when squeue is missing."""
+    return _squeue([f"--nodelist={node}", "--states=RUNNING"], slurm_conf, timeout_s, squeue)
+
+
+def squeue_job(job_id: str, slurm_conf: str | None = None, timeout_s: float = 10.0,
+               squeue: str | None = None) -> JobInfo | None:
+    """One job in any state (None when Slurm no longer knows it): its restart count tells whether a
+    requeue whose client died with the controller reached slurmctld."""
+    found = _squeue([f"--jobs={job_id}", "--states=all"], slurm_conf, timeout_s, squeue)
+    return next((j for j in found if j.job_id == job_id), None)
+
+
+def _squeue(select: list[str], slurm_conf: str | None, timeout_s: float, squeue: str | None) -> list[JobInfo]:
     exe = squeue or shutil.which("squeue", path=SAFE_PATH)
     if exe is None:
         return []
-    # the batch flag (sbatch, not salloc/srun) is only in --Format; fields padded, '|' ends the first three
-    argv = [exe, "--noheader", f"--nodelist={node}", "--states=RUNNING",
-            "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000"]
+    argv = [exe, "--noheader", *select, SQUEUE_FORMAT]
     try:
         env = {"PATH": SAFE_PATH, "LANG": "C"}
         if slurm_conf:
@@ -77,6 +92,8 @@ def squeue_jobs(node: str, slurm_conf: str | None = None, timeout_s: float = 10.
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SlurmError(f"squeue failed: {exc}", argv) from None
     if done.returncode != 0:
+        if "Invalid job id" in done.stderr:
+            return []  # a job Slurm has forgotten
         raise SlurmError(f"squeue failed: {done.stderr.strip()}", argv, done.returncode, done.stderr)
     return parse_squeue_jobs(done.stdout)
 
@@ -140,13 +157,15 @@ class Executor:
 
     def __init__(self, backend: SlurmBackend, ledger: Ledger, dry_run: bool = False, *,
                  requeue_opt_in: str = "healthd:requeue", list_jobs: JobLister | None = None,
-                 slurm_conf: str | None = None, clock: Callable[[], float] = time.time,
+                 read_job: JobReader | None = None, slurm_conf: str | None = None,
+                 clock: Callable[[], float] = time.time,
                  out: Callable[[str], None] | None = None):
         self.backend = backend
         self.ledger = ledger
         self.dry_run = dry_run
         self.requeue_opt_in = requeue_opt_in
         self.list_jobs = list_jobs or (lambda node: squeue_jobs(node, slurm_conf))
+        self.read_job = read_job or (lambda job: squeue_job(job, slurm_conf))
         self.clock = clock
         """When a write really returned: the ledger's applied_at is this, not the round's start."""
         self.out = out or (lambda line: print(line, flush=True))
@@ -305,10 +324,16 @@ class Executor:
     def adopt(self, action: Action, fresh: NodeInfo, why: str, *, mode: str) -> ExecResult:
         """An attempt whose write Slurm shows although its client failed, or which a restart abandoned:
         mark it applied at the time Slurm recorded it, with its ownership proof, once."""
-        at = fresh.reason_time if fresh.reason_time is not None else self.clock()
-        outcome = f"adopted: {why} ({describe_reason(fresh)}; was {action.status}: {action.outcome or '-'})"
-        self.ledger.mark_applied(action.id, outcome[:500], at=at, reason_time=fresh.reason_time,
-                                 reason_user=fresh.reason_user)
+        was = f"was {action.status}: {action.outcome or '-'}"
+        if action.kind in NODE_STATE_KINDS:
+            at = fresh.reason_time if fresh.reason_time is not None else self.clock()
+            outcome = f"adopted: {why} ({describe_reason(fresh)}; {was})"
+            self.ledger.mark_applied(action.id, outcome[:500], at=at, reason_time=fresh.reason_time,
+                                     reason_user=fresh.reason_user)
+        else:
+            at = self.clock()
+            outcome = f"adopted: {why} ({was})"
+            self.ledger.mark_applied(action.id, outcome[:500], at=at)
         decision = self.ledger.decision(action.decision_id)
         self._timeline(decision.incident_id if decision else None, "action_applied_at", at)
         _log.warning("%s: action %s (%s) adopted: %s", action.node, action.id, action.kind, outcome)

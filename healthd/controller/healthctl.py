@@ -192,6 +192,12 @@ def _next_steps(inc: Incident, decisions: list, actions: list, led: Ledger) -> l
                          "or abandons it and re-decides, on its next round")
         if a.status == "failed":
             steps.append(f"action {a.id} failed ({a.outcome}); check `scontrol show node {a.node}`")
+        if a.status == "lost" and a is actions[-1]:
+            steps.append(f"Slurm lost action {a.id} ({a.outcome}); the controller applies it again through the gates")
+    released = [a for a in actions if a.status == "released"]
+    if released and inc.status == "handed-over":
+        steps.append(f"{released[-1].node} was taken over ({released[-1].outcome}); healthd will not touch it again "
+                     "for this fault")
     drains = {n: h.incident_id for n, h in led.holds().items()}
     for n in inc.nodes:
         if drains.get(n) == inc.id:
@@ -376,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("close", help="close an incident by hand (its evidence episode no longer counts)")
     s.add_argument("incident", type=int)
     s.add_argument("--why", type=_why, required=True)
+    s = sub.add_parser("release", help="hand a node healthd holds over to you (Slurm unchanged; never resumed)")
+    s.add_argument("node")
+    s.add_argument("--why", type=_why, required=True)
     s = sub.add_parser("breaker", help="the circuit breaker")
     bs = s.add_subparsers(dest="breaker_cmd", required=True, parser_class=_Parser)
     r = bs.add_parser("reset", help="close the breaker")
@@ -392,6 +401,8 @@ def _change_request(args: argparse.Namespace) -> dict[str, Any]:
         return {"cmd": "repaired", "args": {"node": args.node, "why": args.why}}
     if args.cmd == "close":
         return {"cmd": "close", "args": {"incident_id": args.incident, "why": args.why}}
+    if args.cmd == "release":
+        return {"cmd": "release", "args": {"node": args.node, "why": args.why}}
     return {"cmd": "breaker-reset", "args": {"why": args.why}}
 
 

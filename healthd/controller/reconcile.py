@@ -124,7 +124,11 @@ class Reconciler:
             info = view.fresh(action.node)
             if info is None:
                 continue  # Slurm unreachable: settled next round, before anything is decided on it
-            if self._landed(action, info):
+            try:
+                landed = self._landed(action, info)
+            except _Unreadable:
+                continue
+            if landed:
                 self.executor.adopt(action, info, "planned before a restart; Slurm shows the write", mode=mode)
                 out.append(Change(action.node, action.id, "adopted", "planned before a restart; Slurm shows it"))
                 continue
@@ -140,7 +144,16 @@ class Reconciler:
         if action.kind == "resume":
             hold = self.ledger.hold(action.node)
             return not info.resumable and not owned(hold, info)
-        return False  # a requeue: the hold pass lists the node's jobs and requeues what still runs
+        if action.kind == "requeue":
+            # Slurm counts a job's requeues: more than when it was planned means the requeue landed
+            evidence = action.evidence if isinstance(action.evidence, dict) else {}
+            try:
+                job = self.executor.read_job(str(evidence.get("job")))
+            except SlurmError as exc:
+                _log.warning("reconcile: cannot read job %s (next round): %s", evidence.get("job"), exc)
+                raise _Unreadable from exc
+            return job is not None and job.restarts > int(evidence.get("restarts", 0))
+        return False
 
     # -- failed or abandoned writes that may still land --------------------------------------------------
 
@@ -168,10 +181,11 @@ class Reconciler:
     def _holds(self, view: _View, now: float, mode: str) -> list[Change]:
         out = []
         ctld_started: list[float | None] = []  # read once per round, only when a held write is gone
+        undoing = {a.idempotency_key for a in self.ledger.pending_actions() if a.idempotency_key.startswith(UNDO_PREFIX)}
         for node, hold in self.ledger.holds().items():
             info = view.cached(node)
-            if info is None:
-                continue
+            if info is None or f"{UNDO_PREFIX}{hold.action_id}" in undoing:
+                continue  # not readable now, or an operator's undo of it is under way (Executor.run_undos)
             if owned(hold, info):
                 if not hold.confirmed:
                     self.ledger.confirm_hold(node, hold.action_id, info.reason_time, info.reason_user, at=now)
@@ -245,6 +259,10 @@ class Reconciler:
             self._flushed_at = now
         except Exception as exc:  # bookkeeping: a busy ledger waits for the next flush
             _log.warning("reconcile: cannot record verification times: %s", exc)
+
+
+class _Unreadable(Exception):
+    """Slurm could not be asked whether a write landed: the action waits for the next round."""
 
 
 def _with_verified(hold: Hold, seen: float) -> Hold:

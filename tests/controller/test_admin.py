@@ -138,6 +138,34 @@ def test_undo_refusals(led: Ledger):
     assert "no longer" in admin.undo(led, d6, "root", "x").message
 
 
+def test_release_hands_a_held_node_over_without_touching_slurm(led: Ledger):
+    assert "nothing to release" in admin.release(led, "node02", "root", "mine now").message
+    inc, drain = _applied(led)
+    assert not admin.release(led, "node02", "root", "").ok  # a release needs a why
+    r = admin.release(led, "node02", "alice", "replacing the board")
+    assert r.ok and r.data == {"node": "node02", "action_id": drain, "incident_id": inc}
+    assert led.hold("node02") is None
+    assert led.action(drain).status == "released" and "alice" in led.action(drain).outcome
+    i = led.incident(inc)
+    assert (i.status, i.closed_by, i.close_why) == ("handed-over", "alice", "replacing the board")
+    assert [c.scope for c in led.clears(node="node02")] == ["episode"]
+    assert not admin.repaired(led, "node02", "root", "x").ok and not admin.undo(led, drain, "root", "x").ok
+
+
+def test_close_an_incident_by_hand(led: Ledger):
+    assert "no incident" in admin.close(led, 99, "root", "x").message
+    inc, drain = _applied(led)
+    assert "still holds node02" in admin.close(led, inc, "root", "handled").message
+    admin.release(led, "node02", "root", "mine")
+    assert "already handed-over" in admin.close(led, inc, "root", "x").message
+    other = led.open_incident("ib:port1", attribution="fabric", tier="T2", nodes=["node05"], at=T0)
+    assert not admin.close(led, other.id, "root", " ").ok  # a close needs a why
+    r = admin.close(led, other.id, "bob", "cable reseated by the vendor")
+    assert r.ok and led.incident(other.id).status == "closed" and led.incident(other.id).closed_by == "bob"
+    (c,) = led.clears(node="node05")
+    assert (c.finding_id, c.scope, c.incident_id) == ("ib:port1", "episode", other.id)
+
+
 # --------------------------------------------------------------------------------------------------
 # the socket
 

@@ -258,6 +258,26 @@ def test_recover_at_start_never_applies_an_old_plan_blindly(rig_factory, mode):
     assert set(rig.ledger.holds()) == {"node03"}
 
 
+@pytest.mark.parametrize("gate", ["breaker", "rate-limit", "mode"])
+def test_a_plan_abandoned_at_start_is_re_decided_through_every_gate(rig_factory, gate):
+    """A drain planned before a crash is never applied as planned: the agent's next report re-decides it, and
+    what changed meanwhile (the breaker opened, the budget spent, the mode switched to observe) refuses it."""
+    policy = {"max_actions_per_hour": 0} if gate == "rate-limit" else {}
+    rig = rig_factory("observe" if gate == "mode" else "auto", **policy)
+    now = time.time()
+    d = drain_decision("node02")
+    crash_after_plan(rig.ledger, rig.backend, d, at=now - 600)
+    if gate == "breaker":
+        rig.ledger.open_breaker("switch:leaf1", nodes=["node01", "node03"], at=now - 60)
+    rig.controller.recover(now)
+    assert [a.status for a in rig.ledger.actions()] == ["abandoned"]
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    assert rig.backend.writes == []
+    refused = [row for row in rig.ledger.decisions(outcome="refused") if row.node == "node02"]
+    assert refused and refused[-1].refused_gate == gate, refused
+
+
 def test_config_maps_yaml_onto_settings(tmp_path):
     from healthd.config import ConfigError
     from healthd.controller.config import load_controller_settings, parse_controller_settings

@@ -90,6 +90,35 @@ def test_failed_migration_step_rolls_back_with_its_version(path: Path, monkeypat
     conn.close()
 
 
+def test_a_schema_2_ledger_migrates_its_drains_into_holds(path: Path) -> None:
+    """A ledger written by the previous schema: its actions keep their rows and get their series, the
+    drains still in force become holds (unconfirmed until the reconciler reads Slurm), the rest do not."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    migrate(conn, str(path), target=2)
+    q = conn.execute
+    q("INSERT INTO incidents (id, signature, attribution, tier, status, created_at) VALUES (1, 'xid', 'hardware', 'T1', 'open', 1)")
+    for i, (node, kind, reason) in enumerate([("n1", "drain", "healthd: a [#1]"), ("n2", "drain", "healthd: b [#1]"),
+                                              ("n2", "resume", ""), ("n3", "reboot-asap", "healthd: c [#1]")], 1):
+        q("INSERT INTO decisions (id, incident_id, node, kind, tier, mode, reason, evidence, decided_at, outcome) "
+          "VALUES (?, 1, ?, ?, 'T1', 'auto', ?, '{}', ?, 'allowed')", (i, node, kind, reason, i))
+    rows = [(1, 1, "drain:n1#1", "n1", "drain", "applied", 10), (2, 2, "drain:n2#1", "n2", "drain", "applied", 11),
+            (3, 3, "resume:n2#1", "n2", "resume", "applied", 12), (4, 4, "reboot:n3#1#try2", "n3", "reboot-asap",
+                                                                   "failed", None)]
+    for aid, did, key, node, kind, status, applied in rows:
+        q("INSERT INTO actions (id, decision_id, idempotency_key, node, kind, argv, evidence, status, planned_at, applied_at) "
+          "VALUES (?, ?, ?, ?, ?, '[\"x\"]', '{}', ?, 1, ?)", (aid, did, key, node, kind, status, applied))
+    conn.close()
+    with Ledger(path) as led:
+        assert led.schema_version() == 3
+        assert [(a.series, a.attempt, a.reason) for a in led.actions()] == [
+            ("drain:n1#1", 1, "healthd: a [#1]"), ("drain:n2#1", 1, "healthd: b [#1]"), ("resume:n2#1", 1, None),
+            ("reboot:n3#1", 2, "healthd: c [#1]")]
+        (hold,) = led.holds().values()
+        assert (hold.node, hold.action_id, hold.incident_id, hold.reason, hold.confirmed) == (
+            "n1", 1, 1, "healthd: a [#1]", False)
+        assert led.incident(1).closed_at is None and led.clears() == []
+
+
 def test_missing_migration_step_is_an_error(path: Path) -> None:
     Ledger(path).close()
     conn = sqlite3.connect(path, isolation_level=None)
