@@ -766,12 +766,17 @@ class AdminUnreachable(OSError):
 def call_admin(path: str, cmd: Mapping[str, Any], timeout: float = 5) -> dict[str, Any]:
     """Send one request, return the controller's answer. Raises AdminUnreachable."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
     try:
+        # A unix socket connect with a Python timeout is non-blocking and fails at once (EAGAIN) while the
+        # listen backlog is full, which a local user flooding connects can keep it: connect blocking,
+        # bounded by the kernel's send timeout, so root's healthctl waits its turn instead.
+        sec = max(timeout, 0.001)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(sec), int(sec % 1 * 1e6)))
         try:
             sock.connect(path)
         except OSError as exc:
             raise AdminUnreachable(f"cannot reach the controller at {path}: {exc.strerror or exc}") from exc
+        sock.settimeout(timeout)
         sent: OSError | None = None
         try:
             sock.sendall(json.dumps(dict(cmd)).encode() + b"\n")

@@ -487,7 +487,12 @@ class Controller:
         for node, report in reports.items():
             if not report.findings or now - report.received_at > self.policy.report_ttl_s:
                 continue
-            actionable = [f for f in report.findings if is_actionable(f)][:MAX_OPEN_INCIDENTS_PER_NODE]
+            try:
+                actionable = [f for f in report.findings if is_actionable(f)][:MAX_OPEN_INCIDENTS_PER_NODE]
+            except Exception as exc:  # this node's data: its decision says so; the others go on
+                self._limited.warning("escalation", "%s: cannot read its findings: %s: %s", node,
+                                      type(exc).__name__, exc)
+                continue
             if not actionable:
                 continue
             on_node = self.ledger.remediations_on_node(node, now - rs.support_window_s)
@@ -627,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         ledger = Ledger(settings.ledger)
+    except LedgerError as exc:  # the message names the file and says why
+        print(f"healthd-controller: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         print(f"healthd-controller: ledger {settings.ledger}: {exc}", file=sys.stderr)
         return 2
@@ -663,14 +671,24 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.is_set():
             controller.wake.clear()
             completed = False
+            ledger_error = ""
             try:
                 controller.refresh_node_addrs(time.time())
                 slurm_ok = controller.evaluate(time.time()) is not None
                 completed = True
-            except Exception:
-                _log.exception("control round failed")
+            except LedgerError as exc:
+                # the ledger cannot record (disk full, read-only, I/O error): nothing is applied without a
+                # record, the loop goes on, and a restart would not help, so the watchdog is still fed
+                ledger_error = str(exc)
+                controller._limited.error("round-ledger", "control round not recorded, nothing applied: %s", exc)
+                completed, slurm_ok = True, True
+            except Exception as exc:
+                controller._limited.error("round", "control round failed: %s: %s", type(exc).__name__, exc)
+                _log.debug("control round failed", exc_info=True)
             if completed:
                 line = _status(controller, slurm_ok)
+                if ledger_error:
+                    line += f", ledger cannot record: {ledger_error[:120]}"
                 if line != status:
                     notifier.notify(f"STATUS={line}")
                     status = line

@@ -154,11 +154,14 @@ def likely_cause(fleet: FleetView, failing: frozenset[str]) -> str:
         report = fleet.reports.get(node)
         if report is None:
             continue
-        sigs = {
-            f.id.split(":", 1)[0] + (f":{f.xid}" if f.xid is not None else "")
-            for f in report.findings
-            if f.attribution == "software"
-        }
+        try:
+            sigs = {
+                f.id.split(":", 1)[0] + (f":{f.xid}" if f.xid is not None else "")
+                for f in report.findings
+                if f.attribution == "software"
+            }
+        except Exception:  # noqa: BLE001 - one node's unreadable data does not name the shared cause
+            continue
         signatures.update(sigs)
     if signatures:
         sig, count = max(sorted(signatures.items()), key=lambda kv: kv[1])

@@ -582,6 +582,13 @@ def _dump(value: Any) -> str:
         raise LedgerError(f"evidence is not JSON-serialisable: {exc}") from exc
 
 
+def _read_only_fs(directory: Path) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def _now(at: float | None) -> float:
     return time.time() if at is None else float(at)
 
@@ -598,6 +605,9 @@ class Ledger:
         if p.exists() and not p.is_file():
             raise LedgerError(f"{self.path}: not a regular file")
         p.parent.mkdir(parents=True, exist_ok=True)
+        if _read_only_fs(p.parent):
+            raise LedgerError(f"{self.path}: the file system holding the ledger is mounted read-only; the controller "
+                              "records every decision before it acts, so it cannot start (healthctl can still read it)")
         try:
             self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
@@ -615,7 +625,9 @@ class Ledger:
         p = Path(path)
         if not p.is_file():
             raise LedgerError(f"{path}: no ledger there")
-        uri = "file:" + urllib.parse.quote(str(p.resolve())) + "?mode=ro"
+        # On a read-only file system no writer can exist, and SQLite cannot create the WAL index it needs
+        # for a plain read-only open: the file is then opened as immutable.
+        uri = "file:" + urllib.parse.quote(str(p.resolve())) + ("?mode=ro&immutable=1" if _read_only_fs(p.parent) else "?mode=ro")
         try:
             conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s)
         except sqlite3.Error as exc:

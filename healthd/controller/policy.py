@@ -458,13 +458,12 @@ def failing_nodes(fleet: FleetView, settings: ControllerPolicySettings, now: flo
     for node, report in fleet.reports.items():
         if now - report.received_at > settings.report_ttl_s:
             continue
-        for f in report.findings:
-            if not is_actionable(f):
-                continue
-            seen = f.first_seen if f.first_seen is not None else report.received_at
-            if start <= seen <= now:
+        try:
+            if any(is_actionable(f) and start <= (f.first_seen if f.first_seen is not None else report.received_at)
+                   <= now for f in report.findings):
                 out.add(node)
-                break
+        except Exception:  # noqa: BLE001 - a node whose data cannot be read is not counted; decide() says why
+            continue
     return frozenset(out)
 
 

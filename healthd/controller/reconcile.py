@@ -94,16 +94,20 @@ class Reconciler:
     # -- entry points --------------------------------------------------------------------------------
 
     def at_start(self, now: float, mode: str) -> list[Change]:
-        """Before the first round: settle what a crash left planned, reading each node once."""
-        return self.round(None, now, mode)
+        """Before the first round: settle what a crash left planned (a few writes at most), reading each
+        node concerned once. Holds are checked by the first round, against the fleet it reads."""
+        return self._pass(None, now, mode, (self._planned, self._unresolved))
 
-    def round(self, nodes: Mapping[str, NodeInfo] | None, now: float, mode: str) -> list[Change]:
-        """One reconciliation pass. `nodes` is the fleet view the round read (None: read each node
-        concerned). Never raises for one node's trouble: that node waits for the next round."""
+    def round(self, nodes: Mapping[str, NodeInfo], now: float, mode: str) -> list[Change]:
+        """One reconciliation pass against `nodes`, the fleet view the round read. Never raises for one
+        node's trouble: that node waits for the next round."""
+        return self._pass(nodes, now, mode, (self._planned, self._unresolved, self._holds))
+
+    def _pass(self, nodes: Mapping[str, NodeInfo] | None, now: float, mode: str, steps) -> list[Change]:
         budget = _Budget(self.max_rereads)
         changes: list[Change] = []
         view = _View(self.backend, nodes, budget)
-        for step in (self._planned, self._unresolved, self._holds):
+        for step in steps:
             try:
                 changes.extend(step(view, now, mode))
             except Exception:  # one step failing must not stop the others or the round

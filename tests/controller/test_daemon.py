@@ -278,6 +278,34 @@ def test_a_plan_abandoned_at_start_is_re_decided_through_every_gate(rig_factory,
     assert refused and refused[-1].refused_gate == gate, refused
 
 
+def test_one_nodes_bad_data_never_holds_another_nodes_drain_back(rig_factory):
+    """A report that slipped past intake (or a bug a node's data triggers) breaks decide() for that node
+    only: logged and skipped, while every other node's decision happens in the same round."""
+    import dataclasses as dc
+
+    from healthd.controller.policy import NodeReport, finding_from_json
+    from healthd.model import Finding
+
+    class Poisoned(Finding):
+        def __getattribute__(self, name):
+            if name in ("tier", "attribution", "action"):
+                raise RuntimeError("poisoned finding")
+            return super().__getattribute__(name)
+
+    rig = rig_factory("auto")
+    now = time.time()
+    good = finding_from_json(state_doc("node02", now)["findings"][0])
+    bad = dc.replace(good)
+    object.__setattr__(bad, "__class__", Poisoned)  # poisoned after it was built, as a bug would be
+    rig.controller.reports["node01"] = NodeReport(node="node01", verdict="failed", findings=(bad,), received_at=now)
+    assert rig.report("node02")[0] == 200
+    results = rig.controller.evaluate(time.time())
+    assert results is not None
+    assert [w[:2] for w in rig.backend.writes] == [("drain", "node02")]
+    (none,) = [o for o, _ in results if o.decision.node == "node01"]
+    assert none.decision.kind == "none" and "poisoned finding" in none.decision.note
+
+
 def test_config_maps_yaml_onto_settings(tmp_path):
     from healthd.config import ConfigError
     from healthd.controller.config import load_controller_settings, parse_controller_settings
