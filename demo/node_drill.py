@@ -94,7 +94,7 @@ host: {{filesystems: [{{path: {ckpt}, role: checkpoint}}]}}
         report("3. hardware: GPU 3 fell off the bus, GPU 5 has a pending row remap, an IB port is down")
         after = {p: p.read_bytes() for p in sorted((tmp / "run").glob("*")) + sorted((tmp / "state").glob("*"))}
         print("\nThe dry runs changed nothing: state file and agent state are byte-identical:", after == state_before)
-        print("The controller that would act on this (drain, requeue, reboot when idle) is not built yet.")
+        print("healthd-controller acts on such findings fleet-wide (drain, requeue, reboot when idle): `make demo`.")
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES, REMEDIATION_KINDS, Ledger, LedgerError
+from healthd.controller.server import FlowControlled
 from healthd.lograte import RateLimitedLog
 
 OPERATOR_MODE = "operator"
@@ -334,7 +335,7 @@ ADMIN_LOG_INTERVAL_S = 10.0
 _log = logging.getLogger("healthd.controller.admin")
 
 
-class _AdminConnection(asyncio.Protocol):
+class _AdminConnection(FlowControlled):
     """One client on the admin loop: JSON lines in, one answer line per request, in order. While a
     request runs on a handler thread the connection reads nothing more (one request in flight)."""
 
@@ -489,15 +490,6 @@ class _AdminConnection(asyncio.Protocol):
                     "message": f"no complete request line within {self.server.idle_timeout_s:g} s"})
         self._close(abort=True)
 
-    def _pause_reading(self) -> None:
-        if not self.reading_paused and self.transport is not None and not self.transport.is_closing():
-            self.reading_paused = True
-            self.transport.pause_reading()
-
-    def _resume_reading(self) -> None:
-        if self.reading_paused and self.transport is not None and not self.transport.is_closing():
-            self.reading_paused = False
-            self.transport.resume_reading()
 
 
 class AdminServer:

@@ -122,7 +122,7 @@ class Controller:
         self.decode = decode
         self.executor = executor or Executor(backend, ledger, dry_run=dry_run, requeue_opt_in=settings.requeue_opt_in,
                                              slurm_conf=settings.slurm_conf, clock=clock, out=out)
-        self.reconciler = Reconciler(self.executor, clock=clock)
+        self.reconciler = Reconciler(self.executor)
         self._limited = RateLimitedLog(_log)
         self.reintegrator = Reintegrator(settings.reintegration, self.executor, slurm_conf=settings.slurm_conf,
                                          dry_run=dry_run, out=out)

@@ -456,12 +456,16 @@ def failing_nodes(fleet: FleetView, settings: ControllerPolicySettings, now: flo
         start = max(start, since)
     out = set()
     for node, report in fleet.reports.items():
-        if now - report.received_at > settings.report_ttl_s:
+        if not report.findings or now - report.received_at > settings.report_ttl_s:
             continue
         try:
-            if any(is_actionable(f) and start <= (f.first_seen if f.first_seen is not None else report.received_at)
-                   <= now for f in report.findings):
-                out.add(node)
+            for f in report.findings:
+                if not is_actionable(f):
+                    continue
+                seen = f.first_seen if f.first_seen is not None else report.received_at
+                if start <= seen <= now:
+                    out.add(node)
+                    break
         except Exception:  # noqa: BLE001 - a node whose data cannot be read is not counted; decide() says why
             continue
     return frozenset(out)
@@ -500,7 +504,10 @@ def decide(
     """
     out: list[Decision] = []
     # a node Slurm lists but no agent reports on has no evidence to decide on
+    holds, ttl = ledger.holds, settings.report_ttl_s
     for node, report in fleet.reports.items():
+        if not report.findings and node not in holds and now - report.received_at <= ttl:
+            continue  # healthy and not held by healthd: most of the fleet, nothing to say
         try:
             decision = _decide_node(node, report, fleet, ledger, settings, now)
         except Exception as exc:  # one node's bad data must not stop every other node's decision

@@ -27,8 +27,8 @@ and verification times are written at most every `verify_every_s`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from healthd.controller.executor import UNDO_PREFIX, Executor
 from healthd.controller.ledger import Action
@@ -78,15 +78,13 @@ class Reconciler:
     """Keeps the ledger true to Slurm. Called by the controller under its round lock."""
 
     def __init__(self, executor: Executor, *, landing_window_s: float = LANDING_WINDOW_S,
-                 max_rereads: int = MAX_REREADS, verify_every_s: float = VERIFY_EVERY_S,
-                 clock: Callable[[], float] | None = None):
+                 max_rereads: int = MAX_REREADS, verify_every_s: float = VERIFY_EVERY_S):
         self.executor = executor
         self.ledger = executor.ledger
         self.backend = executor.backend
         self.landing_window_s = landing_window_s
         self.max_rereads = max_rereads
         self.verify_every_s = verify_every_s
-        self.clock = clock or executor.clock
         self._seen: dict[str, float] = {}
         """node -> when its hold was last seen in force (written to the ledger lazily)."""
         self._flushed_at = 0.0
@@ -214,7 +212,7 @@ class Reconciler:
                     _log.warning("reconcile: cannot read slurmctld's start time (next round): %s", exc)
                     return out
             seen = max(hold.verified_at, self._seen.get(node, 0.0))
-            verdict, detail = judge_gone(_with_verified(hold, seen), info, ctld_started[0])
+            verdict, detail = judge_gone(replace(hold, verified_at=seen), info, ctld_started[0])
             out.append(self._end(hold, verdict, detail, now))
         return out
 
@@ -267,12 +265,6 @@ class Reconciler:
 
 class _Unreadable(Exception):
     """Slurm could not be asked whether a write landed: the action waits for the next round."""
-
-
-def _with_verified(hold: Hold, seen: float) -> Hold:
-    from dataclasses import replace
-
-    return replace(hold, verified_at=max(hold.verified_at, seen))
 
 
 class _Budget:

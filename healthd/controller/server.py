@@ -244,7 +244,25 @@ def _response(status: int, payload: dict[str, Any], close: bool) -> bytes:
     return head + data
 
 
-class _Connection(asyncio.Protocol):
+class FlowControlled(asyncio.Protocol):
+    """Reading paused while a request is handled (or answers pile up) and resumed after, idempotently:
+    the report server's and the admin socket's connections both work this way."""
+
+    transport: Any = None
+    reading_paused = False
+
+    def _pause_reading(self) -> None:
+        if not self.reading_paused and self.transport is not None and not self.transport.is_closing():
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self.reading_paused and self.transport is not None and not self.transport.is_closing():
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+
+class _Connection(FlowControlled):
     """One client connection: a state machine fed by data_received.
 
     States: "idle" (waiting for a request's first byte), "head" (reading the request line and
@@ -509,17 +527,6 @@ class _Connection(asyncio.Protocol):
         else:  # idle keep-alive
             self.state = "closed"
             transport.close()
-
-    def _pause_reading(self) -> None:
-        if not self.reading_paused and self.transport is not None and not self.transport.is_closing():
-            self.reading_paused = True
-            self.transport.pause_reading()
-
-    def _resume_reading(self) -> None:
-        if self.reading_paused and self.transport is not None and not self.transport.is_closing():
-            self.reading_paused = False
-            self.transport.resume_reading()
-
 
 class _Refused(_BadRequest):
     """Answered before the body was read (404/411/413 on POST): JSON payload as given, then close."""

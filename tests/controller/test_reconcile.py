@@ -39,7 +39,7 @@ def rig(tmp_path):
     jobs: list[JobInfo] = []
     with Ledger(tmp_path / "ledger.sqlite") as led:
         ex = Executor(be, led, clock=clock, list_jobs=lambda node: list(jobs))
-        yield dataclasses.replace(_Rig(), be=be, led=led, ex=ex, rec=Reconciler(ex, clock=clock), clock=clock,
+        yield dataclasses.replace(_Rig(), be=be, led=led, ex=ex, rec=Reconciler(ex), clock=clock,
                                   jobs=jobs)
 
 

@@ -19,6 +19,16 @@ def requeued_once(w, job: str, node: str) -> None:
            f"job {job} requeued off {node}")
 
 
+def adopted_once(w, job: str) -> None:
+    """node02's drain-and-requeue, reported failed, is in Slurm once, adopted, and its job requeued once."""
+    drained_once(w, "node02", 60)
+    requeued_once(w, job, "node02")
+    (drain,) = [a for a in w.actions("node02") if a["kind"] == "drain-and-requeue"]
+    assert drain["status"] == "applied" and drain["outcome"].startswith("adopted"), drain
+    w.checker.check()
+    w.checker.drain_not_delayed("node03")
+
+
 def test_slurmctld_stopped_mid_write_the_write_lands_later_and_is_adopted_once(w):
     """SIGSTOP slurmctld as healthd's drain reaches it: the client times out (the action fails), the request
     waits in slurmctld's socket, and lands when slurmctld continues. The reconciler adopts it: one drain, the
@@ -29,12 +39,7 @@ def test_slurmctld_stopped_mid_write_the_write_lands_later_and_is_adopted_once(w
     w.wait(lambda: w.scontrol.fired(), 30, "the drain to reach the stopped slurmctld")
     w.wait(lambda: any(a["status"] == "failed" for a in w.actions("node02")), 60, "the client to time out")
     w.stop_ctld_process(signal.SIGCONT)
-    drained_once(w, "node02", 60)
-    requeued_once(w, job, "node02")
-    (drain,) = [a for a in w.actions("node02") if a["kind"] == "drain-and-requeue"]
-    assert drain["status"] == "applied" and drain["outcome"].startswith("adopted"), drain
-    w.checker.check()
-    w.checker.drain_not_delayed("node03")
+    adopted_once(w, job)
 
 
 def test_slurmctld_down_during_a_write_the_next_round_writes_once(w):
@@ -87,9 +92,4 @@ def test_a_client_that_times_out_after_its_write_landed_is_adopted_never_written
     w.scontrol.arm("State=DRAIN", "hang-after", "30")
     w.inject_xid("node02", 79)
     w.wait(lambda: any(a["status"] == "failed" for a in w.actions("node02")), 60, "the timed-out drain")
-    drained_once(w, "node02", 60)
-    requeued_once(w, job, "node02")
-    (drain,) = [a for a in w.actions("node02") if a["kind"] == "drain-and-requeue"]
-    assert drain["status"] == "applied" and drain["outcome"].startswith("adopted"), drain
-    w.checker.check()
-    w.checker.drain_not_delayed("node03")
+    adopted_once(w, job)

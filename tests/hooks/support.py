@@ -234,3 +234,8 @@ class Node:
         p = subprocess.run([str(BIN / hook), "--config", str(self.config)], env=env, capture_output=True, text=True,
                            timeout=timeout, cwd=str(self.root))
         return p.returncode, p.stderr, time.monotonic() - start
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    """Every path under `d` with its bytes (directories as b"dir"): compare before and after."""
+    return {str(p.relative_to(d)): p.read_bytes() if p.is_file() else b"dir" for p in sorted(d.rglob("*"))}

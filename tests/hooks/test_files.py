@@ -21,7 +21,7 @@ from healthd.hooks import files
 from healthd.hooks.common import judge, load_state
 from healthd.hooks.files import TrustedDir, Untrusted, split_path
 from healthd.hooks.prolog import gate
-from tests.hooks.support import finding, state_doc
+from tests.hooks.support import finding, state_doc, snapshot
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
@@ -33,19 +33,6 @@ def run(tmp_path: Path) -> Path:
     d.mkdir(mode=0o755)
     d.chmod(0o755)
     return d
-
-
-@pytest.fixture
-def decoy(tmp_path: Path) -> Path:
-    """Where a planted link points: a real, root-owned directory that must stay untouched."""
-    d = tmp_path / "decoy"
-    d.mkdir(mode=0o755)
-    (d / "keep.txt").write_text("untouched\n")
-    return d
-
-
-def snapshot(d: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() if p.is_file() else b"" for p in sorted(d.rglob("*"))}
 
 
 # --------------------------------------------------------------------------- reading

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.hooks.support import Node, finding, state_doc
+from tests.hooks.support import Node, finding, state_doc, snapshot
 
 NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root; hostile files are chowned to nobody")
@@ -31,19 +31,6 @@ def node(tmp_path: Path) -> Node:
     n = Node(tmp_path)
     n.write_config(gating="local")
     return n
-
-
-@pytest.fixture
-def decoy(tmp_path: Path) -> Path:
-    """Where planted links point: a real root-owned directory that must stay exactly as it is."""
-    d = tmp_path / "decoy"
-    d.mkdir(mode=0o755)
-    (d / "keep.txt").write_text("untouched\n")
-    return d
-
-
-def snapshot(d: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() if p.is_file() else b"dir" for p in sorted(d.rglob("*"))}
 
 
 def hook_lines(err: str) -> list[str]:
