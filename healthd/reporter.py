@@ -1,4 +1,4 @@
-"""The agent's side of the controller transport (issue 4 §1): signed reports pushed over HTTP.
+"""The agent's side of the controller transport: signed reports pushed over HTTP.
 
 `Reporter.offer(doc)` is called by the agent after every publish. It never blocks on the network:
 the POST to `<controller.url>/v1/report` runs on the reporter's own thread. A document is sent at

@@ -474,11 +474,6 @@ class _AdminConnection(FlowControlled):
         self._cancel_timer()
         self.timer = asyncio.get_running_loop().call_later(self.server.idle_timeout_s, self._timed_out)
 
-    def _cancel_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
     def _timed_out(self) -> None:
         self.timer = None
         if self.closed or self.busy:

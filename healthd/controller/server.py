@@ -245,11 +245,17 @@ def _response(status: int, payload: dict[str, Any], close: bool) -> bytes:
 
 
 class FlowControlled(asyncio.Protocol):
-    """Reading paused while a request is handled (or answers pile up) and resumed after, idempotently:
-    the report server's and the admin socket's connections both work this way."""
+    """Reading paused while a request is handled (or answers pile up) and resumed after, idempotently,
+    and one deadline timer: the report server's and the admin socket's connections both work this way."""
 
     transport: Any = None
     reading_paused = False
+    timer: asyncio.TimerHandle | None = None
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def _pause_reading(self) -> None:
         if not self.reading_paused and self.transport is not None and not self.transport.is_closing():
@@ -504,11 +510,6 @@ class _Connection(FlowControlled):
     def _set_timer(self, seconds: float) -> None:
         self._cancel_timer()
         self.timer = self.loop.call_later(seconds, self._timed_out)
-
-    def _cancel_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
 
     def _timed_out(self) -> None:
         self.timer = None
