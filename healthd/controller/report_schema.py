@@ -625,12 +625,7 @@ def _report(doc: Any, node: str | None) -> None:
     # the count first: a report of 24,000 findings is refused before any of them is looked at
     if isinstance(findings, (list, tuple)) and len(findings) > MAX_FINDINGS:
         raise ReportInvalid("findings", f"{len(findings)} findings, over the limit of {MAX_FINDINGS}")
-    check = _Check()
-    check.fields(doc, "", _REPORT, REPORT_REQUIRED)
-    if node is not None and doc["node"] != node:
-        raise ReportInvalid("node", f"report is for {_show(doc['node'])}, its credential for {_show(node)}")
-    if check.size > MAX_DOCUMENT_BYTES:
-        raise ReportInvalid("report", f"at least {check.size} bytes of JSON, over the limit of {MAX_DOCUMENT_BYTES}")
+    _document(doc, _REPORT, REPORT_REQUIRED, node, "report")
 
 
 def validate_report(doc: Any, node: str | None = None) -> None:
@@ -641,10 +636,15 @@ def validate_report(doc: Any, node: str | None = None) -> None:
 
 
 def _request(doc: Any, node: str | None) -> None:
+    _document(doc, _REQUEST, REQUEST_REQUIRED, node, "request")
+
+
+def _document(doc: Any, spec: Any, required: Any, node: str | None, what: str) -> None:
+    """Every field of a report or request, the node its credential vouches for, its size."""
     check = _Check()
-    check.fields(doc, "", _REQUEST, REQUEST_REQUIRED)
+    check.fields(doc, "", spec, required)
     if node is not None and doc["node"] != node:
-        raise ReportInvalid("node", f"request is for {_show(doc['node'])}, its credential for {_show(node)}")
+        raise ReportInvalid("node", f"{what} is for {_show(doc['node'])}, its credential for {_show(node)}")
     if check.size > MAX_DOCUMENT_BYTES:
         raise ReportInvalid("report", f"at least {check.size} bytes of JSON, over the limit of {MAX_DOCUMENT_BYTES}")
 

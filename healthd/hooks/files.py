@@ -144,11 +144,18 @@ class TrustedDir:
     def open_file(self, name: str) -> tuple[int, os.stat_result]:
         """(fd, fstat) of a trusted regular file. Opened non-blocking, so a FIFO cannot hang the
         caller; a link is refused, never followed."""
+        return self._open_checked(name, _READ_FLAGS, 0, (errno.ELOOP,))
+
+    def _open_checked(self, name: str, flags: int, mode: int,
+                      refused: tuple[int, ...]) -> tuple[int, os.stat_result]:
+        """Open `name` in this directory with `flags` (which hold O_NOFOLLOW); an errno in `refused`
+        means a link (or a FIFO without a reader) was there. The open file must be a trusted regular
+        file, checked on its descriptor."""
         path = self.join(name)
         try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=self.fd)
+            fd = os.open(name, flags, mode, dir_fd=self.fd)
         except OSError as e:
-            if e.errno == errno.ELOOP:
+            if e.errno in refused:
                 raise _refused_link(name, self.fd, path, "file", e) from None
             raise
         try:
@@ -214,19 +221,9 @@ class TrustedDir:
     def append(self, name: str, data: bytes, mode: int = 0o640) -> None:
         """One O_APPEND write (concurrent writers never interleave lines) to a trusted regular file,
         created if missing; a link or a FIFO is refused, never followed or waited on."""
-        path = self.join(name)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd, _ = self._open_checked(name, flags, mode, (errno.ELOOP, errno.ENXIO))
         try:
-            fd = os.open(name, flags, mode, dir_fd=self.fd)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENXIO):
-                raise _refused_link(name, self.fd, path, "file", e) from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise Untrusted(f"{path} is not a regular file ({describe(st)})")
-            check(st, path, "file", self.trusted_uid)
             os.write(fd, data)
         finally:
             os.close(fd)

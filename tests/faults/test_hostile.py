@@ -661,6 +661,25 @@ class WatchdogListener:
         self.sock.close()
 
 
+def nothing_written_while_the_ledger_fails(w: FaultWorld, pid: int | None, seconds: float) -> tuple[float, str, float]:
+    """An Xid on node02 while the ledger cannot record: the controller says so, stays up, and writes
+    nothing to Slurm for `seconds`; healthctl status still reads. Returns (seconds to the first ledger
+    error, the controller's log meanwhile, seconds healthctl status took)."""
+    off = log_offset(w.controller_log)
+    t0 = time.monotonic()
+    w.inject_xid("node02", 48)
+    w.wait(lambda: ledger_errors(log_since(w.controller_log, off)), 30, "the controller's ledger error")
+    took_error = time.monotonic() - t0
+    time.sleep(seconds)
+    text = log_since(w.controller_log, off)
+    assert not w.node_info("node02").drain_requested, "drained while the ledger could not record it"
+    assert slurm_reason_writes(w, "node02") == []
+    assert w.controller_pid() == pid, "the controller exited"
+    t1 = time.monotonic()
+    assert w.healthctl("status") is not None
+    return took_error, text, time.monotonic() - t1
+
+
 def ledger_errors(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if "ledger.sqlite" in ln and ("full" in ln or "read" in ln.lower()
                                                                          or "I/O" in ln)]
@@ -682,20 +701,8 @@ def test_ledger_disk_full_means_no_slurm_write_until_it_can_be_recorded(w):
             pid = w.controller_pid()
             time.sleep(6 * w.round_s)
             filler = fill(mnt)
-            off = log_offset(w.controller_log)
             t_full = time.monotonic()
-            w.inject_xid("node02", 48)
-            w.wait(lambda: ledger_errors(log_since(w.controller_log, off)), 30, "the controller's ledger error")
-            took_error = time.monotonic() - t_full
-            time.sleep(8.0)  # 16 rounds with the ledger full
-            text = log_since(w.controller_log, off)
-            assert not w.node_info("node02").drain_requested, "drained while the ledger could not record it"
-            assert slurm_reason_writes(w, "node02") == []
-            assert w.controller_pid() == pid, "the controller exited"
-            t0 = time.monotonic()
-            status = w.healthctl("status")
-            took_status = time.monotonic() - t0
-            assert status is not None
+            took_error, text, took_status = nothing_written_while_the_ledger_fails(w, pid, 8.0)  # 16 rounds
             t_free = time.monotonic()
             gap = dog.longest_gap(t_full, t_free)
             failed_rounds = text.count("control round not recorded")
@@ -747,20 +754,8 @@ def test_ledger_file_system_turned_read_only_under_the_controller(w):
         with pytest.raises(OSError) as refused:
             (mnt / "probe").write_text("x")
         assert refused.value.errno == errno.EROFS
-        off = log_offset(w.controller_log)
         t_ro = time.monotonic()
-        w.inject_xid("node02", 48)
-        w.wait(lambda: ledger_errors(log_since(w.controller_log, off)), 30, "the controller's ledger error")
-        took_error = time.monotonic() - t_ro
-        time.sleep(6.0)
-        text = log_since(w.controller_log, off)
-        assert not w.node_info("node02").drain_requested, "drained while the ledger could not record it"
-        assert slurm_reason_writes(w, "node02") == []
-        assert w.controller_pid() == pid, "the controller exited"
-        t0 = time.monotonic()
-        status = w.healthctl("status")
-        took_status = time.monotonic() - t0
-        assert status is not None
+        took_error, text, took_status = nothing_written_while_the_ledger_fails(w, pid, 6.0)
         say(f"ledger read-only: first ledger error {took_error:.2f} s after the Xid, "
             f"{text.count('control round not recorded')} 'control round not recorded' in {time.monotonic() - t_ro:.1f} s, e.g. "
             f"{ledger_errors(text)[0][-160:]!r}; healthctl status {took_status:.2f} s")
