@@ -88,7 +88,7 @@ def main() -> None:
     try:
         import pynvml
 
-        from healthd.agent import build_agent
+        from healthd.agent.daemon import build_agent
 
         agent = build_agent(str(cfg), dry_run=False)
 

@@ -16,6 +16,7 @@ import time
 
 from common import save
 
+from healthd import envelope
 from healthd.controller import auth
 from tests.controller.munge_support import MungeFleet, measure_verify_rate
 
@@ -25,11 +26,11 @@ TARGET_PER_S = 2000
 def envelope_only_rate(n: int = 20000) -> float:
     """The Python share alone: parse + canonical digest of a typical report, no munged round trip."""
     doc = {"verdict": "healthy", "findings": [], "gpus": 8, "seq": 0}
-    body = auth.sign_report(doc, "node02", None, encode=lambda payload, socket, ttl=None: "MUNGE:x:")
+    body = envelope.sign_report(doc, "node02", None, encode=lambda payload, socket, ttl=None: "MUNGE:x:")
     t0 = time.perf_counter()
     for _ in range(n):
-        node, report, _cred = auth._parse(body, auth.DEFAULT_MAX_BYTES)
-        auth.payload_digest(node, report)
+        node, report, _cred = auth.parse_envelope(body, envelope.DEFAULT_MAX_BYTES)
+        envelope.payload_digest(node, report)
     return n / (time.perf_counter() - t0)
 
 

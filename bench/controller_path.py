@@ -2,7 +2,7 @@
 
 1. Whole path, reports/s: real munged daemons (one per fake node, distinct --origin, plus the
    controller's), the real Controller behind the real ControllerHTTPServer on 127.0.0.1:0, reports
-   signed with auth.sign_report BEFORE the timed part (each timed report has its own credential:
+   signed with envelope.sign_report BEFORE the timed part (each timed report has its own credential:
    replays are 409), POSTed over keep-alive HTTP/1.1 by a client SUBPROCESS (its own GIL) with
    several threads, while a control-loop thread runs Controller.evaluate(now) every --round-s over
    a fleet of --nodes simulated nodes (in-memory Slurm). Baselines in the same process: verify_report
@@ -43,6 +43,7 @@ from pathlib import Path
 
 from common import ROOT, pct, rss_bytes, save, summary
 
+from healthd import envelope
 from healthd.controller import auth
 from healthd.controller.config import ControllerSettings
 from healthd.controller.daemon import ROUND_INTERVAL_S, Controller
@@ -258,7 +259,7 @@ def sign_pool(fleet, n: int, now: float, start: int = 0) -> list[bytes]:
         i = k % len(nodes)
         node = nodes[i]
         doc = state_document(node, i, now + k * 1e-3, findings_for(k, 10_000, now, rng) if k % 100 == 0 else [])
-        return auth.sign_report(doc, node, fleet.socket(node))
+        return envelope.sign_report(doc, node, fleet.socket(node))
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         return list(pool.map(one, range(start, start + n)))
@@ -309,8 +310,8 @@ def bench_path(args, tmp: Path) -> dict:
         out["receive_report_only_per_s"] = round(receive_rate, 1)
         t0 = time.perf_counter()
         for body in verify_bodies:  # the pure-Python share of verify: parse + canonical digest
-            node, doc, _cred = auth._parse(body, auth.DEFAULT_MAX_BYTES)
-            auth.payload_digest(node, doc)
+            node, doc, _cred = auth.parse_envelope(body, envelope.DEFAULT_MAX_BYTES)
+            envelope.payload_digest(node, doc)
         out["envelope_parse_digest_only_per_s"] = round(base_n / (time.perf_counter() - t0), 1)
         print(f"  baseline, same process, no HTTP: verify_report alone {verify_rate:,.0f}/s "
               f"(its parse + digest alone {out['envelope_parse_digest_only_per_s']:,.0f}/s); receive_report alone {receive_rate:,.0f}/s")

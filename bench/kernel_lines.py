@@ -19,8 +19,8 @@ from pathlib import Path
 
 from common import rss_bytes, save, summary
 
-from healthd.collectors.kernel_log import KernelLogFollower
-from healthd.kernel_parse import parse_line
+from healthd.agent.collectors.kernel_log import KernelLogFollower
+from healthd.agent.collectors.kernel_parse import parse_line
 from tests.support.journal import write_journal
 
 XID_LINES = [

@@ -19,7 +19,7 @@ import yaml
 
 from healthd.settings import Settings
 
-DEFAULT_PATH = "/etc/healthd/healthd.yaml"
+NODE_CONFIG_PATH = "/etc/healthd/healthd.yaml"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 START_AT = ("boot", "tail", "head")
 GATING = ("off", "local", "controller")
@@ -70,7 +70,7 @@ def yaml_mapping(text: str, file: str) -> dict[str, Any]:
 def load(path: str | None = None, *, required: bool | None = None) -> Settings:
     """Read and validate a config file. With path=None the default path is used and may be absent
     (then every default applies); an explicitly named file must exist."""
-    file = path or DEFAULT_PATH
+    file = path or NODE_CONFIG_PATH
     text = read_config_text(file, must_exist=required if required is not None else path is not None)
     if text is None:
         return Settings(node_name=default_node_name())
@@ -82,7 +82,7 @@ def parse(text: str, file: str = "<config>") -> Settings:
     raw.setdefault("node_name", default_node_name())
     if isinstance(raw.get("hooks"), dict) and raw["hooks"].get("gating") is False:
         raw["hooks"] = {**raw["hooks"], "gating": "off"}  # YAML 1.1 reads a bare `off` as false
-    settings = _build(Settings, raw, file, "")
+    settings = build(Settings, raw, file, "")
     _check(settings, file)
     return settings
 
@@ -90,7 +90,7 @@ def parse(text: str, file: str = "<config>") -> Settings:
 # --------------------------------------------------------------------------- the generic mapper
 
 
-def _build(cls: type, raw: Any, file: str, prefix: str) -> Any:
+def build(cls: type, raw: Any, file: str, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(file, prefix, f"a mapping for {cls.__name__}", raw)
     hints = typing.get_type_hints(cls)
@@ -101,7 +101,7 @@ def _build(cls: type, raw: Any, file: str, prefix: str) -> Any:
         raise ConfigError(file, key, f"one of the known keys ({', '.join(fields)})", f"<unknown key {unknown[0]!r}>")
     values = {}
     for name, value in raw.items():
-        values[name] = _convert(hints[name], value, file, f"{prefix}.{name}" if prefix else name)
+        values[name] = convert(hints[name], value, file, f"{prefix}.{name}" if prefix else name)
     missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -109,16 +109,16 @@ def _build(cls: type, raw: Any, file: str, prefix: str) -> Any:
     return cls(**values)
 
 
-def _convert(tp: Any, value: Any, file: str, key: str) -> Any:
+def convert(tp: Any, value: Any, file: str, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, file, key)
+        return convert(inner[0], value, file, key)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, file, key)
+        return build(tp, value, file, key)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(file, key, "true or false", value)
@@ -138,14 +138,14 @@ def _convert(tp: Any, value: Any, file: str, key: str) -> Any:
     if origin is tuple:
         if not isinstance(value, list):
             raise ConfigError(file, key, "a list", value)
-        return tuple(_convert(args[0], v, file, f"{key}[{i}]") for i, v in enumerate(value))
+        return tuple(convert(args[0], v, file, f"{key}[{i}]") for i, v in enumerate(value))
     if origin in (collections.abc.Mapping, dict):
         if value is None:
             return {}
         if not isinstance(value, dict):
             raise ConfigError(file, key, "a mapping", value)
         kt, vt = args
-        return {_convert(kt, k, file, f"{key}.{k}"): _convert(vt, v, file, f"{key}.{k}") for k, v in value.items()}
+        return {convert(kt, k, file, f"{key}.{k}"): convert(vt, v, file, f"{key}.{k}") for k, v in value.items()}
     raise TypeError(f"settings type {tp!r} at {key} has no config mapping")  # a bug in settings.py
 
 

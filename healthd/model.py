@@ -1,6 +1,6 @@
 """The values that flow through the agent: samples (what collectors saw) and findings (what they mean).
 
-Collectors return samples and make no decisions. `healthd.classify.classify` turns a Snapshot plus
+Collectors return samples and make no decisions. `healthd.agent.classify.classify` turns a Snapshot plus
 history into Findings. Everything here is a frozen dataclass so a tick's data cannot be changed
 after it was read, and every type renders to the stable JSON shape documented in the README.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping, get_args
 
 Attribution = Literal["hardware", "fabric", "storage", "software", "user", "unknown"]
 Source = Literal["nvml", "kernel_log", "infiniband", "host"]
@@ -25,6 +25,11 @@ Action = Literal[
 ComponentKind = Literal["gpu", "port", "node", "filesystem"]
 Verdict = Literal["healthy", "degraded", "failed", "unknown"]
 Tier = Literal[1, 2, 3]
+
+TIERS: tuple[int, ...] = get_args(Tier)
+VERDICTS: tuple[str, ...] = get_args(Verdict)
+TS_MAX = 4102444800.0
+"""2100-01-01: a timestamp outside [0, TS_MAX] is garbage (and would not render as RFC 3339)."""
 
 ATTRIBUTIONS: tuple[str, ...] = ("hardware", "fabric", "storage", "software", "user", "unknown")
 ACTIONS: tuple[str, ...] = (
@@ -158,6 +163,58 @@ class Finding:
             "last_seen": iso(self.last_seen),
             "job": self.job,
         }
+
+
+# --------------------------------------------------------------------------- rules over findings
+
+
+def verdict(findings: Iterable[Finding], *, unreadable: bool) -> Verdict:
+    """The node's verdict, the one rule the agent and the hooks apply: any T1 finding is failed; a
+    node none of whose sources could be read (`unreadable`) stays unknown; findings make it
+    degraded; none, healthy."""
+    findings = list(findings)
+    if any(f.tier == 1 for f in findings):
+        return "failed"
+    if unreadable:
+        return "unknown"
+    return "degraded" if findings else "healthy"
+
+
+def would_do(findings: Iterable[Finding]) -> tuple[dict[str, Any], ...]:
+    """One request per distinct (action, component): the most certain finding behind it, strongest
+    action first. Reasons start with `healthd:` (DESIGN: ownership of the drain reason)."""
+    best: dict[tuple[str, str], Finding] = {}
+    for f in findings:
+        if f.action == "none":
+            continue
+        k = (f.action, f.component.key())
+        cur = best.get(k)
+        if cur is None or (f.tier, f.id) < (cur.tier, cur.id):
+            best[k] = f
+    ordered = sorted(best.values(), key=lambda f: (-ACTION_SEVERITY[f.action], f.tier, f.component.key(), f.id))
+    return tuple(
+        {"action": f.action, "component": f.component.key(), "reason": f"healthd: {f.summary}"[:256], "finding": f.id, "tier": f.tier}
+        for f in ordered
+    )
+
+
+def same_episode(f: Finding, before: float) -> bool:
+    """The finding is the episode that had begun by `before`, with no kernel log line after it."""
+    if f.first_seen is None or f.first_seen > before:
+        return False
+    return not (f.source == "kernel_log" and f.last_seen is not None and f.last_seen > before)
+
+
+def is_cleared(f: Finding, cleared: Mapping[str, float], dismissed: Mapping[str, float] | None = None) -> bool:
+    """A finding whose latest evidence is not newer than its `evidence` clear (finding id -> before),
+    or that is the same episode as its `episode` clear (`dismissed`), no longer counts. The agent and
+    the controller judge by this one rule."""
+    before = cleared.get(f.id)
+    last = f.last_seen if f.last_seen is not None else f.first_seen
+    if before is not None and (last is None or last <= before):
+        return True
+    episode = dismissed.get(f.id) if dismissed else None
+    return episode is not None and same_episode(f, episode)
 
 
 # --------------------------------------------------------------------------- samples: NVML

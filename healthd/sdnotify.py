@@ -19,8 +19,8 @@ import os
 import socket
 import stat
 import sys
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +155,24 @@ def journal_wanted(environ: Mapping[str, str] = os.environ, journal_socket: str 
         return stat.S_ISSOCK(os.stat(journal_socket).st_mode)
     except OSError:
         return False
+
+
+def setup_logging(identifier: str, *, level: str = "info", journal: bool | None = None, stderr_format: str,
+                  filters: Sequence[logging.Filter] = (), sender: Callable[..., Any] | None = None) -> None:
+    """The root logger of a healthd daemon or command: journald with structured fields when systemd
+    runs it, else one plain line per record on stderr. `journal`: None decides from the environment
+    (journal_wanted); `filters` add journal fields to records; `sender` replaces systemd.journal.send
+    (tests)."""
+    root = logging.getLogger()
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    handler: logging.Handler
+    if journal if journal is not None else journal_wanted():
+        from systemd import journal as sd_journal  # optional dependency: only where journald runs
+
+        handler = sd_journal.JournalHandler(SYSLOG_IDENTIFIER=identifier, sender_function=sender or sd_journal.send)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(stderr_format))
+    for f in filters:
+        handler.addFilter(f)
+    root.handlers[:] = [handler]

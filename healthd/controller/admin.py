@@ -252,22 +252,22 @@ def ping(ledger: Ledger, operator: str) -> AdminResult:
 
 
 @dataclass(frozen=True)
-class Handler:
+class AdminHandler:
     fn: Callable[..., AdminResult]
     change: bool
     """True when it writes: only root or the admin group may call it."""
 
 
-DEFAULT_HANDLERS: dict[str, Handler] = {
-    "approve": Handler(approve, True),
-    "reject": Handler(reject, True),
-    "undo": Handler(undo, True),
-    "repaired": Handler(repaired, True),
-    "close": Handler(close, True),
-    "release": Handler(release, True),
-    "breaker-reset": Handler(breaker_reset, True),
-    "breaker": Handler(breaker, False),
-    "ping": Handler(ping, False),
+DEFAULT_HANDLERS: dict[str, AdminHandler] = {
+    "approve": AdminHandler(approve, True),
+    "reject": AdminHandler(reject, True),
+    "undo": AdminHandler(undo, True),
+    "repaired": AdminHandler(repaired, True),
+    "close": AdminHandler(close, True),
+    "release": AdminHandler(release, True),
+    "breaker-reset": AdminHandler(breaker_reset, True),
+    "breaker": AdminHandler(breaker, False),
+    "ping": AdminHandler(ping, False),
 }
 
 
@@ -327,7 +327,7 @@ ADMIN_PRIVILEGED_CLIENTS = 32
 ADMIN_MAX_CLIENTS, so root's healthctl gets in however many connections other users hold."""
 ADMIN_PRIVILEGED_THREADS = 2
 ADMIN_USER_THREADS = 1
-"""Handler threads for allowed_uids' requests and for everyone else's: a user's requests queue behind
+"""AdminHandler threads for allowed_uids' requests and for everyone else's: a user's requests queue behind
 each other, never in front of root's, and reach the ledger one at a time."""
 ADMIN_BACKLOG = 128
 ADMIN_LOG_INTERVAL_S = 10.0
@@ -501,7 +501,7 @@ class AdminServer:
     gets `{"ok": false, "error": "timeout", ...}` and is closed. Refusals and timeouts are logged at
     most once per reason per log interval (healthd.lograte)."""
 
-    def __init__(self, path: str, ledger: Ledger, handlers: Mapping[str, Handler],
+    def __init__(self, path: str, ledger: Ledger, handlers: Mapping[str, AdminHandler],
                  allowed_uids: tuple[int, ...], admin_gid: int | None, *,
                  idle_timeout_s: float = ADMIN_IDLE_TIMEOUT_S, max_clients: int = ADMIN_MAX_CLIENTS,
                  max_clients_per_uid: int = ADMIN_MAX_CLIENTS_PER_UID,
@@ -737,7 +737,7 @@ def _clear_stale(path: str) -> None:
     raise OSError(f"{path}: another controller is listening on it")
 
 
-def serve_admin_socket(path: str, ledger: Ledger, handler_map: Mapping[str, Handler] | None = None,
+def serve_admin_socket(path: str, ledger: Ledger, handler_map: Mapping[str, AdminHandler] | None = None,
                        allowed_uids: tuple[int, ...] = (0,), admin_gid: int | None = None, **limits: Any) -> AdminServer:
     """Serve the admin commands on a unix socket (JSON lines) from an event-loop thread of its own.
     Changes are allowed to `allowed_uids` and members of `admin_gid` (by SO_PEERCRED); reads to

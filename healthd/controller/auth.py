@@ -1,14 +1,4 @@
-"""The report envelope agents push to the controller, and the controller's check of it.
-
-Wire format (the HTTP body, UTF-8 JSON):
-
-    {"healthd_report": 1, "node": "node02", "report": {...}, "credential": "MUNGE:...:"}
-
-The credential is a MUNGE credential made by the node's munged whose payload IS the SHA-256 digest
-(32 raw bytes) of the canonical payload: `canonical({"healthd_report": 1, "node": ..., "report": ...})`
-(sorted keys, no whitespace, ASCII escapes, no NaN/Infinity). So the credential binds the claimed node
-name and every byte of meaning in the report; nothing outside the digest is accepted (an envelope with
-extra fields is refused).
+"""The controller's check of a report envelope (its wire format: healthd.envelope).
 
 The controller decodes through its own munged (`socket`); munged checks the MAC, the TTL and replay
 (its replay cache) and tells us who encoded it (uid/gid) and where (the encoding munged's origin
@@ -36,22 +26,22 @@ Every reason is one line, safe to log as is (claimed values are quoted with repr
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.controller import munge
-
-ENVELOPE_VERSION = 1
-VERSION_KEY = "healthd_report"
-ENVELOPE_KEYS = frozenset({VERSION_KEY, "node", "report", "credential"})
-DEFAULT_MAX_BYTES = 1_048_576
-DEFAULT_MAX_AGE_S = 300.0
-MAX_CREDENTIAL_CHARS = 8192
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+from healthd import munge
+from healthd.envelope import (
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_BYTES,
+    ENVELOPE_KEYS,
+    ENVELOPE_VERSION,
+    MAX_CREDENTIAL_CHARS,
+    NODE_NAME,
+    VERSION_KEY,
+    payload_digest,
+)
 
 # munge errors that mean "the controller's own munged could not do its job", not "bad credential"
 _SERVER_SIDE = {munge.EMUNGE_SNAFU, munge.EMUNGE_NO_MEMORY, munge.EMUNGE_SOCKET, munge.EMUNGE_TIMEOUT}
@@ -83,36 +73,6 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not allowed in a report")
 
 
-def canonical(obj: Any) -> bytes:
-    """The one byte string a JSON value hashes as: sorted keys, no whitespace, ASCII, no NaN."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
-
-
-def payload_digest(node: str, doc: Mapping[str, Any]) -> bytes:
-    """SHA-256 of the canonical payload the credential binds (the node's claim and the report)."""
-    return hashlib.sha256(canonical({VERSION_KEY: ENVELOPE_VERSION, "node": node, "report": doc})).digest()
-
-
-def sign_report(
-    doc: Mapping[str, Any],
-    node: str,
-    socket: str | None = None,
-    *,
-    ttl: int | None = None,
-    encode: Callable[..., str] = munge.encode,
-) -> bytes:
-    """Agent side: the HTTP body for `doc` from `node`, with a credential from the munged on `socket`
-    binding its digest. Raises ValueError or TypeError for a doc that is not canonical JSON (NaN,
-    infinities, keys that are not strings, objects json cannot encode),
-    munge.MungeError when the node's munged refuses."""
-    if not NODE_NAME.fullmatch(node):
-        raise ValueError(f"node name {node!r} is not a hostname")
-    doc = dict(doc)
-    cred = encode(payload_digest(node, doc), socket, ttl=ttl)
-    envelope = {VERSION_KEY: ENVELOPE_VERSION, "node": node, "report": doc, "credential": cred}
-    return json.dumps(envelope, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
-
-
 def _quote(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -123,7 +83,7 @@ def _node_of(addr: str, node_addrs: Mapping[str, str]) -> str:
     return f" ({', '.join(sorted(names)[:3])})" if names else " (no known node)"
 
 
-def _parse(body: bytes, max_bytes: int) -> tuple[str, dict[str, Any], str]:
+def parse_envelope(body: bytes, max_bytes: int) -> tuple[str, dict[str, Any], str]:
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise ReportRejected(400, f"report body must be bytes, got {type(body).__name__}")
     if len(body) > max_bytes:
@@ -168,7 +128,7 @@ def verify_report(
     """Controller side: the checked report in `body`, or ReportRejected (see the module docstring for
     every status). `socket` is the controller's munged; `node_addrs` maps each node name to the address
     its munged encodes as (its --origin / NodeAddr); `now` is the controller's clock (epoch seconds)."""
-    node, doc, cred = _parse(body, max_bytes)
+    node, doc, cred = parse_envelope(body, max_bytes)
     expected_addr = node_addrs.get(node)
     if expected_addr is None:
         raise ReportRejected(403, f"report claims node {node!r}, which the controller does not know")

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from healthd.config import ConfigError, _build, _convert, read_config_text, yaml_mapping
+from healthd.config import ConfigError, build, convert, read_config_text, yaml_mapping
 from healthd.controller.policy import MODES, ControllerPolicySettings
 from healthd.controller.reintegrate import ReintegrationSettings
 
-DEFAULT_PATH = "/etc/healthd/controller.yaml"
+CONTROLLER_CONFIG_PATH = "/etc/healthd/controller.yaml"
 REQUEUE_COMMENT_TAG = "healthd:requeue"
 
 
@@ -86,7 +86,7 @@ def _build_policy(raw: Any, file: str, prefix: str) -> ControllerPolicySettings:
     values: dict[str, Any] = {}
     for name, value in raw.items():
         tp = _POLICY_TYPE_OVERRIDES.get(name, hints[name])
-        values[name] = _convert(tp, value, file, f"{prefix}.{name}")
+        values[name] = convert(tp, value, file, f"{prefix}.{name}")
     if "mode" in values and values["mode"] not in MODES:
         raise ConfigError(file, f"{prefix}.mode", f"one of {', '.join(MODES)}", values["mode"])
     for name in ("racks", "pdus"):
@@ -113,12 +113,12 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
     reintegration_raw = raw.pop("reintegration", None)
     try:
         reintegration = (ReintegrationSettings() if reintegration_raw is None
-                         else _build(ReintegrationSettings, reintegration_raw, file, "reintegration"))
+                         else build(ReintegrationSettings, reintegration_raw, file, "reintegration"))
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(file, "reintegration", "valid reintegration values", f"<{exc}>") from None
-    settings = _build(ControllerSettings, raw, file, "")
+    settings = build(ControllerSettings, raw, file, "")
     settings = dataclasses.replace(settings, policy=policy, reintegration=reintegration)
     _check_hostport(file, "listen", settings.listen)
     for key in ("max_connections", "max_connections_per_peer"):
@@ -144,7 +144,7 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
 
 def load_controller_settings(path: str | None = None) -> ControllerSettings:
     """Read and validate the controller config; a named file must exist, the default may be absent."""
-    file = path or DEFAULT_PATH
+    file = path or CONTROLLER_CONFIG_PATH
     text = read_config_text(file, must_exist=path is not None)
     if text is None:
         return ControllerSettings()

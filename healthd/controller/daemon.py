@@ -26,11 +26,12 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from healthd.controller import munge
+from healthd import munge, sdnotify
+from healthd.controller import admin
 from healthd.controller.auth import ReportRejected, verify_report
 from healthd.controller.config import ControllerSettings, load_controller_settings
 from healthd.controller.executor import ExecResult, Executor
-from healthd.controller.gates import BreakerState, GroupIncident, Outcome, apply_gates, build_context
+from healthd.controller.gates import BreakerState, GroupIncident, GateResult, apply_gates, build_context
 from healthd.controller.ledger import Ledger, LedgerError
 from healthd.controller.metrics import ControllerMetrics
 from healthd.controller.policy import (
@@ -46,7 +47,7 @@ from healthd.controller.policy import (
 from healthd.controller.reconcile import Reconciler
 from healthd.lograte import RateLimitedLog
 from healthd.controller.reintegrate import Reintegrator
-from healthd.controller.report_schema import MAX_ERROR_CHARS, validate_report, validate_request
+from healthd.report_schema import MAX_ERROR_CHARS, validate_report, validate_request
 from healthd.controller.server import ControllerHTTPServer
 from healthd.slurm import default_backend
 from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
@@ -58,10 +59,10 @@ MAX_OPEN_INCIDENTS_PER_NODE = 8
 """Open incidents one node may have; more findings from it wait until one closes (logged)."""
 ADDR_REFRESH_S = 300.0
 LEDGER_OUTCOME = {"allowed": "allowed", "waiting-approval": "waiting", "refused": "refused", "recorded": "refused"}
-"""gates' Outcome.status -> the ledger's decision outcome (`recorded` is a refusal by policy)."""
+"""gates' GateResult.status -> the ledger's decision outcome (`recorded` is a refusal by policy)."""
 
 
-def ledger_outcome(outcome: Outcome) -> tuple[str, str | None, str | None]:
+def ledger_outcome(outcome: GateResult) -> tuple[str, str | None, str | None]:
     """(outcome, refused_gate, refused_reason) in the ledger's vocabulary."""
     status = LEDGER_OUTCOME[outcome.status]
     if outcome.status == "recorded":
@@ -349,7 +350,7 @@ class Controller:
                 approved.add(str(row.evidence.get("decision", "")))
         return approved
 
-    def _record(self, outcome: Outcome, now: float) -> int:
+    def _record(self, outcome: GateResult, now: float) -> int:
         d = outcome.decision
         status, gate, reason = ledger_outcome(outcome)
         prev = self._recorded.get((d.id, d.incident))
@@ -370,7 +371,7 @@ class Controller:
             self.metrics.refusals.labels(gate=gate or "error").inc()
         return row_id
 
-    def _record_batch(self, outcomes: list[Outcome], now: float) -> None:
+    def _record_batch(self, outcomes: list[GateResult], now: float) -> None:
         """Record the outcomes nothing is applied for in ONE transaction: when a whole fleet's agents
         go silent, 10,000 stale-report decisions were 10,000 fsynced commits under the round lock."""
         before = dict(self._recorded)
@@ -401,7 +402,7 @@ class Controller:
         return out
 
     def evaluate(self, now: float, *, only: str | None = None,
-                 jobs: Mapping[str, str] | None = None) -> list[tuple[Outcome, ExecResult | None]] | None:
+                 jobs: Mapping[str, str] | None = None) -> list[tuple[GateResult, ExecResult | None]] | None:
         """One control round (or the part of it for node `only`). None when Slurm is unreachable:
         then nothing is decided or applied (nothing stale is acted on).
 
@@ -448,7 +449,7 @@ class Controller:
             outcomes = list(apply_gates(decisions, ctx))
             acts = [mode != "observe" and o.status == "allowed" for o in outcomes]
             self._record_batch([o for o, a in zip(outcomes, acts, strict=True) if not a], now)
-            results: list[tuple[Outcome, ExecResult | None]] = []
+            results: list[tuple[GateResult, ExecResult | None]] = []
             for outcome, act in zip(outcomes, acts, strict=True):
                 result = None
                 if act:
@@ -461,7 +462,7 @@ class Controller:
                 self._limited.flush()  # tell the counts of refusals it kept out of the log
             return results
 
-    def _act(self, outcome: Outcome, now: float, mode: str) -> ExecResult:
+    def _act(self, outcome: GateResult, now: float, mode: str) -> ExecResult:
         """Record and apply one allowed outcome; a failure of this node's write never stops the round."""
         try:
             # each acting decision commits on its own, before its Slurm call (write-ahead)
@@ -539,8 +540,6 @@ class Controller:
 
 def _serve_admin(settings: ControllerSettings, ledger: Ledger):
     """healthctl's unix socket (healthd.controller.admin): changes for root and `admin_group`."""
-    from healthd.controller import admin
-
     gid = None
     if settings.admin_group:
         try:
@@ -579,23 +578,9 @@ class IncidentField(logging.Filter):
 
 def setup_logging(*, journal: bool | None = None, sender: Callable[..., Any] | None = None) -> None:
     """journald with structured fields (INCIDENT) when systemd runs the controller, else stderr lines.
-    `journal`: None decides from the environment (healthd.sdnotify.journal_wanted); `sender` replaces
-    systemd.journal.send (tests)."""
-    from healthd.sdnotify import journal_wanted
-
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    handler: logging.Handler
-    if journal if journal is not None else journal_wanted():
-        from systemd import journal as sd_journal
-
-        handler = sd_journal.JournalHandler(SYSLOG_IDENTIFIER="healthd-controller",
-                                            sender_function=sender or sd_journal.send)
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(IncidentField())
-    root.handlers[:] = [handler]
+    `journal`: None decides from the environment; `sender` replaces systemd.journal.send (tests)."""
+    sdnotify.setup_logging("healthd-controller", journal=journal, sender=sender, filters=(IncidentField(),),
+                           stderr_format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _status(controller: Controller, slurm_ok: bool) -> str:
@@ -614,12 +599,10 @@ def main(argv: list[str] | None = None) -> int:
     """Under systemd (Type=notify): READY=1 once the ledger is open, the HTTP server bound and the
     first control round has returned (Slurm unreachable counts: the controller is up and will
     retry); WATCHDOG=1 after each control round that returned, never while one is hung."""
-    from healthd.sdnotify import Watchdog, notifier_from_env, watchdog_period_s
-
     args = _parser().parse_args(argv)
     setup_logging()
-    notifier = notifier_from_env()
-    dog = Watchdog(notifier, watchdog_period_s())
+    notifier = sdnotify.notifier_from_env()
+    dog = sdnotify.Watchdog(notifier, sdnotify.watchdog_period_s())
     try:
         settings = load_controller_settings(args.config)
         topology_text = Path(settings.topology_conf).read_text() if settings.topology_conf else ""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.controller.gates import Outcome, still_safe
+from healthd.controller.gates import GateResult, still_safe
 from healthd.controller.ledger import Action, Ledger
 from healthd.controller.ownership import NODE_STATE_KINDS, describe_reason, owned, shows_write
 from healthd.controller.policy import Decision, LedgerView
@@ -221,7 +221,7 @@ class Executor:
 
     # -- apply ---------------------------------------------------------------------------------------
 
-    def apply(self, outcome: Outcome, now: float, *, decision_id: int | None = None,
+    def apply(self, outcome: GateResult, now: float, *, decision_id: int | None = None,
               mode: str = "auto") -> ExecResult:
         """Apply one allowed outcome (anything else is skipped). `decision_id` is the ledger row the
         caller recorded; when None, the executor records the decision as allowed itself."""

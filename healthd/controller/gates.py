@@ -44,7 +44,7 @@ class Refusal:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class GateResult:
     """What the envelope made of one Decision."""
 
     decision: Decision
@@ -428,29 +428,29 @@ def _charge(ctx: GateContext, decision: Decision) -> GateContext:
     )
 
 
-def gate_one(decision: Decision, ctx: GateContext) -> Outcome:
+def gate_one(decision: Decision, ctx: GateContext) -> GateResult:
     """Run the gates in order over one decision."""
     if decision.kind == "none":
-        return Outcome(decision, "recorded", None, decision.note)
+        return GateResult(decision, "recorded", None, decision.note)
     waiting: Refusal | None = None
     for name, gate in GATES:
         try:
             refusal = gate(decision, ctx)
         except Exception as exc:  # fail closed: a broken gate refuses
-            return Outcome(decision, "refused", "error", f"gate {name} failed: {type(exc).__name__}: {exc}"[:200])
+            return GateResult(decision, "refused", "error", f"gate {name} failed: {type(exc).__name__}: {exc}"[:200])
         if isinstance(refusal, _Wait):
             waiting = refusal
         elif refusal is not None:
-            return Outcome(decision, "refused", refusal.gate, refusal.reason)
+            return GateResult(decision, "refused", refusal.gate, refusal.reason)
     if waiting is not None:
-        return Outcome(decision, "waiting-approval", waiting.gate, waiting.reason)
-    return Outcome(decision, "allowed", None, "")
+        return GateResult(decision, "waiting-approval", waiting.gate, waiting.reason)
+    return GateResult(decision, "allowed", None, "")
 
 
-def apply_gates(decisions: Iterable[Decision], context: GateContext) -> tuple[Outcome, ...]:
+def apply_gates(decisions: Iterable[Decision], context: GateContext) -> tuple[GateResult, ...]:
     """Gate every decision in order; allowed node-removing actions are charged to the rate limits
     and capacity floor of the ones after them. Never raises."""
-    out: list[Outcome] = []
+    out: list[GateResult] = []
     ctx = context
     for decision in decisions:
         try:
@@ -458,6 +458,6 @@ def apply_gates(decisions: Iterable[Decision], context: GateContext) -> tuple[Ou
             if outcome.status == "allowed":
                 ctx = _charge(ctx, decision)
         except Exception as exc:  # fail closed
-            outcome = Outcome(decision, "refused", "error", f"{type(exc).__name__}: {exc}"[:200])
+            outcome = GateResult(decision, "refused", "error", f"{type(exc).__name__}: {exc}"[:200])
         out.append(outcome)
     return tuple(out)

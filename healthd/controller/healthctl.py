@@ -22,9 +22,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from healthd.config import ConfigError
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES, REMEDIATION_KINDS, Incident, Ledger, LedgerError
-from healthd.render import _table
+from healthd.controller.config import load_controller_settings
+from healthd.text import table
 
 DEFAULT_CONFIG = "/etc/healthd/controller.yaml"
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
@@ -133,7 +135,7 @@ def cmd_status(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
         lines.append(f"planned, not yet applied: actions {', '.join(map(str, doc['pending_actions']))}")
     lines.append(f"waiting approval: {len(waiting)}")
     if waiting:
-        lines += ["", *(_table(["decision", "node", "kind", "tier", "decided", "reason"],
+        lines += ["", *(table(["decision", "node", "kind", "tier", "decided", "reason"],
                                [[d.id, d.node, d.kind, tier(d.tier), ts(d.decided_at), d.reason] for d in waiting]))]
     return doc, lines
 
@@ -164,7 +166,7 @@ def cmd_nodes(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
         rows.append([n, "drained by healthd" if n in drains else "-", e["incidents"],
                      ",".join(map(str, e["open_incidents"])) or "-", ts(e["last_incident_at"]),
                      "-" if not acts else f"#{acts[-1].id} {acts[-1].kind} {acts[-1].status}"])
-    lines = _table(["node", "healthd", "incidents", "open", "last incident", "last action"], rows) if rows else ["no nodes in the ledger"]
+    lines = table(["node", "healthd", "incidents", "open", "last incident", "last action"], rows) if rows else ["no nodes in the ledger"]
     return [nodes[n] for n in sorted(nodes)], lines
 
 
@@ -175,7 +177,7 @@ def cmd_incidents(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]
     rows = [[i.id, i.status, i.signature, tier(i.tier), i.attribution,
              ",".join(i.nodes) or "-", ",".join(i.gpu_serials) or "-", ts(i.first_evidence_at),
              dur(i.detection_latency), dur(i.recovery_time)] for i in incs]
-    lines = _table(["id", "status", "signature", "tier", "attribution", "nodes", "gpu serials", "first evidence",
+    lines = table(["id", "status", "signature", "tier", "attribution", "nodes", "gpu serials", "first evidence",
                     "detect", "recovery"], rows) if rows else ["no incidents" + (" open" if args.open else "")]
     return [_incident_json(i) for i in incs], lines
 
@@ -214,9 +216,6 @@ def _next_steps(inc: Incident, decisions: list, actions: list, led: Ledger) -> l
 
 def _configured_budget(path: str | None) -> int | None:
     """max_actions_per_hour from the controller's config (the default file when present)."""
-    from healthd.config import ConfigError
-    from healthd.controller.config import load_controller_settings
-
     try:
         return load_controller_settings(path).policy.max_actions_per_hour if path or os.path.exists(DEFAULT_CONFIG) else None
     except (ConfigError, OSError):
@@ -318,15 +317,15 @@ def cmd_report(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
            "false_positive_rate": {"approved": fp.approved, "rejected": fp.rejected, "rate": fp.rate},
            "mtbf": [_js(m) for m in mtbf], "latency": {k: _js(v) for k, v in pct.items()}}
     out = [f"Report over the last {args.days:g} days ({ts(since)} .. {ts(now)})", "", "Repeat offenders by node"]
-    out += ["  " + r for r in _table(["node", "incidents", "last"], [[o.key, o.incidents, ts(o.last_at)] for o in by_node])] if by_node else ["  none"]
+    out += ["  " + r for r in table(["node", "incidents", "last"], [[o.key, o.incidents, ts(o.last_at)] for o in by_node])] if by_node else ["  none"]
     out += ["", "Repeat offenders by GPU serial"]
-    out += ["  " + r for r in _table(["gpu serial", "incidents", "last"], [[o.key, o.incidents, ts(o.last_at)] for o in by_gpu])] if by_gpu else ["  none"]
+    out += ["  " + r for r in table(["gpu serial", "incidents", "last"], [[o.key, o.incidents, ts(o.last_at)] for o in by_gpu])] if by_gpu else ["  none"]
     rate = "n/a (nothing judged)" if fp.rate is None else f"{fp.rate * 100:.1f}%"
     out += ["", f"False-positive rate of observe-mode proposals: {rate}  ({fp.rejected} rejected, {fp.approved} approved)"]
     out += ["", "MTBF per node"]
-    out += ["  " + r for r in _table(["node", "failures", "mtbf"], [[m.node, m.failures, dur(m.mtbf_s)] for m in mtbf])] if mtbf else ["  no failures"]
+    out += ["  " + r for r in table(["node", "failures", "mtbf"], [[m.node, m.failures, dur(m.mtbf_s)] for m in mtbf])] if mtbf else ["  no failures"]
     out += ["", "Latency percentiles (nearest rank)"]
-    out += ["  " + r for r in _table(["stage", "n", "p50", "p90", "p99"],
+    out += ["  " + r for r in table(["stage", "n", "p50", "p90", "p99"],
                                      [[k, v.n, dur(v.p50), dur(v.p90), dur(v.p99)] for k, v in pct.items()])]
     return doc, out
 

@@ -69,7 +69,7 @@ REMEDIATED_STATUSES = ("applied", "released", "completed")
 CLEAR_SCOPES = ("evidence", "episode")
 """A clear of a finding on a node: `evidence` (a repair: evidence up to `before` no longer counts,
 anything newer does) or `episode` (an operator dismissed it: the episode that had begun by `before`
-no longer counts; a new episode, or a new kernel log line, does). See healthd.instructions."""
+no longer counts; a new episode, or a new kernel log line, does). See healthd.agent.instructions."""
 CLOSED_INCIDENT_STATUSES = ("closed", "false_positive", "handed-over", "resolved")
 VERDICTS = ("approve", "reject")
 REMEDIATION_KINDS = ("drain", "drain-and-requeue", "reboot-asap")

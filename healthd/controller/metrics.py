@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from healthd.model import VERDICTS
+
 if TYPE_CHECKING:
     from healthd.controller.daemon import Controller
 
 _log = logging.getLogger("healthd.controller")
-VERDICTS = ("healthy", "degraded", "failed", "unknown")
 REINTEGRATION_STATES = ("requested", "validating", "probation", "passed", "failed", "recurred", "aborted")
 INCIDENT_STAGES = ("detection", "decision", "action", "recovery")
 INCIDENT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)

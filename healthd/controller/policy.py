@@ -20,8 +20,8 @@ from typing import Any, Literal
 from ClusterShell.NodeSet import NodeSet, NodeSetException
 from ClusterShell.RangeSet import RangeSetException
 
-from healthd.controller.report_schema import ReportInvalid, validate_finding, validate_report
-from healthd.instructions import is_cleared
+from healthd.report_schema import ReportInvalid, validate_finding, validate_report
+from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, owned
 from healthd.model import ACTION_SEVERITY, Component, Evidence, Finding
 from healthd.slurm.backend import NodeInfo
@@ -133,7 +133,7 @@ def _epoch(value: Any) -> float | None:
 
 def finding_from_json(doc: Mapping[str, Any], *, checked: bool = False) -> Finding:
     """One finding of the README's state document -> Finding. Raises ValueError on a malformed one
-    (healthd.controller.report_schema decides what is malformed, and names the field).
+    (healthd.report_schema decides what is malformed, and names the field).
 
     `checked=True`: the caller has validated `doc` already (receive_report validates the whole
     document at intake), so it is only converted. Otherwise it is validated here first: a Finding
@@ -424,7 +424,7 @@ def is_actionable(f: Finding) -> bool:
 def without_cleared(report: NodeReport, cleared: Mapping[str, float],
                     dismissed: Mapping[str, float] | None = None) -> NodeReport:
     """The report without the findings cleared on its node (finding id -> before; see
-    healthd.instructions): `cleared` by evidence (a repair: new evidence brings a finding back),
+    healthd.agent.instructions): `cleared` by evidence (a repair: new evidence brings a finding back),
     `dismissed` by episode (an undo or close: a new episode brings it back)."""
     if not cleared and not dismissed:
         return report

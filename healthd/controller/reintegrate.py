@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from healthd.controller.executor import Executor
-from healthd.controller.gates import Outcome
+from healthd.controller.gates import GateResult
 from healthd.controller.ledger import Reintegration
-from healthd.instructions import is_cleared
+from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, describe_reason, owned
 from healthd.controller.policy import Decision, FleetView, NodeReport, is_actionable, make_reason
 from healthd.slurm.backend import SlurmError, SlurmRefused
@@ -281,7 +281,7 @@ class Reintegrator:
         (a restart after the write: the fresh read would refuse it as already done)."""
         if self.executor.applied(decision) is not None:
             return True, "already applied"
-        result = self.executor.apply(Outcome(decision, "allowed"), now, mode=mode)
+        result = self.executor.apply(GateResult(decision, "allowed"), now, mode=mode)
         if result.status in ("applied", "already-applied"):
             return True, result.detail
         return False, "dry run" if result.status == "dry-run" else (result.detail or result.status)

@@ -54,7 +54,7 @@ import time
 from http import HTTPStatus
 from typing import Any, Callable, Protocol
 
-from healthd.controller.auth import DEFAULT_MAX_BYTES
+from healthd.envelope import DEFAULT_MAX_BYTES
 from healthd.lograte import RateLimitedLog
 
 _log = logging.getLogger("healthd.controller.server")

@@ -6,7 +6,7 @@ to read the settings, the Slurm backend only when a hook has to ask or tell Slur
 
 `judge(doc, now, settings)` is the one rule every hook applies to the state file: missing,
 unparsable (truncated), not trusted (not root's, writable by group or others, a link: see
-healthd.hooks.files), for another node, older than `hooks.stale_after_s` or written by an agent
+healthd.trusted), for another node, older than `hooks.stale_after_s` or written by an agent
 whose pid is gone means **agent unknown** -- never a silent pass and never a drain.
 """
 
@@ -19,16 +19,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Callable
 
-from healthd.hooks import files
-from healthd.hooks.files import TRUSTED_UID, TooLarge, Untrusted, read_bounded  # noqa: F401 - re-exported
+from healthd import trusted as files
+from healthd.text import clean, parse_time
+from healthd.statedoc import load_state
+from healthd.trusted import SMALL_MAX_BYTES, TRUSTED_UID, TooLarge, Untrusted, read_bounded  # noqa: F401 - re-exported
 
-STATE_MAX_BYTES = 8 << 20
-"""A state document larger than this is refused (a real one is tens of KiB)."""
-SMALL_MAX_BYTES = 64 << 10
-"""Bindings, requests and the checks file are small; anything larger is ignored."""
 WATCHDOG_GRACE_S = 1.0
 """After the deadline, SIGALRM unwinds the hook; this much later the watchdog thread exits the
 process outright (a thread stuck in a syscall that ignores signals)."""
@@ -37,40 +34,11 @@ _JOB_ID = re.compile(r"[0-9]{1,20}")
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}\$?")
 _UID = re.compile(r"[0-9]{1,10}")
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
-_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
 
 
 class HookTimeout(BaseException):
     """Raised by SIGALRM at the deadline. A BaseException so that no `except Exception` in the hook
     or a library it calls can swallow it."""
-
-
-# --------------------------------------------------------------------------- text and time
-
-
-def clean(value: Any, limit: int = 200) -> str:
-    """One printable line of at most `limit` characters: safe in a log line and a Slurm reason."""
-    text = _UNPRINTABLE.sub("?", str(value))
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def iso(ts: float) -> str:
-    """Epoch seconds -> RFC 3339 UTC with milliseconds: healthd.model.iso, without importing the
-    model's dataclasses (~10 ms) on the hooks' path."""
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds")
-
-
-def parse_time(value: Any) -> float | None:
-    """RFC 3339 text -> epoch seconds; None for anything else (no time zone is not a time)."""
-    if not isinstance(value, str) or len(value) > 64:
-        return None
-    try:
-        t = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    if t.tzinfo is None:
-        return None
-    return t.timestamp()
 
 
 # --------------------------------------------------------------------------- the log
@@ -96,7 +64,7 @@ class Log:
             pass
         try:
             if self._syslog is None:
-                import syslog
+                import syslog  # lazy: spared from the hooks' start
 
                 syslog.openlog(self.hook, syslog.LOG_PID, syslog.LOG_DAEMON)
                 self._syslog = syslog
@@ -233,7 +201,7 @@ def env_gpus(env: dict[str, str]) -> tuple[list[int] | None, str]:
 
 def read_json(path: str, limit: int = SMALL_MAX_BYTES, *, root: str | None = None,
               trusted_uid: int = TRUSTED_UID) -> dict[str, Any]:
-    """A small JSON object from a trusted file (healthd.hooks.files): OSError (including TooLarge and
+    """A small JSON object from a trusted file (healthd.trusted): OSError (including TooLarge and
     Untrusted) or ValueError with a reason. `root` (the run directory) is walked without links."""
     return files.read_json(path, limit, root=root, trusted_uid=trusted_uid)
 
@@ -258,25 +226,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def load_state(path: str, trusted_uid: int = TRUSTED_UID) -> tuple[dict[str, Any] | None, str]:
-    """(document, '') or (None, why it could not be read). Only a trusted file is read: owned by
-    `trusted_uid` (root) and writable by neither group nor others, in a directory that is the same,
-    neither the file nor its directory a link; anything else is 'agent unknown' with a line that
-    names the path, the owner and the mode."""
-    try:
-        return files.read_json(path, STATE_MAX_BYTES, trusted_uid=trusted_uid), ""
-    except FileNotFoundError:
-        return None, f"state file {path} is missing (is healthd running?)"
-    except TooLarge as e:
-        return None, f"state file refused: {e}"
-    except Untrusted as e:
-        return None, f"state file refused: {e}"
-    except OSError as e:
-        return None, f"cannot read state file {path}: {e.strerror or e}"
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, f"state file {path} is unparsable (truncated?): {clean(e, 120)}"
 
 
 @dataclass(frozen=True)
@@ -341,40 +290,6 @@ def judge(
 # --------------------------------------------------------------------------- findings in a document
 
 
-def f_tier(f: dict[str, Any]) -> int | None:
-    t = f.get("tier")
-    return t if isinstance(t, int) and not isinstance(t, bool) else None
-
-
-def f_gpu(f: dict[str, Any]) -> int | None:
-    """The GPU index a finding is about (NVML numbering = Slurm/CUDA numbering on a node whose
-    gres.conf lists the devices in order), or None for anything that is not an indexed GPU."""
-    c = f.get("component")
-    if not isinstance(c, dict) or c.get("kind") != "gpu":
-        return None
-    i = c.get("index")
-    return i if isinstance(i, int) and not isinstance(i, bool) and i >= 0 else None
-
-
-def is_node_level(f: dict[str, Any]) -> bool:
-    """A finding about the node's GPUs as a whole rather than one indexed GPU: component kind 'node'
-    (fewer GPUs than expected, a failed quick check, an Xid line naming no bus id), or a GPU that
-    carries no index (lost at enumeration; an Xid on a bus id NVML no longer lists). Ports,
-    filesystems and findings without a component are not."""
-    c = f.get("component")
-    if not isinstance(c, dict):
-        return False
-    return c.get("kind") == "node" or (c.get("kind") == "gpu" and f_gpu(f) is None)
-
-
-def is_t1_hardware(f: dict[str, Any]) -> bool:
-    return f_tier(f) == 1 and f.get("attribution") == "hardware"
-
-
-def summary(f: dict[str, Any], limit: int = 150) -> str:
-    return clean(f.get("summary") or f.get("id") or "unnamed finding", limit)
-
-
 def healthd_reason(text: str, suffix: str = "") -> str:
     """`healthd: <text> <suffix>`, one printable line shorter than 200 characters."""
     room = 199 - len("healthd: ") - (len(suffix) + 1 if suffix else 0)
@@ -396,7 +311,7 @@ def is_healthd_reason(reason: Any) -> bool:
 
 def slurm_error() -> type[Exception]:
     """healthd.slurm's base error, imported only when a hook talks to Slurm."""
-    from healthd.slurm.backend import SlurmError
+    from healthd.slurm.backend import SlurmError  # lazy: spared from the hooks' start
 
     return SlurmError
 
@@ -461,7 +376,7 @@ class Context:
         h = self.settings.hooks
         os.environ["SLURM_CONF"] = h.slurm_conf
         os.environ["PATH"] = h.path
-        from healthd.slurm.scontrol import ScontrolBackend
+        from healthd.slurm.scontrol import ScontrolBackend  # lazy: spared from the hooks' start
 
         left = self.deadline.remaining() if self.deadline is not None else h.timeout_s
         return ScontrolBackend(slurm_conf=h.slurm_conf, timeout_s=max(0.2, left - 0.3))
@@ -475,7 +390,7 @@ class Context:
 
     def run_dir(self, rel: str = "", *, create: bool = False) -> files.TrustedDir:
         """`<run_dir>/<rel>` opened as a trusted directory, no link followed at any level below
-        run_dir (healthd.hooks.files.TrustedDir); OSError (Untrusted, FileNotFoundError) otherwise."""
+        run_dir (healthd.trusted.TrustedDir); OSError (Untrusted, FileNotFoundError) otherwise."""
         return files.TrustedDir(self.settings.hooks.run_dir, rel, create=create, trusted_uid=self.trusted_uid)
 
     def read_json(self, rel: str, limit: int = SMALL_MAX_BYTES) -> dict[str, Any]:
@@ -483,7 +398,7 @@ class Context:
         return read_json(self.path(rel), limit, root=self.settings.hooks.run_dir, trusted_uid=self.trusted_uid)
 
     def write_json(self, rel: str, doc: Any, mode: int = 0o644) -> None:
-        """Atomically write `<run_dir>/<rel>` (healthd.hooks.files: no link followed below run_dir)."""
+        """Atomically write `<run_dir>/<rel>` (healthd.trusted: no link followed below run_dir)."""
         write_json(self.path(rel), doc, mode, root=self.settings.hooks.run_dir, trusted_uid=self.trusted_uid)
 
 
@@ -527,7 +442,7 @@ def run_hook(
     try:
         deadline = Deadline(5.0, safe_code, log)  # until the config says otherwise: a hung config read
         path = parse_args(list(sys.argv[1:] if argv is None else argv), hook) or env.get("HEALTHD_CONFIG") or None
-        from healthd import config as config_mod
+        from healthd import config as config_mod  # lazy: spared from the hooks' start (YAML)
 
         try:
             settings = config_mod.load(path)

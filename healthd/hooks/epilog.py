@@ -20,7 +20,7 @@ instead of writing "Epilog error". The job itself stays COMPLETED. With gating `
 logs "would fail the epilog". Every doubtful case exits 0 with a log line -- a state file that is not
 trusted (not root's, writable by group or others, a link) among them: then nothing is charged,
 requested or drained. Every file is read and written without following a link at any level below
-the run directory (healthd.hooks.files); one that cannot be is logged and skipped.
+the run directory (healthd.trusted); one that cannot be is logged and skipped.
 """
 
 from __future__ import annotations
@@ -29,24 +29,22 @@ import json
 import re
 from typing import Any
 
-from healthd.hooks.bindings import charges, close_binding, read_binding, remove_binding
-from healthd.hooks.checks import CHECKS_FILE, gpu_count_result, merged_doc
+from healthd.bindings import charges, close_binding, read_binding, remove_binding
+from healthd.checks import CHECKS_FILE, gpu_count_result, merged_doc
 from healthd.hooks.common import (
     Context,
     Judgement,
-    clean,
     env_job_id,
     healthd_reason,
     is_drained,
     is_healthd_reason,
-    is_t1_hardware,
-    iso,
     run_hook,
     slurm_error,
-    summary,
     take_node,
 )
-from healthd.hooks.files import TRUSTED_UID, TrustedDir, split_path
+from healthd.statedoc import is_t1_hardware, summary
+from healthd.text import clean, iso
+from healthd.trusted import TRUSTED_UID, TrustedDir, split_path
 
 HOOK = "healthd-epilog"
 OK, DRAIN = 0, 1

@@ -9,7 +9,7 @@ SLURMD_NODENAME as its ONLY environment variable: no PATH, no SLURM_CONF -- both
    closed. Busy: skips them. Slurm unreachable: skips them and says so.
 3. Writes `<run_dir>/checks.json` atomically for the agent, which turns failed checks into findings.
    Every file under the run directory is read only when root owns it and nobody else can write it
-   (nor its directory), and written without following a link at any level (healthd.hooks.files).
+   (nor its directory), and written without following a link at any level (healthd.trusted).
 
 Exit code: always 0. slurmd only logs a non-zero exit; the health check never drains (the agent's
 findings and the controller decide).
@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from healthd.hooks.bindings import open_bindings
-from healthd.hooks.checks import CHECKS_FILE, gpu_count_result, merged_doc, result
-from healthd.hooks.common import Context, clean, iso, parse_time, run_hook, slurm_error
+from healthd.bindings import open_bindings
+from healthd.checks import CHECKS_FILE, gpu_count_result, merged_doc, result
+from healthd.hooks.common import Context, run_hook, slurm_error
+from healthd.text import clean, iso, parse_time
 
 HOOK = "healthd-healthcheck"
 SLURM_ASK_BUSY_S = 300.0
@@ -70,7 +71,7 @@ def dcgmi_due(old: dict[str, Any] | None, now: float, interval_s: float) -> bool
 def run_dcgmi(ctx: Context, exe: str) -> dict[str, Any]:
     """`dcgmi diag -r 1` with a hard timeout. ok: True passed, False a test failed, None could not
     run (host engine not reachable, timed out)."""
-    import subprocess
+    import subprocess  # lazy: spared from the hooks' start
 
     h = ctx.settings.hooks
     if ctx.deadline is not None:
@@ -100,7 +101,7 @@ def close_orphans(ctx: Context, bindings: list[tuple[str, Any]]) -> list[str]:
     """Open bindings on a node Slurm shows idle are jobs whose epilog never ran (slurmd was killed,
     the epilog timed out): close them so no later finding is charged to a dead job. A binding
     younger than ORPHAN_GRACE_S may be a prolog racing this check and is left alone."""
-    from healthd.hooks.bindings import close_binding, remove_binding
+    from healthd.bindings import close_binding, remove_binding  # lazy: spared from the hooks' start
 
     run_dir = ctx.settings.hooks.run_dir
     closed = []

@@ -16,7 +16,7 @@
      `<controller.url>/v1/request` within the hook's remaining deadline; exits 1 only when the
      controller answers {"granted": true} (it drained the node with its own reason). Refused by the
      controller's envelope, controller down, a timeout, a bad answer: the job runs and the log says
-     why. healthd.reporter and the MUNGE binding are imported only on this path.
+     why. healthd.agent.reporter and the MUNGE binding are imported only on this path.
 
 Exit codes: 0 the job runs; 1 the job is refused (only with gating local or controller, a fresh T1
 hardware finding on an allocated GPU or on the node's GPUs as a whole, and the node confirmed
@@ -24,7 +24,7 @@ drained -- by this hook, or by the controller that granted the drain). Every dou
 missing, stale, truncated or not trusted (not root's, writable by group or others, a link), GPU list
 unknown, a finding that is not T1 or not hardware, Slurm unreachable or refusing, a timeout, a bug --
 exits 0 and the log says why. The binding is written into the run directory without following a
-link at any level (healthd.hooks.files); when it cannot be, the log says why and the job runs.
+link at any level (healthd.trusted); when it cannot be, the log says why and the job runs.
 """
 
 from __future__ import annotations
@@ -32,22 +32,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.hooks.bindings import JOBS_DIR, Binding, binding_name
+from healthd.bindings import JOBS_DIR, Binding, binding_name
 from healthd.hooks.common import (
     Context,
     Judgement,
     env_gpus,
     env_job_id,
     env_user,
-    f_gpu,
-    f_tier,
     healthd_reason,
-    is_node_level,
-    is_t1_hardware,
     run_hook,
-    summary,
     take_node,
 )
+from healthd.statedoc import f_gpu, f_tier, is_node_level, is_t1_hardware, summary
 
 HOOK = "healthd-prolog"
 RUN, REFUSE = 0, 1
@@ -142,7 +138,7 @@ def ask_controller(ctx: Context, job: str, g: Gate) -> int:
         log.warning(f"job {job} runs although {g.why}: only {left:.1f}s left of hooks.timeout_s, "
                     "too little to ask the controller")
         return RUN
-    from healthd.reporter import request_drain  # lazy: HTTP and MUNGE only on this path
+    from healthd.client import request_drain  # lazy: HTTP and MUNGE only on this path
 
     assert g.finding is not None
     granted, why = request_drain(c, ctx.node, g.finding, job, timeout)

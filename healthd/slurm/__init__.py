@@ -103,7 +103,7 @@ def default_backend(
     except Exception as exc:  # noqa: BLE001 - any import failure means: use scontrol
         log.warning("Slurm backend: scontrol (pyslurm %s does not load: %s)", ps_version, exc)
         return scontrol
-    from healthd.slurm.pyslurm_backend import PyslurmBackend
+    from healthd.slurm.pyslurm_backend import PyslurmBackend  # optional dependency: only when pyslurm loads
 
     log.info("Slurm backend: pyslurm %s (matches Slurm %s); reboot via scontrol", ps_version, slurm_version)
     return PyslurmBackend(module, fallback=scontrol, timeout_s=timeout_s, dry_run=dry_run, logger=log)

@@ -172,7 +172,7 @@ class MungeFleet:
 def encode_as_user(payload: bytes, socket: str, uid: int, gid: int, *, ttl: int | None = None) -> str:
     """A credential encoded by a forked child that dropped to uid/gid first (so munged sees that user on
     the socket, as it would a non-root user on a compute node). Raises the child's error text."""
-    from healthd.controller import munge
+    from healthd import munge
 
     r, w = os.pipe()
     pid = os.fork()
@@ -212,6 +212,7 @@ def measure_verify_rate(fleet: MungeFleet, *, reports: int = 5000, node: str | N
     (`threads` concurrent verifiers). A helper for bench/controller_auth.py, not a timed test."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from healthd import envelope
     from healthd.controller import auth
 
     node = node or fleet.nodes[0]
@@ -219,7 +220,7 @@ def measure_verify_rate(fleet: MungeFleet, *, reports: int = 5000, node: str | N
     doc = {"verdict": "healthy", "findings": [], "gpus": 8, "seq": 0}
 
     def sign(i: int) -> bytes:
-        return auth.sign_report({**doc, "seq": i}, node, sock)
+        return envelope.sign_report({**doc, "seq": i}, node, sock)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=4) as pool:

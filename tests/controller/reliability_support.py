@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from healthd.controller.auth import sign_report
+from healthd.envelope import sign_report
 from healthd.model import iso
 from tests.controller.munge_support import MungeFleet
 from tests.support.polling import free_port, poll as wait_until

@@ -11,8 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from healthd.controller import auth, munge
-from healthd.controller.auth import ReportRejected, payload_digest, sign_report, verify_report
+from healthd import munge
+from healthd.controller import auth
+from healthd.controller.auth import ReportRejected, verify_report
+from healthd.envelope import DEFAULT_MAX_BYTES, payload_digest, sign_report
 from tests.controller.munge_support import MungeFleet, _alive, encode_as_user, munged_path
 
 NOBODY = 65534
@@ -155,7 +157,7 @@ def test_oversized_body_is_413_before_anything_else(fleet):
     body = sign_report(DOC, "node02", fleet.socket("node02"))
     assert rejected(fleet, body, max_bytes=len(body) - 1).http_status == 413
     assert verify(fleet, body, max_bytes=len(body)).node == "node02"  # the credential was not consumed
-    assert rejected(fleet, b" " * (auth.DEFAULT_MAX_BYTES + 1)).http_status == 413
+    assert rejected(fleet, b" " * (DEFAULT_MAX_BYTES + 1)).http_status == 413
 
 
 @pytest.mark.parametrize(

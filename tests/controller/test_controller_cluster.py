@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from healthd.controller.auth import sign_report
+from healthd.envelope import sign_report
 from healthd.controller.config import ControllerSettings
 from healthd.controller.daemon import Controller
 from healthd.controller.ledger import Ledger

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from healthd.controller.auth import sign_report
+from healthd.envelope import sign_report
 from healthd.controller.config import ControllerSettings
 from healthd.controller.daemon import Controller, main
 from healthd.controller.ledger import Ledger

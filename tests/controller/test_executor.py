@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from healthd.controller.executor import MAX_ATTEMPTS, Executor, JobInfo, idempotency_key
-from healthd.controller.gates import Outcome
+from healthd.controller.gates import GateResult
 from healthd.controller.ledger import Ledger
 from healthd.controller.policy import Decision, make_reason
 from tests.support.fake_slurm import FakeBackend
@@ -40,10 +40,10 @@ def test_applied_once(ledger):
     be = backend()
     ex = Executor(be, ledger, clock=lambda: NOW)
     d = drain_decision()
-    first = ex.apply(Outcome(d, "allowed"), NOW)
+    first = ex.apply(GateResult(d, "allowed"), NOW)
     assert first.status == "applied"
     assert be.writes == [("drain", "node02", d.reason)]
-    again = ex.apply(Outcome(d, "allowed"), NOW + 5)
+    again = ex.apply(GateResult(d, "allowed"), NOW + 5)
     assert again.status == "already-applied"
     assert len(be.writes) == 1
     action = ledger.action_by_key(idempotency_key(d))
@@ -54,14 +54,14 @@ def test_applied_once(ledger):
 
 def test_not_allowed_is_skipped(ledger):
     be = backend()
-    assert Executor(be, ledger, clock=lambda: NOW).apply(Outcome(drain_decision(), "refused", "mode", "observe"), NOW).status == "skipped"
+    assert Executor(be, ledger, clock=lambda: NOW).apply(GateResult(drain_decision(), "refused", "mode", "observe"), NOW).status == "skipped"
     assert be.writes == []
 
 
 def test_failure_is_recorded_with_slurms_message(ledger):
     be = backend()
     be.fail_next = "Invalid node state specified"
-    res = Executor(be, ledger, clock=lambda: NOW).apply(Outcome(drain_decision(), "allowed"), NOW)
+    res = Executor(be, ledger, clock=lambda: NOW).apply(GateResult(drain_decision(), "allowed"), NOW)
     assert res.status == "failed"
     assert ledger.action(res.action_id).status == "failed"
     assert "Invalid node state" in ledger.action(res.action_id).outcome
@@ -72,20 +72,20 @@ def test_a_failed_write_is_tried_again_next_round_then_left_to_a_human(ledger):
     ex = Executor(be, ledger, clock=lambda: NOW)
     d = drain_decision()
     be.fail_next = "Unable to contact slurm controller"
-    assert ex.apply(Outcome(d, "allowed"), NOW).status == "failed"
-    retry = ex.apply(Outcome(d, "allowed"), NOW + 5)  # the next round: a second attempt, its own row
+    assert ex.apply(GateResult(d, "allowed"), NOW).status == "failed"
+    retry = ex.apply(GateResult(d, "allowed"), NOW + 5)  # the next round: a second attempt, its own row
     assert retry.status == "applied" and be.state["node02"].drain_requested
     assert ledger.action(retry.action_id).idempotency_key == f"{idempotency_key(d)}#try2"
     writes = len(be.writes)
-    assert ex.apply(Outcome(d, "allowed"), NOW + 10).status == "already-applied"  # applied: nothing more
+    assert ex.apply(GateResult(d, "allowed"), NOW + 10).status == "already-applied"  # applied: nothing more
     assert len(be.writes) == writes
 
     other = drain_decision("node03", incident="H2")
     for i in range(MAX_ATTEMPTS):
         be.fail_next = "Invalid node state specified"
-        assert ex.apply(Outcome(other, "allowed"), NOW + 20 + i).status == "failed"
+        assert ex.apply(GateResult(other, "allowed"), NOW + 20 + i).status == "failed"
     be.fail_next = None
-    last = ex.apply(Outcome(other, "allowed"), NOW + 30)
+    last = ex.apply(GateResult(other, "allowed"), NOW + 30)
     assert last.status == "skipped" and f"after {MAX_ATTEMPTS} attempts" in last.detail
     assert [a.status for a in ledger.actions(node="node03")] == ["failed"] * MAX_ATTEMPTS
     assert not be.state["node03"].drain_requested
@@ -95,7 +95,7 @@ def test_foreign_reason_between_decide_and_write_refused(ledger):
     be = backend()
     be.state["node02"] = dataclasses.replace(be.state["node02"], flags=frozenset({"DRAIN"}),
                                              reason="bad DIMM, ticket 123", reason_user="alice")
-    res = Executor(be, ledger, clock=lambda: NOW).apply(Outcome(drain_decision(), "allowed"), NOW)
+    res = Executor(be, ledger, clock=lambda: NOW).apply(GateResult(drain_decision(), "allowed"), NOW)
     assert res.status == "refused" and "alice" in res.detail
     assert be.writes == []
     assert ledger.pending_actions() == [] and ledger.actions() == []
@@ -118,22 +118,22 @@ def test_a_write_whose_client_failed_but_landed_is_adopted_never_written_twice(l
     ex = Executor(be, ledger, clock=lambda: NOW)
     d = drain_decision()
     be.fail_next = "Socket timed out on send/recv operation"
-    assert ex.apply(Outcome(d, "allowed"), NOW).status == "failed"
+    assert ex.apply(GateResult(d, "allowed"), NOW).status == "failed"
     be.drain("node02", d.reason)  # ...but it had landed
     writes = len(be.writes)
-    again = ex.apply(Outcome(d, "allowed"), NOW + 5)
+    again = ex.apply(GateResult(d, "allowed"), NOW + 5)
     assert again.status == "already-applied" and again.detail.startswith("adopted")
     assert len(be.writes) == writes
     (action,) = ledger.actions(node="node02")
     assert action.status == "applied" and action.slurm_reason_time == be.state["node02"].reason_time
     hold = ledger.hold("node02")
     assert hold.action_id == action.id and hold.reason == d.reason and hold.reason_user == "root"
-    assert ex.apply(Outcome(d, "allowed"), NOW + 10).status == "already-applied"
+    assert ex.apply(GateResult(d, "allowed"), NOW + 10).status == "already-applied"
 
 
 def test_the_write_is_read_back_as_the_proof_of_ownership(ledger):
     be = backend()
-    res = Executor(be, ledger, clock=lambda: NOW + 0.5).apply(Outcome(drain_decision(), "allowed"), NOW)
+    res = Executor(be, ledger, clock=lambda: NOW + 0.5).apply(GateResult(drain_decision(), "allowed"), NOW)
     action = ledger.action(res.action_id)
     assert action.applied_at == NOW + 0.5  # when the write returned, not when the round began
     hold = ledger.hold("node02")
@@ -153,7 +153,7 @@ def test_a_node_changed_right_after_the_write_is_not_healthds(ledger):
             return info
 
     be = Racing(clock=lambda: NOW)
-    res = Executor(be, ledger, clock=lambda: NOW).apply(Outcome(d, "allowed"), NOW)
+    res = Executor(be, ledger, clock=lambda: NOW).apply(GateResult(d, "allowed"), NOW)
     assert res.status == "applied"
     assert ledger.action(res.action_id).status == "released" and ledger.hold("node02") is None
 
@@ -163,7 +163,7 @@ def test_drain_and_requeue_requeues_each_opted_in_job_once_as_its_own_action(led
     jobs = [JobInfo("101", True, "healthd:requeue", restarts=0)]
     ex = Executor(be, ledger, clock=lambda: NOW, list_jobs=lambda node: jobs)
     d = drain_decision(kind="drain-and-requeue")
-    assert ex.apply(Outcome(d, "allowed"), NOW).status == "applied"
+    assert ex.apply(GateResult(d, "allowed"), NOW).status == "applied"
     drain, requeue = ledger.actions(node="node02")
     assert (requeue.kind, requeue.status, requeue.idempotency_key) == ("requeue", "applied",
                                                                        f"{drain.series}:requeue:101")
@@ -183,7 +183,7 @@ def test_drain_and_requeue_requeues_only_opted_in_batch_jobs(ledger):
     jobs = [JobInfo("101", True, "healthd:requeue"), JobInfo("102", True, "no"), JobInfo("103", False, "healthd:requeue")]
     ex = Executor(be, ledger, clock=lambda: NOW, list_jobs=lambda node: jobs)
     d = drain_decision(kind="drain-and-requeue")
-    res = ex.apply(Outcome(d, "allowed"), NOW)
+    res = ex.apply(GateResult(d, "allowed"), NOW)
     assert res.status == "applied" and "101" in res.detail
     assert be.writes == [("drain", "node02", d.reason), ("requeue", "101")]
 
@@ -191,7 +191,7 @@ def test_drain_and_requeue_requeues_only_opted_in_batch_jobs(ledger):
 def test_dry_run_prints_and_writes_nothing(ledger):
     be = backend()
     printed: list[str] = []
-    res = Executor(be, ledger, clock=lambda: NOW, dry_run=True, out=printed.append).apply(Outcome(drain_decision(), "allowed"), NOW)
+    res = Executor(be, ledger, clock=lambda: NOW, dry_run=True, out=printed.append).apply(GateResult(drain_decision(), "allowed"), NOW)
     assert res.status == "dry-run"
     assert be.writes == [] and ledger.actions() == []
     assert printed and "State=DRAIN" in printed[0] and "node02" in printed[0]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from healthd.controller.gates import (
     BreakerState,
     GateContext,
-    Outcome,
+    GateResult,
     apply_gates,
     build_context,
     evaluate_breaker,
@@ -72,11 +72,11 @@ def run(reports, *, infos=None, names=NODES, ledger=NO_LEDGER, breaker=CLOSED, a
     return apply_gates(decisions, ctx), ctx, alert
 
 
-def by_node(outcomes) -> dict[str, Outcome]:
+def by_node(outcomes) -> dict[str, GateResult]:
     return {o.decision.node: o for o in outcomes}
 
 
-def acting(outcomes) -> list[Outcome]:
+def acting(outcomes) -> list[GateResult]:
     return [o for o in outcomes if o.decision.acts]
 
 

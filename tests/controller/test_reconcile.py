@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from healthd.controller.executor import Executor, JobInfo, idempotency_key
-from healthd.controller.gates import Outcome
+from healthd.controller.gates import GateResult
 from healthd.controller.ledger import Ledger
 from healthd.controller.ownership import Hold
 from healthd.controller.policy import Decision, make_reason
@@ -62,7 +62,7 @@ class _Rig:
                         finding_ids=("xid:gpu0:79",), incident=inc, decided_at=self.clock())
 
     def apply(self, d: Decision):
-        return self.ex.apply(Outcome(d, "allowed"), self.clock(), mode="auto")
+        return self.ex.apply(GateResult(d, "allowed"), self.clock(), mode="auto")
 
     def round(self, mode: str = "auto"):
         return self.rec.round({n: i for n, i in self.be.state.items()}, self.clock(), mode)

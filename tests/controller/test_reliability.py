@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from healthd.controller.auth import sign_report
+from healthd.envelope import sign_report
 from tests.controller.munge_support import munged_path
 from tests.controller.reliability_support import (
     ControllerProc,

@@ -1,8 +1,8 @@
-"""What the controller accepts from a node (healthd.controller.report_schema).
+"""What the controller accepts from a node (healthd.report_schema).
 
 Every field of the state document and of the drain request is checked at intake, refusals name the
-field's path; real agent documents (built by healthd.agent.Agent from fake collectors) pass; the
-agent fits its own reports to the limits (healthd.reporter); arbitrary JSON never makes the validator
+field's path; real agent documents (built by healthd.agent.daemon.Agent from fake collectors) pass; the
+agent fits its own reports to the limits (healthd.agent.reporter); arbitrary JSON never makes the validator
 raise anything else; and through the real HTTP server with real MUNGE, a poisoned signed report is
 refused with 400 while the next control round still drains another node."""
 
@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from healthd.agent import Agent, Memory, Sources
-from healthd.classify import IB_ERROR_COUNTERS
-from healthd.controller import report_schema as rs
+from healthd.agent.daemon import Agent, Memory, Sources
+from healthd.agent.classify import IB_ERROR_COUNTERS
+from healthd import report_schema as rs
 from healthd.controller.policy import (
     ControllerPolicySettings,
     FleetView,
@@ -33,7 +33,7 @@ from healthd.controller.policy import (
     decide,
     finding_from_json,
 )
-from healthd.controller.report_schema import (
+from healthd.report_schema import (
     MAX_DOCUMENT_BYTES,
     MAX_ERROR_CHARS,
     MAX_EVIDENCE,
@@ -43,11 +43,12 @@ from healthd.controller.report_schema import (
     validate_report,
     validate_request,
 )
-from healthd.history import History
+from healthd.agent.history import History
 from healthd.model import iso
-from healthd.reporter import Reporter, request_drain
+from healthd.agent.reporter import Reporter
+from healthd.client import request_drain
 from healthd.settings import ControllerClientSettings, FilesystemSpec, HookSettings
-from tests.classify.builders import (
+from tests.support.builders import (
     CATALOG,
     NOW,
     cd,
@@ -207,7 +208,7 @@ def test_an_xid_flood_report_is_fitted_by_the_agent_and_then_accepted(flood):
 
 
 def test_the_reporter_sends_only_what_the_controller_accepts(flood, caplog):
-    """The agent's reporter (healthd.reporter.Reporter, its sign/post seams capturing the body) fits
+    """The agent's reporter (healthd.agent.reporter.Reporter, its sign/post seams capturing the body) fits
     the document before signing it; one log line says what it left out."""
     sent: list[dict] = []
     done = threading.Event()
@@ -632,7 +633,7 @@ class Rig:
         import urllib.error
         import urllib.request
 
-        from healthd.controller.auth import sign_report
+        from healthd.envelope import sign_report
 
         body = sign_report(doc, node, self.fleet.socket(node))
         req = urllib.request.Request(self.server.url + path, data=body, method="POST",

@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 
 from healthd.controller.admin import ADMIN_MAX_CLIENTS_PER_UID
-from healthd.controller.auth import DEFAULT_MAX_BYTES, sign_report
+from healthd.envelope import DEFAULT_MAX_BYTES, sign_report
 from healthd.controller.daemon import MAX_OPEN_INCIDENTS_PER_NODE
-from healthd.controller.report_schema import MAX_FINDINGS
+from healthd.report_schema import MAX_FINDINGS
 from healthd.controller.server import DEFAULT_MAX_CONNECTIONS_PER_PEER
 from demo.harness import HarnessError
 from tests.controller.munge_support import munged_path

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from healthd.hooks.common import iso
+from healthd.text import iso
 
 BIN = Path(sys.executable).parent
 

@@ -1,4 +1,4 @@
-"""healthd.hooks.files: what the hooks and the agent trust (root's files in root's directories, no
+"""healthd.trusted: what the hooks and the agent trust (root's files in root's directories, no
 group/other write, no link followed below the root) and the writer that never leaves the run
 directory. Real files, real owners (chown to nobody as root), real links; the agent's side of the
 hooks' files against the same hostile files."""
@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from healthd.hooks import files
-from healthd.hooks.common import judge, load_state
-from healthd.hooks.files import TrustedDir, Untrusted, split_path
+from healthd import trusted as files
+from healthd.hooks.common import judge
+from healthd.statedoc import load_state
+from healthd.trusted import TrustedDir, Untrusted, split_path
 from healthd.hooks.prolog import gate
 from tests.hooks.support import finding, state_doc, snapshot
 
@@ -280,10 +281,10 @@ def _settings():
 
 
 def _agent(run_dir: Path):
-    from healthd.agent import Agent, Memory, Sources
-    from healthd.history import History
+    from healthd.agent.daemon import Agent, Memory, Sources
+    from healthd.agent.history import History
     from healthd.settings import HookSettings
-    from tests.classify.builders import CATALOG, NOW, gpu, kernel, nvml, settings as cfg_settings, xid
+    from tests.support.builders import CATALOG, NOW, gpu, kernel, nvml, settings as cfg_settings, xid
     from tests.support.fake_sources import FakeCollector
 
     cfg = cfg_settings(nvml={"expected_gpus": 4}, hooks=HookSettings(run_dir=str(run_dir)))
@@ -293,9 +294,9 @@ def _agent(run_dir: Path):
 
 
 def _plant(run_dir: Path) -> None:
-    from healthd.hooks.checks import merged_doc, result
-    from healthd.hooks.common import iso
-    from tests.classify.builders import NOW
+    from healthd.checks import merged_doc, result
+    from healthd.text import iso
+    from tests.support.builders import NOW
 
     (run_dir / "jobs").mkdir(mode=0o755, exist_ok=True)
     (run_dir / "jobs/41.json").write_text(json.dumps(

@@ -10,22 +10,16 @@ import time
 import pytest
 
 from healthd import config
-from healthd.classify import would_do
-from healthd.hooks.bindings import Binding, attach_jobs, charges, job_at, parse_binding
-from healthd.hooks.checks import findings_from_checks, merge, merged_doc, result
-from healthd.hooks.common import (
-    env_gpus,
-    env_job_id,
-    env_node,
-    env_user,
-    healthd_reason,
-    judge,
-    load_state,
-    read_bounded,
-)
+from healthd.model import would_do
+from healthd.bindings import Binding, attach_jobs, charges, job_at, parse_binding
+from healthd.agent.hookfiles import findings_from_checks, merge
+from healthd.checks import merged_doc, result
+from healthd.hooks.common import env_gpus, env_job_id, env_node, env_user, healthd_reason, judge
+from healthd.statedoc import load_state
+from healthd.trusted import read_bounded
 from healthd.hooks.epilog import request_name, when_idle
 from healthd.hooks.prolog import gate
-from tests.classify.builders import NOW, gpu, kernel, nvml, run, settings, snap, xid
+from tests.support.builders import NOW, gpu, kernel, nvml, run, settings, snap, xid
 from tests.hooks.support import finding, state_doc
 
 T = 1_800_000_000.0

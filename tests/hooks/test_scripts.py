@@ -392,7 +392,7 @@ def test_hooks_import_nothing_heavy(node, hook):
                        env=env, capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
     loaded = {line.split("|")[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
-    heavy = {"pynvml", "systemd", "prometheus_client", "psutil", "healthd.classify", "healthd.agent", "healthd.catalog",
+    heavy = {"pynvml", "systemd", "prometheus_client", "psutil", "healthd.agent.classify", "healthd.agent.daemon", "healthd.agent.classify.catalog",
              "healthd.model", "healthd.persist"}
     if hook != "healthd-healthcheck":  # the health check asks Slurm every run; these two never do here
         heavy |= {"healthd.slurm", "ClusterShell", "subprocess", "tempfile", "logging"}

@@ -1,5 +1,5 @@
 """Real scrapes for the observability tests: the `healthd run` agent on a simulated node (stand-in
-NVML, IB tree, journal, as tests/e2e) serving /metrics on loopback and writing its textfile, and the
+NVML, IB tree, journal, as tests/agent/test_cli.py) serving /metrics on loopback and writing its textfile, and the
 real Controller (real MUNGE, fake Slurm) serving ControllerMetrics on loopback after a few reports and
 rounds. Each scrape is taken once per session and shared."""
 
@@ -100,7 +100,7 @@ def controller_scrape(tmp_path_factory) -> str:
 
     if munged_path() is None:
         pytest.skip("munged not installed (apt-get install munge): the controller scrape needs real MUNGE")
-    from healthd.controller.auth import sign_report
+    from healthd.envelope import sign_report
     from healthd.controller.config import ControllerSettings
     from healthd.controller.daemon import Controller
     from healthd.controller.ledger import Ledger

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.classify.builders import kernel
+from tests.support.builders import kernel
 
 
 class FakeCollector:

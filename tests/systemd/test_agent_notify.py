@@ -1,5 +1,5 @@
 """The real `healthd run` under the sd_notify protocol: a simulated node (C stand-in NVML, IB tree,
-journal files; tests/e2e's Node), a NOTIFY_SOCKET this test owns and WATCHDOG_USEC set. READY=1 only
+journal files; tests/agent/test_cli.py's Node), a NOTIFY_SOCKET this test owns and WATCHDOG_USEC set. READY=1 only
 after the first state file; STATUS= lines; WATCHDOG=1 about every half period; then a hung NVML call
 stops the feeding while the process lives on and keeps publishing."""
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.e2e.test_healthd_cli import HEALTHD, Node
+from tests.support.agent_node import HEALTHD, Node
 from tests.support.fake_nvml import build_fake_nvml, write_nvml_config
 from tests.systemd.support import watchdog_silence
 

@@ -1,0 +1,71 @@
+"""The agent's state document, read the one way every reader reads it: the hooks' gate, the dry-run
+renderer and the controller's view of a report all go through these functions.
+
+The document is JSON written atomically by the agent (healthd.persist); its findings are objects
+with `id`, `tier`, `attribution`, `action`, `summary` and a `component` (`kind` gpu/port/node/
+filesystem, with `index` for a GPU). The accessors below take the document as parsed JSON and never
+trust a field's type: a finding whose tier is not an integer has no tier. Standard library only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from healthd import trusted
+from healthd.text import clean
+
+STATE_MAX_BYTES = 8 << 20
+"""A state document larger than this is refused (a real one is tens of KiB)."""
+
+
+def load_state(path: str, trusted_uid: int = trusted.TRUSTED_UID) -> tuple[dict[str, Any] | None, str]:
+    """(document, '') or (None, why it could not be read). Only a trusted file is read: owned by
+    `trusted_uid` (root) and writable by neither group nor others, in a directory that is the same,
+    neither the file nor its directory a link; anything else is 'agent unknown' with a line that
+    names the path, the owner and the mode."""
+    try:
+        return trusted.read_json(path, STATE_MAX_BYTES, trusted_uid=trusted_uid), ""
+    except FileNotFoundError:
+        return None, f"state file {path} is missing (is healthd running?)"
+    except trusted.TooLarge as e:
+        return None, f"state file refused: {e}"
+    except trusted.Untrusted as e:
+        return None, f"state file refused: {e}"
+    except OSError as e:
+        return None, f"cannot read state file {path}: {e.strerror or e}"
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"state file {path} is unparsable (truncated?): {clean(e, 120)}"
+
+
+def f_tier(f: dict[str, Any]) -> int | None:
+    t = f.get("tier")
+    return t if isinstance(t, int) and not isinstance(t, bool) else None
+
+
+def f_gpu(f: dict[str, Any]) -> int | None:
+    """The GPU index a finding is about (NVML numbering = Slurm/CUDA numbering on a node whose
+    gres.conf lists the devices in order), or None for anything that is not an indexed GPU."""
+    c = f.get("component")
+    if not isinstance(c, dict) or c.get("kind") != "gpu":
+        return None
+    i = c.get("index")
+    return i if isinstance(i, int) and not isinstance(i, bool) and i >= 0 else None
+
+
+def is_node_level(f: dict[str, Any]) -> bool:
+    """A finding about the node's GPUs as a whole rather than one indexed GPU: component kind 'node'
+    (fewer GPUs than expected, a failed quick check, an Xid line naming no bus id), or a GPU that
+    carries no index (lost at enumeration; an Xid on a bus id NVML no longer lists). Ports,
+    filesystems and findings without a component are not."""
+    c = f.get("component")
+    if not isinstance(c, dict):
+        return False
+    return c.get("kind") == "node" or (c.get("kind") == "gpu" and f_gpu(f) is None)
+
+
+def is_t1_hardware(f: dict[str, Any]) -> bool:
+    return f_tier(f) == 1 and f.get("attribution") == "hardware"
+
+
+def summary(f: dict[str, Any], limit: int = 150) -> str:
+    return clean(f.get("summary") or f.get("id") or "unnamed finding", limit)

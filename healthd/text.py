@@ -1,0 +1,42 @@
+"""Text and time in the one form every healthd document and log line uses. Standard library only and
+cheap to import: the hooks load it on every job start."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+def clean(value: Any, limit: int = 200) -> str:
+    """One printable line of at most `limit` characters: safe in a log line and a Slurm reason."""
+    text = _UNPRINTABLE.sub("?", str(value))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def iso(ts: float) -> str:
+    """Epoch seconds -> RFC 3339 UTC with milliseconds, the one time format of healthd's documents."""
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def parse_time(value: Any) -> float | None:
+    """RFC 3339 text -> epoch seconds; None for anything else (no time zone is not a time)."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if t.tzinfo is None:
+        return None
+    return t.timestamp()
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """Left-aligned columns, two spaces apart; None shows as "-"."""
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*headers).rstrip(), *(fmt.format(*r).rstrip() for r in cells)]

@@ -1,0 +1,237 @@
+"""healthd.agent.collectors.kernel_parse: every NVRM line variant (anchors.md §10.1) with exact fields; no input crashes."""
+
+from __future__ import annotations
+
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from healthd.agent.collectors.kernel_parse import is_nvrm, looks_like_xid, nvlink5_subcode, parse_line
+from healthd.model import KernelLine, normalize_bus_id
+
+UUID = "GPU-509665ad-1c2d-3e4f-5a6b-7c8d9e0f1a2b"
+
+# message -> the exact KernelLine expected (fields not named are the dataclass defaults)
+CASES: list[tuple[str, KernelLine]] = [
+    (
+        "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.",
+        KernelLine(kind="xid", bus_id="00000000:3B:00.0", xid=79, pid=1234, process="python",
+                   text="GPU has fallen off the bus."),
+    ),
+    (
+        "NVRM: Xid (0000:03:00): 14, Channel 00000001",
+        KernelLine(kind="xid", bus_id="00000000:03:00.0", xid=14, text="Channel 00000001"),
+    ),
+    (
+        "NVRM: Xid (PCI:0000:05:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+        KernelLine(kind="xid", bus_id="00000000:05:00.0", xid=79, text="GPU has fallen off the bus."),
+    ),
+    (
+        "NVRM: Xid (PCI:0000:b9:00): 71, pid=<unknown>, name=<unknown>, NVLink: fatal error detected on link 6(0x0)",
+        KernelLine(kind="xid", bus_id="00000000:B9:00.0", xid=71, text="NVLink: fatal error detected on link 6(0x0)"),
+    ),
+    (
+        "NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.",
+        KernelLine(kind="xid", bus_id="00000000:01:00.0", xid=79, text="GPU has fallen off the bus."),
+    ),
+    (
+        "NVRM: Xid (PCI:0000:9b:00): 119, pid=2024380, name=nvidia-smi, Timeout after 6s of waiting for RPC "
+        "response from GPU4 GSP! Expected function 103 (GSP_RM_ALLOC) (0x2081 0x4).",
+        KernelLine(kind="xid", bus_id="00000000:9B:00.0", xid=119, pid=2024380, process="nvidia-smi",
+                   text="Timeout after 6s of waiting for RPC response from GPU4 GSP! Expected function 103 "
+                   "(GSP_RM_ALLOC) (0x2081 0x4)."),
+    ),
+    (
+        # Xid 63 prints a pid but no name.
+        "NVRM: Xid (PCI:0000:10:1c): 63, pid=1896, Row Remapper: New row marked for remapping, reset gpu to activate.",
+        KernelLine(kind="xid", bus_id="00000000:10:1C.0", xid=63, pid=1896,
+                   text="Row Remapper: New row marked for remapping, reset gpu to activate."),
+    ),
+    (
+        "NVRM: Xid (PCI:0000:b5:00): 13, pid='<unknown>', name=<unknown>, Graphics SM Warp Exception on "
+        "(GPC 1, TPC 3, SM 0): Out Of Range Address",
+        KernelLine(kind="xid", bus_id="00000000:B5:00.0", xid=13,
+                   text="Graphics SM Warp Exception on (GPC 1, TPC 3, SM 0): Out Of Range Address",
+                   gpc=1, tpc=3, sm=0),
+    ),
+    (
+        "NVRM: Xid (PCI:0002:00:00): 13, pid=2519562, name=python3, Graphics Exception: ChID 000c, Class 0000c7c0",
+        KernelLine(kind="xid", bus_id="00000002:00:00.0", xid=13, pid=2519562, process="python3",
+                   text="Graphics Exception: ChID 000c, Class 0000c7c0"),
+    ),
+    (
+        "NVRM: Xid (PCI:0018:01:00): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
+        "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)",
+        KernelLine(kind="xid", bus_id="00000018:01:00.0", xid=149,
+                   text="NETIR_LINK_EVT Fatal XC0 i0 Link 08 (0x004505c6 0x00000000 0x00000000 0x00000000 "
+                   "0x00000000 0x00000000)",
+                   subcode=4, nvlink_unit="NETIR_LINK_EVT", nvlink_severity="Fatal"),
+    ),
+    (
+        # gpud's test vectors: 0x025001c6 -> 37, 0x026001c6 -> 38; Nonfatal spelled as the driver does.
+        "NVRM: Xid (PCI:0000:00:00): 149, NETIR_LINK_EVT Nonfatal XC0 i0 Link 00 (0x025001c6 0x00000000)",
+        KernelLine(kind="xid", bus_id="00000000:00:00.0", xid=149,
+                   text="NETIR_LINK_EVT Nonfatal XC0 i0 Link 00 (0x025001c6 0x00000000)",
+                   subcode=37, nvlink_unit="NETIR_LINK_EVT", nvlink_severity="Non-fatal"),
+    ),
+    (
+        "NVRM: Xid (PCI:0008:01:00): 145, pid=77, name=nccl, RLW_SRC_TRACK Non-fatal XC1 i0 Link -1 (0x026001c6 0x00000010)",
+        KernelLine(kind="xid", bus_id="00000008:01:00.0", xid=145, pid=77, process="nccl",
+                   text="RLW_SRC_TRACK Non-fatal XC1 i0 Link -1 (0x026001c6 0x00000010)",
+                   subcode=38, nvlink_unit="RLW_SRC_TRACK", nvlink_severity="Non-fatal"),
+    ),
+    (
+        # An NVLink5 Xid whose detail is not in the unit/severity form: still an Xid, no subcode.
+        "NVRM: Xid (PCI:0008:01:00): 144, something new",
+        KernelLine(kind="xid", bus_id="00000008:01:00.0", xid=144, text="something new"),
+    ),
+    (
+        "NVRM: Xid (PCI:0000:3b:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
+        KernelLine(kind="xid", bus_id="00000000:3B:00.0", xid=154,
+                   text="GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)"),
+    ),
+    (
+        "NVRM: Xid (PCI:0000:3b:00): 95, pid=1234, name=pt_main_thread, Uncontained: FBHUB. RST: Yes, D-RST: No",
+        KernelLine(kind="xid", bus_id="00000000:3B:00.0", xid=95, pid=1234, process="pt_main_thread",
+                   text="Uncontained: FBHUB. RST: Yes, D-RST: No"),
+    ),
+    (
+        "NVRM: GPU 0000:05:00.0: GPU has fallen off the bus.",
+        KernelLine(kind="fallen_off_bus", bus_id="00000000:05:00.0", xid=79,
+                   text="NVRM: GPU 0000:05:00.0: GPU has fallen off the bus."),
+    ),
+    (
+        "NVRM: The NVIDIA GPU 0000:18:00.0\nNVRM: (PCI ID: 10de:2330) installed in this system has\n"
+        "NVRM: fallen off the bus and is not responding to commands.",
+        KernelLine(kind="fallen_off_bus", bus_id="00000000:18:00.0", xid=79,
+                   text="NVRM: The NVIDIA GPU 0000:18:00.0\nNVRM: (PCI ID: 10de:2330) installed in this system "
+                   "has\nNVRM: fallen off the bus and is not responding to commands."),
+    ),
+    (
+        # A fail-stop line whose address cannot be read still counts, on an unknown GPU.
+        "NVRM: fallen off the bus and is not responding to commands.",
+        KernelLine(kind="fallen_off_bus", bus_id=None, xid=79,
+                   text="NVRM: fallen off the bus and is not responding to commands."),
+    ),
+    (
+        f"NVRM: GPU at PCI:0000:9b:00: {UUID}",
+        KernelLine(kind="gpu_identity", bus_id="00000000:9B:00.0", text=f"NVRM: GPU at PCI:0000:9b:00: {UUID}",
+                   uuid=UUID),
+    ),
+    (
+        "NVRM: GPU Board Serial Number: 1652823054928",
+        KernelLine(kind="serial", bus_id=None, text="NVRM: GPU Board Serial Number: 1652823054928",
+                   serial="1652823054928"),
+    ),
+    (
+        # A dmesg-style prefix before NVRM is tolerated.
+        "[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 48, An uncorrectable double bit error (DBE) has been detected",
+        KernelLine(kind="xid", bus_id="00000000:3B:00.0", xid=48,
+                   text="An uncorrectable double bit error (DBE) has been detected"),
+    ),
+]
+
+
+@pytest.mark.parametrize("message,expected", CASES, ids=[c[1].kind + str(c[1].xid) + f"-{i}" for i, c in enumerate(CASES)])
+def test_variant_parses_exactly(message: str, expected: KernelLine) -> None:
+    assert parse_line(message) == expected
+
+
+NOT_OURS = [
+    "",
+    "usb 1-1: new high-speed USB device number 2 using xhci_hcd",
+    "Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",  # no NVRM: not the driver
+    "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  535.161.08",
+    "NVRM: GPU4 GSP RPC buffer contains function 103 (GSP_RM_ALLOC) and data 0x2081 0x4.",
+    "NVRM: GPU Board Serial Number: ",
+]
+
+
+@pytest.mark.parametrize("message", NOT_OURS)
+def test_other_lines_are_none_and_not_malformed(message: str) -> None:
+    assert parse_line(message) is None
+    assert not looks_like_xid(message)
+
+
+MALFORMED = [
+    "NVRM: Xid (PCI:zz): abc",
+    "NVRM: Xid (PCI:0000:3b:00): abc, text",
+    "NVRM: Xid (PCI:0000:3g:00): 79, text",
+    "NVRM: Xid (PCI:0000:3b:20): 79, device 0x20 is not a PCI device number",
+    "NVRM: Xid (PCI:0000:3b:00): 1234567, too many digits",
+    "NVRM: Xid (",
+    "NVRM: Xid",
+]
+
+
+@pytest.mark.parametrize("message", MALFORMED)
+def test_malformed_xid_lines_are_none_and_flagged(message: str) -> None:
+    assert parse_line(message) is None
+    assert looks_like_xid(message) and is_nvrm(message)
+
+
+def test_nvlink5_subcode_is_bits_20_to_25() -> None:
+    assert nvlink5_subcode(0x004505C6) == 4
+    assert nvlink5_subcode(0x025001C6) == 37
+    assert nvlink5_subcode(0x000FE406) == 0
+    assert nvlink5_subcode(0xFFFFFFFF) == 63
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text())
+def test_no_text_crashes_parse_line(message: str) -> None:
+    line = parse_line(message)
+    assert line is None or isinstance(line, KernelLine)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.sampled_from(["NVRM: Xid (", "NVRM: Xid (PCI:", "NVRM: GPU ", "NVRM: GPU at PCI:", "NVRM: GPU Board Serial Number: "]),
+    st.text(alphabet="0123456789abcdefABCDEF:.,()= '<>-xPCI", max_size=60),
+)
+def test_no_near_miss_crashes_parse_line(prefix: str, tail: str) -> None:
+    line = parse_line(prefix + tail)
+    assert line is None or isinstance(line, KernelLine)
+
+
+_NAME = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126, blacklist_characters=",'<>"), min_size=1,
+                max_size=15)
+_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=80).filter(
+    lambda t: not t.lstrip().startswith(("pid=", "name="))
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    domain=st.integers(0, 0xFFFF),
+    bus=st.integers(0, 0xFF),
+    dev=st.integers(0, 0x1F),
+    pci_prefix=st.booleans(),
+    upper=st.booleans(),
+    xid=st.integers(0, 99999),
+    pid=st.one_of(st.none(), st.integers(0, 2**22)),
+    name=st.one_of(st.none(), _NAME),
+    text=_TEXT,
+)
+def test_generated_xid_line_round_trips(domain, bus, dev, pci_prefix, upper, xid, pid, name, text) -> None:
+    addr = f"{domain:04x}:{bus:02x}:{dev:02x}"
+    if upper:
+        addr = addr.upper()
+    parts = [f"{xid}"]
+    if pid is not None:
+        parts.append(f"pid={pid}")
+    if name is not None:
+        parts.append(f"name={name}")
+    parts.append(text)
+    message = f"NVRM: Xid ({'PCI:' if pci_prefix else ''}{addr}): " + ", ".join(parts)
+    line = parse_line(message)
+    assert line is not None, message
+    assert line.kind == "xid"
+    assert line.xid == xid
+    assert line.bus_id == normalize_bus_id(f"{domain:x}:{bus:x}:{dev:x}") == f"{domain:08X}:{bus:02X}:{dev:02X}.0"
+    assert line.pid == pid
+    assert line.process == name

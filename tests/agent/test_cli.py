@@ -1,0 +1,236 @@
+"""End to end: the installed `healthd` executable as a subprocess against the C stand-in for
+libnvidia-ml (loaded by pynvml's real ctypes path through LD_LIBRARY_PATH), a sysfs fixture tree and
+real journal files. Nothing in healthd is patched."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.agent_node import HEALTHD, Node
+from tests.support.fake_nvml import build_fake_nvml, write_nvml_config
+from tests.support.ib_tree import set_state
+from tests.support.polling import read_text, scrape, wait_for
+
+@pytest.fixture(scope="session")
+def fake_nvml_dir(tmp_path_factory) -> Path:
+    return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
+
+
+@pytest.fixture
+def node(tmp_path, fake_nvml_dir):
+    n = Node(tmp_path, fake_nvml_dir)
+    yield n
+    shutil.rmtree(n.ckpt, ignore_errors=True)
+
+
+def by_id(doc: dict) -> dict[str, dict]:
+    return {f["id"]: f for f in doc["findings"]}
+
+
+def test_healthy_node_exits_0_and_writes_nothing(node):
+    rc, doc, err = node.dry_run()
+    assert rc == 0, err
+    assert doc["verdict"] == "healthy" and doc["findings"] == [] and doc["would_do"] == []
+    assert doc["node"] == "node01"
+    assert [g["index"] for g in doc["gpus"]] == list(range(8))
+    assert len({g["uuid"] for g in doc["gpus"]}) == 8 and all(g["serial"] for g in doc["gpus"])
+    assert len(doc["ports"]) == 8 and all(p["state"] == "ACTIVE" and p["rate_gbps"] == 400 for p in doc["ports"])
+    assert {s: v["status"] for s, v in doc["sources"].items()} == {
+        "nvml": "ok", "kernel_log": "ok", "infiniband": "ok", "host": "ok"}
+    # --dry-run touches nothing
+    assert not node.state_file.exists() and not node.state_dir.exists()
+    assert not (node.root / "healthd.prom").exists()
+
+
+def test_faulty_node_findings_attributed_tiered_with_evidence(node):
+    gpu3 = node.gpus[3]
+    node.gpus[5]["remapped_rows.pending"] = 1
+    write_nvml_config(node.nvml_values, node.gpus)
+    set_state(node.ib, "mlx5_2", 1, state="1: DOWN", phys_state="3: Disabled")
+    bus3 = gpu3["bus_id"]
+    kernel_bus = bus3[4:].lower().rsplit(".", 1)[0]          # 00000000:5D:00.0 -> 0000:5d:00
+    node.xid(kernel_bus, 79, "pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+
+    rc, doc, err = node.dry_run()
+    assert rc == 2, err
+    assert doc["verdict"] == "failed"
+    f = {(x["source"], x["xid"], x["component"]["kind"], x["component"]["index"]): x for x in doc["findings"]}
+    xid79 = f[("kernel_log", 79, "gpu", 3)]
+    assert (xid79["attribution"], xid79["tier"]) == ("hardware", 1)
+    assert xid79["component"]["uuid"] == gpu3["uuid"] and xid79["component"]["serial"] == gpu3["serial"]
+    assert any("GPU has fallen off the bus" in e["text"] for e in xid79["evidence"])
+    remap = [x for x in doc["findings"] if x["component"]["index"] == 5 and x["source"] == "nvml"]
+    assert remap and remap[0]["tier"] == 2 and remap[0]["action"] == "reset-gpu-when-idle"
+    port = [x for x in doc["findings"] if x["component"]["kind"] == "port"]
+    assert port and port[0]["component"]["device"] == "mlx5_2" and port[0]["attribution"] == "fabric"
+    assert doc["would_do"] and doc["would_do"][0]["tier"] == 1
+    assert not node.state_file.exists() and not node.state_dir.exists()
+
+
+def test_text_report_is_readable(node):
+    node.xid("0000:18:00", 48, "pid=77, name=python3, An uncorrectable double bit error was detected.")
+    p = subprocess.run([HEALTHD, "--dry-run", "--once", "--config", str(node.config)],
+                       capture_output=True, text=True, env=node.env(), timeout=60)
+    assert p.returncode == 2, p.stderr
+    out = p.stdout
+    assert "healthd on node01: FAILED" in out and "dry run: nothing changed" in out
+    assert "GPUs" in out and "Ports" in out and "xid 48" in out and "Would request" in out
+    assert node.gpus[0]["uuid"] in out
+
+
+def test_node_without_gpu_or_hca_says_no_data_and_exits_0(node):
+    node.write_config(nvml={}, infiniband={"sysfs_root": str(node.root / "absent")}, host={})
+    rc, doc, err = node.dry_run(with_nvml=False)
+    assert rc == 0, err
+    assert doc["sources"]["nvml"]["status"] == "no_data"
+    assert doc["sources"]["infiniband"]["status"] == "no_data"
+    assert doc["gpus"] == [] and doc["ports"] == []
+
+
+def test_bad_config_exits_3_naming_the_key(node):
+    node.config.write_text("nvml: {expected_gpus: eight}\n")
+    rc, doc, err = node.dry_run()
+    assert rc == 3
+    assert f"{node.config}: nvml.expected_gpus: expected an integer, found 'eight'" in err
+
+
+def test_daemon_follows_the_journal_publishes_and_resumes_exactly_once(node):
+    env = node.env()
+    proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        state = wait_for(lambda: read_state(node.state_file), lambda d: d["verdict"] == "healthy")
+        assert state["node"] == "node01"
+        t0 = time.time()
+        node.xid("0000:18:00", 95, "pid=1, name=python, Uncontained ECC error")
+        state = wait_for(lambda: read_state(node.state_file), lambda d: any(f["xid"] == 95 for f in d["findings"]))
+        detection = time.time() - t0
+        assert detection < 5.0
+        x95 = [f for f in state["findings"] if f["xid"] == 95][0]
+        assert x95["count"] == 1 and x95["component"]["index"] == 0
+        prom = wait_for(lambda: read_text(node.root / "healthd.prom"),
+                        lambda t: 'healthd_kernel_xid_lines_total{xid="95"} 1.0' in t)
+        assert 'healthd_collector_success{collector="nvml"} 1.0' in prom
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err
+
+    # Restart: the line already counted is not counted again; a new one is.
+    node.xid("0000:18:00", 95, "pid=1, name=python, Uncontained ECC error")
+    proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        state = wait_for(lambda: read_state(node.state_file),
+                         lambda d: d["agent"]["pid"] == proc.pid and any(f["xid"] == 95 for f in d["findings"]))
+        time.sleep(1.5)
+        state = read_state(node.state_file)
+        x95 = [f for f in state["findings"] if f["xid"] == 95][0]
+        assert x95["count"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=15)
+
+
+def test_corrupt_agent_state_is_set_aside_and_the_agent_runs(node):
+    node.state_dir.mkdir(parents=True)
+    (node.state_dir / "agent-state.json").write_text('{"version": 1, "history": {"xid')
+    p = subprocess.run([HEALTHD, "run", "--once", "--config", str(node.config)],
+                       capture_output=True, text=True, env=node.env(), timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "is corrupt" in p.stderr
+    assert list(node.state_dir.glob("agent-state.json.corrupt-*"))
+    assert json.loads((node.state_dir / "agent-state.json").read_text())["version"] == 1
+    assert read_state(node.state_file)["verdict"] == "healthy"
+
+
+def read_state(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopback(node):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node.write_config(metrics={"listen": f"127.0.0.1:{port}"})
+    proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=node.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: read_state(node.state_file), lambda d: d["verdict"] == "healthy")
+        # the state file is written before the metrics are updated: wait for the healthy verdict there too
+        body = wait_for(lambda: scrape(f"http://127.0.0.1:{port}/metrics"),
+                        lambda t: 'healthd_verdict{verdict="healthy"} 1.0' in t)
+        assert 'healthd_ib_port_up{device="mlx5_0",port="1"} 1.0' in body
+
+        node.config.write_text("interval_s: soon\n")
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.5)
+        assert proc.poll() is None, "a bad config on reload must not stop the agent"
+        # still running on the old config: a new Xid is still detected and published
+        node.xid("0000:18:00", 48, "pid=9, name=python3, DBE")
+        state = wait_for(lambda: read_state(node.state_file), lambda d: any(f["xid"] == 48 for f in d["findings"]))
+        assert state["verdict"] == "failed"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+    assert f"reload refused, keeping the running configuration: {node.config}: interval_s: expected a number" in err
+
+
+def test_daemon_keeps_reporting_the_kernel_sources_status_between_kernel_reads(node):
+    node.write_config(kernel_log={"journal_dir": str(node.root / "no-such-journal"), "kmsg_path": None})
+    proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=node.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = wait_for(lambda: read_state(node.state_file), lambda d: True)
+        later = wait_for(lambda: read_state(node.state_file), lambda d: d["generated_at"] != first["generated_at"])
+        for doc in (first, later):
+            assert doc["sources"]["kernel_log"]["status"] == "no_data"
+            assert "no-such-journal" in doc["sources"]["kernel_log"]["detail"]
+        assert later["verdict"] == "healthy"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=15)
+
+
+def _validate(node, *args: str, path: str | None = None) -> subprocess.CompletedProcess:
+    env = node.env()
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([HEALTHD, "validate", "--config", str(node.config), *args],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_validate_passes_a_healthy_node_and_fails_one_with_a_t1_finding(node, tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    dcgmi = fake_bin / "dcgmi"
+    dcgmi.write_text("#!/bin/sh\necho \"diag $*\"\nexit ${DCGMI_RC:-0}\n")
+    dcgmi.chmod(0o755)
+    path = f"{fake_bin}:/usr/bin:/bin"
+    p = _validate(node, path=path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS dcgmi diag -r 2: exit 0 (diag diag -r 2)" in p.stdout and "PASS healthd check: healthy" in p.stdout
+    assert "skipped (DCGM not installed" in _validate(node, "--dcgm-level", "1", path="/nonexistent").stdout
+
+    dcgmi.write_text("#!/bin/sh\necho 'Memory test: Fail'\nexit 226\n")
+    p = _validate(node, path=path)
+    assert p.returncode == 1 and "FAIL dcgmi diag -r 2: exit 226 (Memory test: Fail)" in p.stdout
+
+    bus = node.gpus[2]["bus_id"][4:].lower().rsplit(".", 1)[0]
+    node.xid(bus, 79, "pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+    p = _validate(node, "--dcgm-level", "0", path=path)
+    assert p.returncode == 1 and "FAIL healthd check: failed: xid 79" in p.stdout, p.stdout
+    assert "dcgmi" not in p.stdout
+    assert not node.state_dir.exists()  # validation writes nothing on the node
