@@ -1,8 +1,5 @@
-"""The controller's ledger: what it saw, decided and did, in one SQLite file (WAL).
-
-The ledger is the learning loop (../shared/DESIGN.md, "Decided"): findings, incidents with their
-timeline, decisions with the gate that refused them, actions with the exact Slurm call, operator
-approvals, the circuit breaker, and the queries `healthctl report` and the rate limiter need.
+"""The ledger's store: one SQLite file (WAL), its connection and transactions, every write, and the
+reads the controller needs to run.
 
 Durability and crash safety
   * One connection per process (`Ledger` refuses to be used after a fork), in autocommit mode;
@@ -20,11 +17,9 @@ Durability and crash safety
     leaves a `planned` row that `pending_actions()` returns at start; planning again with the same
     key returns that same row, never a second one.
 
-Schema versioning: `PRAGMA user_version` holds the schema version and `PRAGMA application_id` marks
-the file as a healthd ledger. `migrate()` runs each step of `MIGRATIONS` in its own transaction,
-together with the version bump. A file that is not SQLite, is corrupt, belongs to another program,
-or has a newer schema than this code raises `LedgerError` naming the file; nothing is ever deleted
-or recreated to "recover".
+Opening a file that is not SQLite, is corrupt, belongs to another program, or has a newer schema
+than this code raises `LedgerError` naming the file; nothing is ever deleted or recreated to
+"recover".
 
 Times are POSIX seconds (float); every write takes an optional `at` (default `time.time()`).
 All SQL is parameterised; no value is ever formatted into a statement.
@@ -33,546 +28,44 @@ All SQL is parameterised; no value is ever formatted into a statement.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from healthd.controller.ledger import reports
+from healthd.controller.ledger.records import (
+    ACTIVE_REINTEGRATION_STATES,
+    APPROVAL_VERDICTS,
+    BUDGET_STATUSES,
+    CLEAR_SCOPES,
+    CLOSED_INCIDENT_STATUSES,
+    DECISION_OUTCOMES,
+    ENDED_STATUSES,
+    ESCALATIONS,
+    REINTEGRATION_STATES,
+    REMEDIATED_STATUSES,
+    REMEDIATION_KINDS,
+    Action,
+    Approval,
+    BreakerRecord,
+    Clear,
+    DecisionRecord,
+    FindingRecord,
+    Incident,
+    LedgerError,
+    Reintegration,
+)
+from healthd.controller.ledger.reports import FalsePositiveRate, NodeMtbf, Offender, Percentiles
+from healthd.controller.ledger.schema import APPLICATION_ID, SCHEMA_VERSION, migrate
 from healthd.controller.ownership import NODE_STATE_KINDS, Hold
 
-SCHEMA_VERSION = 3
-APPLICATION_ID = 0x68446C67  # "hDlg": marks a healthd ledger (PRAGMA application_id)
 DEFAULT_BUSY_TIMEOUT_S = 5.0
-
-DECISION_OUTCOMES = ("allowed", "waiting", "refused")
-ACTION_STATUSES = ("planned", "applied", "failed", "undone", "lost", "released", "abandoned", "completed")
-"""planned -> applied (the write returned, or the reconciler found it in Slurm) | failed (the client
-reported failure; the reconciler still adopts it if Slurm shows it landed) | abandoned (planned before a
-restart and not in Slurm: re-decided from current evidence, never applied blindly). An applied
-node-state action ends as undone (an operator's `healthctl undo`), lost (Slurm lost it, e.g. slurmctld
-came back from an older state save: re-applied through the gates as a new attempt), released (someone
-else changed the node: ownership passed to them) or completed (a requested reboot happened)."""
-ENDED_STATUSES = ("undone", "lost", "released", "completed")
-"""How an applied action's effect ended."""
-BUDGET_STATUSES = ("applied", "undone", "released", "completed")
-"""Applied actions that spent rate-limit budget; a lost one gives its slot to the attempt that
-re-applies it."""
-REMEDIATED_STATUSES = ("applied", "released", "completed")
-"""Applied actions that count as a remediation for escalation (an undone one was a false positive)."""
-CLEAR_SCOPES = ("evidence", "episode")
-"""A clear of a finding on a node: `evidence` (a repair: evidence up to `before` no longer counts,
-anything newer does) or `episode` (an operator dismissed it: the episode that had begun by `before`
-no longer counts; a new episode, or a new kernel log line, does). See healthd.agent.instructions."""
-CLOSED_INCIDENT_STATUSES = ("closed", "false_positive", "handed-over", "resolved")
-VERDICTS = ("approve", "reject")
-REMEDIATION_KINDS = ("drain", "drain-and-requeue", "reboot-asap")
-"""Action kinds (policy's decision kinds) that take a node out of service and count as a remediation
-for escalation; `resume` puts it back, and other kinds (e.g. a job `requeue`) are neither."""
-RESUME_KIND = "resume"
-EXCLUDED_INCIDENT_STATUSES = ("false_positive",)
-REINTEGRATION_STATES = ("requested", "validating", "probation", "passed", "failed", "recurred", "aborted")
-"""requested -> validating (reserved, resumed inside the reservation, validation running) -> probation
-(validation passed, back in service) -> passed (probation over). `failed`: validation failed, node
-re-drained. `recurred`: the fault came back during probation. `aborted`: the node was taken over or
-can no longer be reintegrated (the detail says why)."""
-ACTIVE_REINTEGRATION_STATES = ("requested", "validating", "probation")
-ESCALATIONS = ("inspect-hardware", "contact-support")
-"""Escalation levels, weakest first."""
-"""Incidents with these statuses are left out of MTBF and repeat-offender figures."""
-
-
-class LedgerError(RuntimeError):
-    """The ledger cannot be used as asked; the message names the file and says why."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Values returned to callers: frozen dataclasses, never rows.
-
-
-@dataclass(frozen=True)
-class Finding:
-    node: str
-    finding_id: str
-    gpu_serial: str | None
-    attribution: str
-    tier: str
-    action: str
-    summary: str
-    evidence: Any
-    first_seen: float
-    last_seen: float
-
-
-@dataclass(frozen=True)
-class Incident:
-    id: int
-    signature: str
-    attribution: str
-    tier: str
-    status: str
-    nodes: tuple[str, ...]
-    gpu_serials: tuple[str, ...]
-    jobs: tuple[str, ...]
-    first_evidence_at: float | None
-    detected_at: float | None
-    decided_at: float | None
-    action_applied_at: float | None
-    back_in_service_at: float | None
-    created_at: float
-    escalation: str | None = None
-    """None, `inspect-hardware` (the same fault after `inspect_after` remediations) or
-    `contact-support` (`support_after` remediations on the node within the support window)."""
-    closed_at: float | None = None
-    closed_by: str | None = None
-    close_why: str | None = None
-
-    @property
-    def detection_latency(self) -> float | None:
-        """First evidence → detected."""
-        return _diff(self.detected_at, self.first_evidence_at)
-
-    @property
-    def decision_latency(self) -> float | None:
-        """Detected → decided."""
-        return _diff(self.decided_at, self.detected_at)
-
-    @property
-    def action_latency(self) -> float | None:
-        """Decided → action applied in Slurm."""
-        return _diff(self.action_applied_at, self.decided_at)
-
-    @property
-    def recovery_time(self) -> float | None:
-        """First evidence → back in service: the whole time the capacity was lost to this fault."""
-        return _diff(self.back_in_service_at, self.first_evidence_at)
-
-    @property
-    def isolation_granularity(self) -> tuple[int, int]:
-        """(nodes, GPUs) the incident took out: the seed-003 "isolation granularity"."""
-        return (len(self.nodes), len(self.gpu_serials))
-
-
-@dataclass(frozen=True)
-class Decision:
-    id: int
-    incident_id: int | None
-    node: str
-    kind: str
-    tier: str
-    mode: str
-    reason: str
-    evidence: Any
-    decided_at: float
-    outcome: str
-    refused_gate: str | None
-    refused_reason: str | None
-
-
-@dataclass(frozen=True)
-class Action:
-    id: int
-    decision_id: int
-    idempotency_key: str
-    node: str
-    partition: str | None
-    kind: str
-    argv: tuple[str, ...]
-    evidence: Any
-    status: str
-    outcome: str | None
-    planned_at: float
-    applied_at: float | None
-    failed_at: float | None
-    undone_at: float | None
-    series: str = ""
-    """The idempotency key of the first attempt: every attempt of one decision for one incident."""
-    attempt: int = 1
-    reason: str | None = None
-    """The Slurm reason the write sets (node-state actions)."""
-    ended_at: float | None = None
-    """When it became lost, released, completed or abandoned."""
-    slurm_reason_time: float | None = None
-    """Slurm's reason time right after the write: with `slurm_reason_user`, the ownership proof."""
-    slurm_reason_user: str | None = None
-
-
-@dataclass(frozen=True)
-class Clear:
-    """Evidence of one finding on one node that no longer counts (see CLEAR_SCOPES)."""
-
-    id: int
-    node: str
-    finding_id: str
-    before: float
-    scope: str
-    incident_id: int | None
-    by: str | None
-    why: str | None
-    at: float
-
-
-@dataclass(frozen=True)
-class Approval:
-    id: int
-    decision_id: int
-    operator: str
-    verdict: str
-    why: str | None
-    at: float
-
-
-@dataclass(frozen=True)
-class Reintegration:
-    id: int
-    node: str
-    incident_id: int | None
-    trigger: str
-    """`repaired` (an operator's healthctl repaired) or `cleared` (the agent reported the fault gone)."""
-    operator: str | None
-    why: str | None
-    state: str
-    reservation: str | None
-    findings: tuple[str, ...]
-    """Finding ids this reintegration clears (evidence up to `requested_at` no longer counts)."""
-    requested_at: float
-    started_at: float | None
-    validated_at: float | None
-    probation_until: float | None
-    ended_at: float | None
-    results: Any
-    """Validation step results: [{"argv": [...], "rc": int, "seconds": float, "output": str}, ...]."""
-    detail: str | None
-
-    @property
-    def active(self) -> bool:
-        return self.state in ACTIVE_REINTEGRATION_STATES
-
-
-@dataclass(frozen=True)
-class BreakerState:
-    open: bool
-    opened_at: float | None
-    cause: str | None
-    reset_at: float | None
-    reset_by: str | None
-    why: str | None
-    nodes: tuple[str, ...] = ()
-    """The failing nodes that opened it (the latest opening)."""
-
-
-@dataclass(frozen=True)
-class Offender:
-    key: str
-    """Node name or GPU serial."""
-    incidents: int
-    last_at: float
-
-
-@dataclass(frozen=True)
-class FalsePositiveRate:
-    approved: int
-    rejected: int
-
-    @property
-    def rate(self) -> float | None:
-        judged = self.approved + self.rejected
-        return None if judged == 0 else self.rejected / judged
-
-
-@dataclass(frozen=True)
-class NodeMtbf:
-    node: str
-    failures: int
-    window_s: float
-    mtbf_s: float
-
-
-@dataclass(frozen=True)
-class Percentiles:
-    n: int
-    p50: float | None
-    p90: float | None
-    p99: float | None
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile: the ceil(q/100 · n)-th smallest value (no interpolation, so every
-    figure in a report is a latency that really happened)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[rank - 1]
-
-
-def _diff(later: float | None, earlier: float | None) -> float | None:
-    return None if later is None or earlier is None else later - earlier
-
-
-# --------------------------------------------------------------------------------------------------
-# Schema and migrations.
-
-
-def _migrate_0_to_1(conn: sqlite3.Connection) -> None:
-    statements = [
-        f"PRAGMA application_id = {APPLICATION_ID:d}",  # an int constant of this module, not a value
-        """CREATE TABLE findings (
-            node TEXT NOT NULL,
-            finding_id TEXT NOT NULL,
-            gpu_serial TEXT NOT NULL DEFAULT '',
-            attribution TEXT NOT NULL,
-            tier TEXT NOT NULL,
-            action TEXT NOT NULL,
-            summary TEXT NOT NULL,
-            evidence TEXT NOT NULL,
-            first_seen REAL NOT NULL,
-            last_seen REAL NOT NULL,
-            PRIMARY KEY (node, finding_id, gpu_serial)
-        )""",
-        """CREATE TABLE incidents (
-            id INTEGER PRIMARY KEY,
-            signature TEXT NOT NULL,
-            attribution TEXT NOT NULL,
-            tier TEXT NOT NULL,
-            status TEXT NOT NULL,
-            jobs TEXT NOT NULL DEFAULT '[]',
-            first_evidence_at REAL,
-            detected_at REAL,
-            decided_at REAL,
-            action_applied_at REAL,
-            back_in_service_at REAL,
-            created_at REAL NOT NULL
-        )""",
-        "CREATE INDEX incidents_signature ON incidents (signature)",
-        """CREATE TABLE incident_nodes (
-            incident_id INTEGER NOT NULL REFERENCES incidents (id),
-            node TEXT NOT NULL,
-            PRIMARY KEY (incident_id, node)
-        )""",
-        "CREATE INDEX incident_nodes_node ON incident_nodes (node)",
-        """CREATE TABLE incident_gpus (
-            incident_id INTEGER NOT NULL REFERENCES incidents (id),
-            gpu_serial TEXT NOT NULL,
-            PRIMARY KEY (incident_id, gpu_serial)
-        )""",
-        "CREATE INDEX incident_gpus_serial ON incident_gpus (gpu_serial)",
-        """CREATE TABLE decisions (
-            id INTEGER PRIMARY KEY,
-            incident_id INTEGER REFERENCES incidents (id),
-            node TEXT NOT NULL,
-            kind TEXT NOT NULL,
-            tier TEXT NOT NULL,
-            mode TEXT NOT NULL,
-            reason TEXT NOT NULL,
-            evidence TEXT NOT NULL,
-            decided_at REAL NOT NULL,
-            outcome TEXT NOT NULL CHECK (outcome IN ('allowed', 'waiting', 'refused')),
-            refused_gate TEXT,
-            refused_reason TEXT,
-            CHECK (outcome != 'refused' OR (refused_gate IS NOT NULL AND refused_reason IS NOT NULL))
-        )""",
-        "CREATE INDEX decisions_incident ON decisions (incident_id)",
-        """CREATE TABLE actions (
-            id INTEGER PRIMARY KEY,
-            decision_id INTEGER NOT NULL REFERENCES decisions (id),
-            idempotency_key TEXT NOT NULL UNIQUE,
-            node TEXT NOT NULL,
-            partition TEXT,
-            kind TEXT NOT NULL,
-            argv TEXT NOT NULL,
-            evidence TEXT NOT NULL,
-            status TEXT NOT NULL CHECK (status IN ('planned', 'applied', 'failed', 'undone')),
-            outcome TEXT,
-            planned_at REAL NOT NULL,
-            applied_at REAL,
-            failed_at REAL,
-            undone_at REAL
-        )""",
-        "CREATE INDEX actions_status ON actions (status)",
-        "CREATE INDEX actions_applied_at ON actions (applied_at)",
-        "CREATE INDEX actions_node ON actions (node)",
-        """CREATE TABLE approvals (
-            id INTEGER PRIMARY KEY,
-            decision_id INTEGER NOT NULL UNIQUE REFERENCES decisions (id),
-            operator TEXT NOT NULL,
-            verdict TEXT NOT NULL CHECK (verdict IN ('approve', 'reject')),
-            why TEXT,
-            at REAL NOT NULL,
-            CHECK (verdict = 'approve' OR (why IS NOT NULL AND why != ''))
-        )""",
-        """CREATE TABLE breaker_events (
-            id INTEGER PRIMARY KEY,
-            event TEXT NOT NULL CHECK (event IN ('open', 'reset')),
-            at REAL NOT NULL,
-            cause TEXT,
-            nodes TEXT NOT NULL DEFAULT '[]',
-            by TEXT,
-            why TEXT,
-            CHECK (event = 'open' OR (by IS NOT NULL AND why IS NOT NULL AND why != ''))
-        )""",
-    ]
-    for sql in statements:
-        conn.execute(sql)
-
-
-def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
-    statements = [
-        "ALTER TABLE incidents ADD COLUMN escalation TEXT",
-        f"""CREATE TABLE reintegrations (
-            id INTEGER PRIMARY KEY,
-            node TEXT NOT NULL,
-            incident_id INTEGER REFERENCES incidents (id),
-            trigger TEXT NOT NULL CHECK (trigger IN ('repaired', 'cleared')),
-            operator TEXT,
-            why TEXT,
-            state TEXT NOT NULL CHECK (state IN ({", ".join(repr(s) for s in REINTEGRATION_STATES)})),
-            reservation TEXT,
-            findings TEXT NOT NULL DEFAULT '[]',
-            requested_at REAL NOT NULL,
-            started_at REAL,
-            validated_at REAL,
-            probation_until REAL,
-            ended_at REAL,
-            results TEXT NOT NULL DEFAULT '[]',
-            detail TEXT
-        )""",
-        # one reintegration in flight per node
-        "CREATE UNIQUE INDEX reintegrations_active ON reintegrations (node) "
-        "WHERE state IN ('requested', 'validating', 'probation')",
-    ]
-    for sql in statements:
-        conn.execute(sql)
-
-
-def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
-    """Actions get attempts (series), the reason they write, the ownership proof and the statuses of
-    reconciliation; holds record which nodes healthd owns; clears record dismissed evidence;
-    incidents record who closed them and why. SQLite cannot change a CHECK, so actions is rebuilt."""
-    statuses = ", ".join(repr(s) for s in ACTION_STATUSES)
-    statements = [
-        f"""CREATE TABLE actions_v3 (
-            id INTEGER PRIMARY KEY,
-            decision_id INTEGER NOT NULL REFERENCES decisions (id),
-            idempotency_key TEXT NOT NULL UNIQUE,
-            series TEXT NOT NULL,
-            attempt INTEGER NOT NULL DEFAULT 1,
-            node TEXT NOT NULL,
-            partition TEXT,
-            kind TEXT NOT NULL,
-            argv TEXT NOT NULL,
-            evidence TEXT NOT NULL,
-            reason TEXT,
-            status TEXT NOT NULL CHECK (status IN ({statuses})),
-            outcome TEXT,
-            planned_at REAL NOT NULL,
-            applied_at REAL,
-            failed_at REAL,
-            undone_at REAL,
-            ended_at REAL,
-            slurm_reason_time REAL,
-            slurm_reason_user TEXT
-        )""",
-        # series: the key without its `#tryN` suffix; reason: the decision's, for node-state writes
-        """INSERT INTO actions_v3 (id, decision_id, idempotency_key, series, attempt, node, partition, kind, argv,
-            evidence, reason, status, outcome, planned_at, applied_at, failed_at, undone_at)
-           SELECT a.id, a.decision_id, a.idempotency_key,
-                  CASE WHEN instr(a.idempotency_key, '#try') > 0
-                       THEN substr(a.idempotency_key, 1, instr(a.idempotency_key, '#try') - 1)
-                       ELSE a.idempotency_key END,
-                  CASE WHEN instr(a.idempotency_key, '#try') > 0
-                       THEN CAST(substr(a.idempotency_key, instr(a.idempotency_key, '#try') + 4) AS INTEGER)
-                       ELSE 1 END,
-                  a.node, a.partition, a.kind, a.argv, a.evidence,
-                  CASE WHEN a.kind IN ('drain', 'drain-and-requeue', 'reboot-asap') THEN d.reason END,
-                  a.status, a.outcome, a.planned_at, a.applied_at, a.failed_at, a.undone_at
-           FROM actions a JOIN decisions d ON a.decision_id = d.id""",
-        "DROP TABLE actions",
-        "ALTER TABLE actions_v3 RENAME TO actions",
-        "CREATE INDEX actions_status ON actions (status)",
-        "CREATE INDEX actions_applied_at ON actions (applied_at)",
-        "CREATE INDEX actions_node ON actions (node)",
-        "CREATE INDEX actions_series ON actions (series)",
-        """CREATE TABLE holds (
-            node TEXT PRIMARY KEY,
-            action_id INTEGER NOT NULL REFERENCES actions (id),
-            incident_id INTEGER REFERENCES incidents (id),
-            kind TEXT NOT NULL,
-            reason TEXT NOT NULL,
-            reason_time REAL,
-            reason_user TEXT,
-            since REAL NOT NULL,
-            planned_at REAL NOT NULL,
-            verified_at REAL NOT NULL
-        )""",
-        # the nodes the old rule said healthd holds: its latest applied node-state write, not undone or resumed
-        """INSERT INTO holds (node, action_id, incident_id, kind, reason, since, planned_at, verified_at)
-           SELECT a.node, a.id, d.incident_id, a.kind, a.reason, a.applied_at, a.planned_at, a.applied_at
-           FROM actions a JOIN decisions d ON a.decision_id = d.id
-           WHERE a.status = 'applied' AND a.kind IN ('drain', 'drain-and-requeue', 'reboot-asap')
-             AND a.reason IS NOT NULL
-             AND NOT EXISTS (SELECT 1 FROM actions b WHERE b.node = a.node AND b.applied_at IS NOT NULL
-                             AND b.status IN ('applied', 'undone')
-                             AND b.kind IN ('drain', 'drain-and-requeue', 'reboot-asap', 'resume')
-                             AND (b.applied_at > a.applied_at OR (b.applied_at = a.applied_at AND b.id > a.id)))""",
-        f"""CREATE TABLE clears (
-            id INTEGER PRIMARY KEY,
-            node TEXT NOT NULL,
-            finding_id TEXT NOT NULL,
-            before REAL NOT NULL,
-            scope TEXT NOT NULL CHECK (scope IN ({", ".join(repr(s) for s in CLEAR_SCOPES)})),
-            incident_id INTEGER REFERENCES incidents (id),
-            by TEXT,
-            why TEXT,
-            at REAL NOT NULL
-        )""",
-        "CREATE INDEX clears_at ON clears (at)",
-        "CREATE INDEX clears_node ON clears (node, at)",
-        "ALTER TABLE incidents ADD COLUMN closed_at REAL",
-        "ALTER TABLE incidents ADD COLUMN closed_by TEXT",
-        "ALTER TABLE incidents ADD COLUMN close_why TEXT",
-        "CREATE INDEX incidents_status ON incidents (status)",
-    ]
-    for sql in statements:
-        conn.execute(sql)
-
-
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_0_to_1, 2: _migrate_1_to_2, 3: _migrate_2_to_3}
-"""MIGRATIONS[n] takes a schema at version n-1 to version n."""
-
-
-def migrate(conn: sqlite3.Connection, path: str, target: int = SCHEMA_VERSION) -> int:
-    """Bring the schema from its current `user_version` up to `target`, one transaction per step
-    (the step and its version bump commit together or not at all). Returns the final version."""
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version > target:
-        raise LedgerError(f"{path}: ledger schema version {version} is newer than this healthd supports ({target}); refusing to use it")
-    while version < target:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            # Re-read under the write lock: another process may have migrated meanwhile.
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version < target:
-                step = MIGRATIONS.get(version + 1)
-                if step is None:
-                    raise LedgerError(f"{path}: no migration from schema version {version} to {version + 1}")
-                step(conn)
-                version += 1
-                conn.execute(f"PRAGMA user_version = {int(version):d}")  # PRAGMA takes no parameters
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-    return version
-
-
-# --------------------------------------------------------------------------------------------------
 
 
 def _dump(value: Any) -> str:
@@ -738,27 +231,29 @@ class Ledger:
         except sqlite3.DatabaseError as exc:
             raise LedgerError(f"{self.path}: {exc}") from exc
 
-    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """The rows of one parameterised read (the reports read the tables through it)."""
         with self._lock:
             return self._exec(sql, params).fetchall()
 
-    def _one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+    def query_one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        """The first row of one parameterised read, or None."""
         with self._lock:
             return self._exec(sql, params).fetchone()
 
     def schema_version(self) -> int:
-        row = self._one("PRAGMA user_version")
+        row = self.query_one("PRAGMA user_version")
         assert row is not None
         return int(row[0])
 
     def journal_mode(self) -> str:
-        row = self._one("PRAGMA journal_mode")
+        row = self.query_one("PRAGMA journal_mode")
         assert row is not None
         return str(row[0])
 
     def check(self) -> list[str]:
         """PRAGMA quick_check: an empty list when the file is sound, else SQLite's complaints."""
-        rows = self._rows("PRAGMA quick_check")
+        rows = self.query("PRAGMA quick_check")
         msgs = [str(r[0]) for r in rows]
         return [] if msgs == ["ok"] else msgs
 
@@ -767,8 +262,8 @@ class Ledger:
     _FINDING_COLS = "node, finding_id, gpu_serial, attribution, tier, action, summary, evidence, first_seen, last_seen"
 
     @staticmethod
-    def _finding(row: tuple[Any, ...]) -> Finding:
-        return Finding(row[0], row[1], row[2] or None, row[3], row[4], row[5], row[6], json.loads(row[7]), row[8], row[9])
+    def _finding(row: tuple[Any, ...]) -> FindingRecord:
+        return FindingRecord(row[0], row[1], row[2] or None, row[3], row[4], row[5], row[6], json.loads(row[7]), row[8], row[9])
 
     def record_finding(
         self,
@@ -782,7 +277,7 @@ class Ledger:
         summary: str,
         evidence: Any = None,
         at: float | None = None,
-    ) -> Finding:
+    ) -> FindingRecord:
         """Insert a finding, or refresh one already known (keeps first_seen, moves last_seen)."""
         ts = _now(at)
         with self.transaction():
@@ -797,16 +292,16 @@ class Ledger:
         assert found is not None
         return found
 
-    def finding(self, node: str, finding_id: str, gpu_serial: str | None = None) -> Finding | None:
-        row = self._one(
+    def finding(self, node: str, finding_id: str, gpu_serial: str | None = None) -> FindingRecord | None:
+        row = self.query_one(
             f"SELECT {self._FINDING_COLS} FROM findings WHERE node = ? AND finding_id = ? AND gpu_serial = ?",
             (node, finding_id, gpu_serial or ""),
         )
         return None if row is None else self._finding(row)
 
-    def findings(self, node: str | None = None, *, since: float | None = None) -> list[Finding]:
+    def findings(self, node: str | None = None, *, since: float | None = None) -> list[FindingRecord]:
         """Findings, optionally of one node and/or last seen at or after `since`."""
-        rows = self._rows(
+        rows = self.query(
             f"SELECT {self._FINDING_COLS} FROM findings WHERE (? IS NULL OR node = ?) AND (? IS NULL OR last_seen >= ?) "
             "ORDER BY first_seen, node, finding_id, gpu_serial",
             (node, node, since, since),
@@ -895,8 +390,8 @@ class Ledger:
 
     def _incident(self, row: tuple[Any, ...]) -> Incident:
         iid = row[0]
-        nodes = tuple(r[0] for r in self._rows("SELECT node FROM incident_nodes WHERE incident_id = ? ORDER BY node", (iid,)))
-        gpus = tuple(r[0] for r in self._rows("SELECT gpu_serial FROM incident_gpus WHERE incident_id = ? ORDER BY gpu_serial", (iid,)))
+        nodes = tuple(r[0] for r in self.query("SELECT node FROM incident_nodes WHERE incident_id = ? ORDER BY node", (iid,)))
+        gpus = tuple(r[0] for r in self.query("SELECT gpu_serial FROM incident_gpus WHERE incident_id = ? ORDER BY gpu_serial", (iid,)))
         return Incident(
             id=iid, signature=row[1], attribution=row[2], tier=row[3], status=row[4], nodes=nodes, gpu_serials=gpus,
             jobs=tuple(json.loads(row[5])), first_evidence_at=row[6], detected_at=row[7], decided_at=row[8],
@@ -906,13 +401,13 @@ class Ledger:
 
     def incident(self, incident_id: int) -> Incident | None:
         with self._lock:
-            row = self._one(f"SELECT {self._INCIDENT_COLS} FROM incidents WHERE id = ?", (incident_id,))
+            row = self.query_one(f"SELECT {self._INCIDENT_COLS} FROM incidents WHERE id = ?", (incident_id,))
             return None if row is None else self._incident(row)
 
     def incidents(self, *, status: str | None = None, node: str | None = None, since: float | None = None) -> list[Incident]:
         """Incidents, filtered by status, member node and/or created at or after `since`; oldest first."""
         with self._lock:
-            rows = self._rows(
+            rows = self.query(
                 f"SELECT {self._INCIDENT_COLS} FROM incidents WHERE (? IS NULL OR status = ?) AND (? IS NULL OR created_at >= ?) "
                 "AND (? IS NULL OR id IN (SELECT incident_id FROM incident_nodes WHERE node = ?)) ORDER BY id",
                 (status, status, since, since, node, node),
@@ -924,8 +419,8 @@ class Ledger:
     _DECISION_COLS = "id, incident_id, node, kind, tier, mode, reason, evidence, decided_at, outcome, refused_gate, refused_reason"
 
     @staticmethod
-    def _decision(row: tuple[Any, ...]) -> Decision:
-        return Decision(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7]), row[8], row[9], row[10], row[11])
+    def _decision(row: tuple[Any, ...]) -> DecisionRecord:
+        return DecisionRecord(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7]), row[8], row[9], row[10], row[11])
 
     def _validate_outcome(self, outcome: str, gate: str | None, reason: str | None) -> None:
         if outcome not in DECISION_OUTCOMES:
@@ -947,7 +442,7 @@ class Ledger:
         refused_gate: str | None = None,
         refused_reason: str | None = None,
         at: float | None = None,
-    ) -> Decision:
+    ) -> DecisionRecord:
         """Record a policy decision and what the gates made of it (`allowed`, `waiting` for an
         operator, or `refused` by `refused_gate` for `refused_reason`). `mode` is the controller's
         mode at the time (observe/supervised/auto)."""
@@ -961,7 +456,7 @@ class Ledger:
             decision_id = int(cur.lastrowid or 0)
         return self.decision(decision_id)  # type: ignore[return-value]
 
-    def set_decision_outcome(self, decision_id: int, outcome: str, *, refused_gate: str | None = None, refused_reason: str | None = None) -> Decision:
+    def set_decision_outcome(self, decision_id: int, outcome: str, *, refused_gate: str | None = None, refused_reason: str | None = None) -> DecisionRecord:
         """Move a decision on (e.g. `waiting` → `allowed` after approval, or → `refused`)."""
         self._validate_outcome(outcome, refused_gate, refused_reason)
         with self.transaction():
@@ -973,20 +468,20 @@ class Ledger:
                 raise LedgerError(f"{self.path}: no decision {decision_id}")
         return self.decision(decision_id)  # type: ignore[return-value]
 
-    def decision(self, decision_id: int) -> Decision | None:
-        row = self._one(f"SELECT {self._DECISION_COLS} FROM decisions WHERE id = ?", (decision_id,))
+    def decision(self, decision_id: int) -> DecisionRecord | None:
+        row = self.query_one(f"SELECT {self._DECISION_COLS} FROM decisions WHERE id = ?", (decision_id,))
         return None if row is None else self._decision(row)
 
-    def decisions(self, *, incident_id: int | None = None, outcome: str | None = None) -> list[Decision]:
-        rows = self._rows(
+    def decisions(self, *, incident_id: int | None = None, outcome: str | None = None) -> list[DecisionRecord]:
+        rows = self.query(
             f"SELECT {self._DECISION_COLS} FROM decisions WHERE (? IS NULL OR incident_id = ?) AND (? IS NULL OR outcome = ?) ORDER BY id",
             (incident_id, incident_id, outcome, outcome),
         )
         return [self._decision(r) for r in rows]
 
-    def waiting_decisions(self) -> list[Decision]:
+    def waiting_decisions(self) -> list[DecisionRecord]:
         """Decisions waiting for an operator and not yet approved or rejected."""
-        rows = self._rows(
+        rows = self.query(
             f"SELECT {self._DECISION_COLS} FROM decisions WHERE outcome = 'waiting' "
             "AND id NOT IN (SELECT decision_id FROM approvals) ORDER BY id"
         )
@@ -1046,7 +541,7 @@ class Ledger:
                 (decision_id, idempotency_key, series or idempotency_key, attempt, node, partition, kind,
                  _dump(list(argv)), _dump(evidence), reason, _now(at)),
             )
-            row = self._one(f"SELECT {self._ACTION_COLS} FROM actions WHERE idempotency_key = ?", (idempotency_key,))
+            row = self.query_one(f"SELECT {self._ACTION_COLS} FROM actions WHERE idempotency_key = ?", (idempotency_key,))
         assert row is not None
         return self._action(row)
 
@@ -1123,10 +618,10 @@ class Ledger:
 
     def holds(self) -> dict[str, Hold]:
         """node -> healthd's hold on it: every node healthd has taken out of service and still owns."""
-        return {r[0]: Hold(*r) for r in self._rows(f"SELECT {self._HOLD_COLS} FROM holds ORDER BY node")}
+        return {r[0]: Hold(*r) for r in self.query(f"SELECT {self._HOLD_COLS} FROM holds ORDER BY node")}
 
     def hold(self, node: str) -> Hold | None:
-        row = self._one(f"SELECT {self._HOLD_COLS} FROM holds WHERE node = ?", (node,))
+        row = self.query_one(f"SELECT {self._HOLD_COLS} FROM holds WHERE node = ?", (node,))
         return None if row is None else Hold(*row)
 
     def confirm_hold(self, node: str, action_id: int, reason_time: float | None, reason_user: str | None,
@@ -1154,14 +649,14 @@ class Ledger:
 
     def series(self, series: str) -> list[Action]:
         """Every attempt of one decision for one incident, first attempt first."""
-        rows = self._rows(f"SELECT {self._ACTION_COLS} FROM actions WHERE series = ? ORDER BY attempt, id", (series,))
+        rows = self.query(f"SELECT {self._ACTION_COLS} FROM actions WHERE series = ? ORDER BY attempt, id", (series,))
         return [self._action(r) for r in rows]
 
     def unresolved_since(self, since: float) -> list[Action]:
         """Writes that may still land: failed (the client reported failure: a timeout, slurmctld
         stopped mid-call) or abandoned (planned before a crash; its client may outlive the
         controller) at or after `since`. The reconciler adopts those Slurm shows."""
-        rows = self._rows(
+        rows = self.query(
             f"SELECT {self._ACTION_COLS} FROM actions WHERE (status = 'failed' AND failed_at >= ?) "
             "OR (status = 'abandoned' AND ended_at >= ?) ORDER BY id", (since, since))
         return [self._action(r) for r in rows]
@@ -1185,7 +680,7 @@ class Ledger:
 
     def clears(self, *, since: float | None = None, node: str | None = None) -> list[Clear]:
         """Clears recorded at or after `since` (and of `node`), oldest first."""
-        rows = self._rows(f"SELECT {self._CLEAR_COLS} FROM clears WHERE (? IS NULL OR at >= ?) AND (? IS NULL OR node = ?) "
+        rows = self.query(f"SELECT {self._CLEAR_COLS} FROM clears WHERE (? IS NULL OR at >= ?) AND (? IS NULL OR node = ?) "
                           "ORDER BY id", (since, since, node, node))
         return [Clear(*r) for r in rows]
 
@@ -1209,15 +704,15 @@ class Ledger:
         return self.incident(incident_id)  # type: ignore[return-value]
 
     def action(self, action_id: int) -> Action | None:
-        row = self._one(f"SELECT {self._ACTION_COLS} FROM actions WHERE id = ?", (action_id,))
+        row = self.query_one(f"SELECT {self._ACTION_COLS} FROM actions WHERE id = ?", (action_id,))
         return None if row is None else self._action(row)
 
     def action_by_key(self, idempotency_key: str) -> Action | None:
-        row = self._one(f"SELECT {self._ACTION_COLS} FROM actions WHERE idempotency_key = ?", (idempotency_key,))
+        row = self.query_one(f"SELECT {self._ACTION_COLS} FROM actions WHERE idempotency_key = ?", (idempotency_key,))
         return None if row is None else self._action(row)
 
     def actions(self, *, decision_id: int | None = None, node: str | None = None, status: str | None = None) -> list[Action]:
-        rows = self._rows(
+        rows = self.query(
             f"SELECT {self._ACTION_COLS} FROM actions WHERE (? IS NULL OR decision_id = ?) AND (? IS NULL OR node = ?) "
             "AND (? IS NULL OR status = ?) ORDER BY id",
             (decision_id, decision_id, node, node, status, status),
@@ -1236,7 +731,7 @@ class Ledger:
         one partition): the rate limiter's budget. Undone actions still count: they spent the budget
         when they were applied; a lost one does not (its re-application takes its slot). Resumes and
         requeues do not take capacity away and do not count."""
-        row = self._one(
+        row = self.query_one(
             "SELECT COUNT(*) FROM actions WHERE applied_at IS NOT NULL AND applied_at >= ? AND (? IS NULL OR partition = ?) "
             f"AND kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)}) "
             f"AND status IN ({', '.join('?' for _ in BUDGET_STATUSES)})",
@@ -1250,7 +745,7 @@ class Ledger:
         requeue, or reboot applied and not undone) at or after `since`: the escalation counter
         (2 → inspect hardware; 5 in 7 days → contact support). Several actions for one incident
         count once."""
-        row = self._one(
+        row = self.query_one(
             "SELECT COUNT(DISTINCT i.id) FROM actions a JOIN decisions d ON a.decision_id = d.id "
             "JOIN incidents i ON d.incident_id = i.id "
             f"WHERE a.node = ? AND i.signature = ? AND a.status IN ({', '.join('?' for _ in REMEDIATED_STATUSES)}) "
@@ -1263,7 +758,7 @@ class Ledger:
     def remediations_on_node(self, node: str, since: float) -> int:
         """Remediated incidents on `node` (any signature) at or after `since`: the `contact-support`
         counter (5 in 7 days by default)."""
-        row = self._one(
+        row = self.query_one(
             "SELECT COUNT(DISTINCT d.incident_id) FROM actions a JOIN decisions d ON a.decision_id = d.id "
             f"WHERE a.node = ? AND a.status IN ({', '.join('?' for _ in REMEDIATED_STATUSES)}) AND a.applied_at >= ? "
             f"AND d.incident_id IS NOT NULL AND a.kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
@@ -1365,14 +860,14 @@ class Ledger:
 
     def reintegration_counts(self) -> dict[str, int]:
         """state -> how many reintegrations are in it (for metrics; one GROUP BY, not the rows)."""
-        return {state: int(n) for state, n in self._rows("SELECT state, COUNT(*) FROM reintegrations GROUP BY state")}
+        return {state: int(n) for state, n in self.query("SELECT state, COUNT(*) FROM reintegrations GROUP BY state")}
 
     def reintegration(self, rid: int) -> Reintegration | None:
-        row = self._one(f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE id = ?", (rid,))
+        row = self.query_one(f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE id = ?", (rid,))
         return None if row is None else self._reintegration(row)
 
     def active_reintegration(self, node: str) -> Reintegration | None:
-        row = self._one(
+        row = self.query_one(
             f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE node = ? "
             "AND state IN ('requested', 'validating', 'probation')",
             (node,),
@@ -1384,7 +879,7 @@ class Ledger:
         """Reintegrations, oldest first; `state="active"` selects those in flight, `since` those
         requested at or after it."""
         states = ACTIVE_REINTEGRATION_STATES if state == "active" else (state,) if state else REINTEGRATION_STATES
-        rows = self._rows(
+        rows = self.query(
             f"SELECT {self._REINTEGRATION_COLS} FROM reintegrations WHERE state IN ({', '.join('?' for _ in states)}) "
             "AND (? IS NULL OR node = ?) AND (? IS NULL OR incident_id = ?) AND (? IS NULL OR requested_at >= ?) "
             "ORDER BY id",
@@ -1396,8 +891,8 @@ class Ledger:
 
     def record_approval(self, decision_id: int, *, operator: str, verdict: str, why: str | None = None, at: float | None = None) -> Approval:
         """An operator's verdict on a decision; one per decision, and a rejection needs a why."""
-        if verdict not in VERDICTS:
-            raise LedgerError(f"{self.path}: verdict {verdict!r} is not one of {VERDICTS}")
+        if verdict not in APPROVAL_VERDICTS:
+            raise LedgerError(f"{self.path}: verdict {verdict!r} is not one of {APPROVAL_VERDICTS}")
         if verdict == "reject" and not why:
             raise LedgerError(f"{self.path}: a rejection needs a why")
         with self.transaction():
@@ -1413,17 +908,17 @@ class Ledger:
         return self.approval(decision_id)  # type: ignore[return-value]
 
     def approval(self, decision_id: int) -> Approval | None:
-        row = self._one("SELECT id, decision_id, operator, verdict, why, at FROM approvals WHERE decision_id = ?", (decision_id,))
+        row = self.query_one("SELECT id, decision_id, operator, verdict, why, at FROM approvals WHERE decision_id = ?", (decision_id,))
         return None if row is None else Approval(*row)
 
     # -- circuit breaker ---------------------------------------------------------------------------
 
-    def breaker_state(self) -> BreakerState:
+    def breaker_state(self) -> BreakerRecord:
         with self._lock:
-            last_open = self._one("SELECT id, at, cause, nodes FROM breaker_events WHERE event = 'open' ORDER BY id DESC LIMIT 1")
-            last_reset = self._one("SELECT id, at, by, why FROM breaker_events WHERE event = 'reset' ORDER BY id DESC LIMIT 1")
+            last_open = self.query_one("SELECT id, at, cause, nodes FROM breaker_events WHERE event = 'open' ORDER BY id DESC LIMIT 1")
+            last_reset = self.query_one("SELECT id, at, by, why FROM breaker_events WHERE event = 'reset' ORDER BY id DESC LIMIT 1")
         is_open = last_open is not None and (last_reset is None or last_reset[0] < last_open[0])
-        return BreakerState(
+        return BreakerRecord(
             open=is_open,
             opened_at=last_open[1] if last_open else None,
             cause=last_open[2] if last_open else None,
@@ -1433,7 +928,7 @@ class Ledger:
             nodes=tuple(json.loads(last_open[3])) if last_open else (),
         )
 
-    def open_breaker(self, cause: str, *, nodes: Iterable[str] = (), at: float | None = None) -> BreakerState:
+    def open_breaker(self, cause: str, *, nodes: Iterable[str] = (), at: float | None = None) -> BreakerRecord:
         """Open the breaker; a no-op (keeping the first cause and nodes) if it is already open."""
         with self.transaction():
             if not self.breaker_state().open:
@@ -1443,7 +938,7 @@ class Ledger:
                 )
         return self.breaker_state()
 
-    def reset_breaker(self, *, by: str, why: str, at: float | None = None) -> BreakerState:
+    def reset_breaker(self, *, by: str, why: str, at: float | None = None) -> BreakerRecord:
         """Close the breaker (only ever by an operator, with a why). A no-op if already closed."""
         if not by or not why:
             raise LedgerError(f"{self.path}: a breaker reset needs who and why")
@@ -1452,72 +947,24 @@ class Ledger:
                 self._exec("INSERT INTO breaker_events (event, at, by, why) VALUES ('reset', ?, ?, ?)", (_now(at), by, why))
         return self.breaker_state()
 
-    # -- report ------------------------------------------------------------------------------------
-
-    _COUNTED = f"i.status NOT IN ({', '.join('?' for _ in EXCLUDED_INCIDENT_STATUSES)})"
+    # -- report figures (computed in healthd.controller.ledger.reports) -----------------------------
 
     def repeat_offenders_by_node(self, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
         """Nodes in at least `min_incidents` incidents (created at or after `since`), worst first."""
-        rows = self._rows(
-            "SELECT m.node, COUNT(DISTINCT i.id), MAX(i.created_at) FROM incident_nodes m JOIN incidents i ON m.incident_id = i.id "
-            f"WHERE {self._COUNTED} AND (? IS NULL OR i.created_at >= ?) GROUP BY m.node HAVING COUNT(DISTINCT i.id) >= ? "
-            "ORDER BY 2 DESC, 3 DESC, 1",
-            (*EXCLUDED_INCIDENT_STATUSES, since, since, min_incidents),
-        )
-        return [Offender(r[0], int(r[1]), r[2]) for r in rows]
+        return reports.repeat_offenders_by_node(self, since=since, min_incidents=min_incidents)
 
     def repeat_offenders_by_gpu(self, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
         """GPU serials in at least `min_incidents` incidents: follows a GPU moved between nodes."""
-        rows = self._rows(
-            "SELECT g.gpu_serial, COUNT(DISTINCT i.id), MAX(i.created_at) FROM incident_gpus g JOIN incidents i ON g.incident_id = i.id "
-            f"WHERE {self._COUNTED} AND (? IS NULL OR i.created_at >= ?) GROUP BY g.gpu_serial HAVING COUNT(DISTINCT i.id) >= ? "
-            "ORDER BY 2 DESC, 3 DESC, 1",
-            (*EXCLUDED_INCIDENT_STATUSES, since, since, min_incidents),
-        )
-        return [Offender(r[0], int(r[1]), r[2]) for r in rows]
+        return reports.repeat_offenders_by_gpu(self, since=since, min_incidents=min_incidents)
 
     def false_positive_rate(self, *, mode: str = "observe", since: float | None = None) -> FalsePositiveRate:
-        """Operators' verdicts on the proposals made in `mode` (default observe):
-        rate = rejected / (approved + rejected); None when nothing was judged."""
-        row = self._one(
-            "SELECT COALESCE(SUM(a.verdict = 'approve'), 0), COALESCE(SUM(a.verdict = 'reject'), 0) "
-            "FROM approvals a JOIN decisions d ON a.decision_id = d.id WHERE d.mode = ? AND (? IS NULL OR d.decided_at >= ?)",
-            (mode, since, since),
-        )
-        assert row is not None
-        return FalsePositiveRate(approved=int(row[0]), rejected=int(row[1]))
+        """Operators' verdicts on the proposals made in `mode` (default observe)."""
+        return reports.false_positive_rate(self, mode=mode, since=since)
 
     def mtbf_per_node(self, *, start: float, end: float) -> list[NodeMtbf]:
-        """Per node with at least one failure whose first evidence lies in [start, end]:
-        MTBF = (end - start) / failures. Nodes with no failure have no finite MTBF and are absent."""
-        if end <= start:
-            raise LedgerError(f"{self.path}: MTBF window must have end > start")
-        rows = self._rows(
-            "SELECT m.node, COUNT(DISTINCT i.id) FROM incident_nodes m JOIN incidents i ON m.incident_id = i.id "
-            f"WHERE {self._COUNTED} AND COALESCE(i.first_evidence_at, i.created_at) BETWEEN ? AND ? GROUP BY m.node ORDER BY m.node",
-            (*EXCLUDED_INCIDENT_STATUSES, start, end),
-        )
-        window = end - start
-        return [NodeMtbf(node=r[0], failures=int(r[1]), window_s=window, mtbf_s=window / int(r[1])) for r in rows]
+        """MTBF of each node with at least one failure whose first evidence lies in [start, end]."""
+        return reports.mtbf_per_node(self, start=start, end=end)
 
     def latency_percentiles(self, *, since: float | None = None) -> dict[str, Percentiles]:
-        """p50/p90/p99 (nearest rank) over incidents created at or after `since`, for
-        `detection` (first evidence → detected), `decision` (detected → decided), `action`
-        (decided → applied) and `recovery` (first evidence → back in service). Incidents missing
-        either end of an interval are left out of that figure only."""
-        series: dict[str, list[float]] = {"detection": [], "decision": [], "action": [], "recovery": []}
-        for inc in self.incidents(since=since):
-            if inc.status in EXCLUDED_INCIDENT_STATUSES:
-                continue
-            for name, value in (
-                ("detection", inc.detection_latency),
-                ("decision", inc.decision_latency),
-                ("action", inc.action_latency),
-                ("recovery", inc.recovery_time),
-            ):
-                if value is not None:
-                    series[name].append(value)
-        return {
-            name: Percentiles(n=len(vals), p50=percentile(vals, 50), p90=percentile(vals, 90), p99=percentile(vals, 99))
-            for name, vals in series.items()
-        }
+        """p50/p90/p99 of the incident stage timings, over incidents created at or after `since`."""
+        return reports.latency_percentiles(self, since=since)
