@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, get_args
+
+from healthd.reason import build_reason
 
 Attribution = Literal["hardware", "fabric", "storage", "software", "user", "unknown"]
 Source = Literal["nvml", "kernel_log", "infiniband", "host"]
@@ -79,6 +82,18 @@ def normalize_bus_id(raw: str) -> str | None:
     if d > 0xFFFFFFFF or b > 0xFF or v > 0x1F or f > 0x7:
         return None
     return f"{d:08X}:{b:02X}:{v:02X}.{f:X}"
+
+
+def _epoch(value: Any) -> float | None:
+    """A document's time (RFC 3339 text or epoch seconds) -> epoch seconds; None for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return _dt.datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,38 @@ class Finding:
             "job": self.job,
         }
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Finding:
+        """The inverse of to_json, for a finding whose shape is already checked
+        (healthd.report_schema.validate_finding names what is malformed)."""
+        comp = doc["component"]
+        return cls(
+            id=doc["id"],
+            component=Component(
+                kind=comp["kind"],
+                index=comp.get("index"),
+                uuid=comp.get("uuid"),
+                serial=comp.get("serial"),
+                bus_id=comp.get("bus_id"),
+                device=comp.get("device"),
+                port=comp.get("port"),
+            ),
+            source=doc["source"],
+            attribution=doc["attribution"],
+            tier=doc["tier"],
+            action=doc["action"],
+            summary=doc["summary"],
+            evidence=tuple(
+                Evidence(kind=e["kind"], text=e["text"], data={k: v for k, v in e.items() if k not in ("kind", "text")})
+                for e in doc["evidence"]
+            ),
+            xid=doc.get("xid"),
+            count=doc.get("count") or 1,
+            first_seen=_epoch(doc.get("first_seen")),
+            last_seen=_epoch(doc.get("last_seen")),
+            job=doc.get("job"),
+        )
+
 
 # --------------------------------------------------------------------------- rules over findings
 
@@ -182,7 +229,8 @@ def verdict(findings: Iterable[Finding], *, unreadable: bool) -> Verdict:
 
 def would_do(findings: Iterable[Finding]) -> tuple[dict[str, Any], ...]:
     """One request per distinct (action, component): the most certain finding behind it, strongest
-    action first. Reasons start with `healthd:` (DESIGN: ownership of the drain reason)."""
+    action first. Each reason is the Slurm reason healthd would write (healthd.reason): it starts
+    with `healthd:`, which is how the hooks tell healthd's drains from everyone else's."""
     best: dict[tuple[str, str], Finding] = {}
     for f in findings:
         if f.action == "none":
@@ -193,7 +241,7 @@ def would_do(findings: Iterable[Finding]) -> tuple[dict[str, Any], ...]:
             best[k] = f
     ordered = sorted(best.values(), key=lambda f: (-ACTION_SEVERITY[f.action], f.tier, f.component.key(), f.id))
     return tuple(
-        {"action": f.action, "component": f.component.key(), "reason": f"healthd: {f.summary}"[:256], "finding": f.id, "tier": f.tier}
+        {"action": f.action, "component": f.component.key(), "reason": build_reason(f.summary), "finding": f.id, "tier": f.tier}
         for f in ordered
     )
 
@@ -217,7 +265,72 @@ def is_cleared(f: Finding, cleared: Mapping[str, float], dismissed: Mapping[str,
     return episode is not None and same_episode(f, episode)
 
 
+# --------------------------------------------------------------------------- samples: checks
+
+# Samples are checked once, where they are built, so the classifier's rules can trust every field.
+# A reading that is not of its declared type (a bool or NaN where a number belongs, text where a
+# flag belongs) is no data: None, or the empty value of a field that cannot be None. A field that
+# names the thing sampled (a GPU's index, a port's device) and is not of its type is a collector bug
+# and raises TypeError.
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _real(v: Any) -> float | None:
+    """A finite number, or None."""
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _time(v: Any) -> float | None:
+    """Epoch seconds in [0, TS_MAX], or None."""
+    t = _real(v)
+    return t if t is not None and 0.0 <= t <= TS_MAX else None
+
+
+def _flag(v: Any) -> bool | None:
+    return v if isinstance(v, bool) else None
+
+
+def _text(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _text_map(v: Any) -> dict[str, str]:
+    """name -> message: keys and values as text."""
+    return {str(k): str(x) for k, x in v.items()} if hasattr(v, "items") else {}
+
+
+def _need(owner: str, name: str, value: Any, kind: type, expected: str) -> None:
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise TypeError(f"{owner}.{name}: expected {expected}, found {value!r}")
+
+
+def _check(obj: Any, **checks: Any) -> None:
+    """Replace each named field by its check's result (the dataclasses are frozen)."""
+    for name, check in checks.items():
+        old = getattr(obj, name)
+        new = check(old)
+        if new is not old:
+            object.__setattr__(obj, name, new)
+
+
+def _fields(names: tuple[str, ...], check: Any) -> dict[str, Any]:
+    return dict.fromkeys(names, check)
+
+
 # --------------------------------------------------------------------------- samples: NVML
+
+
+_GPU_COUNTS = (
+    "temperature_c", "margin_c", "slowdown_threshold_c", "clock_event_reasons",
+    "ecc_corrected_volatile", "ecc_uncorrected_volatile", "ecc_corrected_aggregate", "ecc_uncorrected_aggregate",
+    "remap_corrected", "remap_uncorrected", "retired_pages_sbe", "retired_pages_dbe",
+    "pcie_replay", "pcie_gen", "pcie_gen_max", "pcie_width", "pcie_width_max",
+)
+_GPU_FLAGS = ("remap_pending", "remap_failure", "retired_pending")
+_GPU_TEXTS = ("name", "uuid", "serial", "bus_id", "lost_detail")
 
 
 @dataclass(frozen=True)
@@ -238,7 +351,7 @@ class GpuSample:
     """Distance to the nearest slowdown threshold (nvmlDeviceGetMarginTemperature)."""
     slowdown_threshold_c: int | None = None
     clock_event_reasons: int | None = None
-    """Bitmask of nvmlClocksEventReason* (formerly throttle reasons)."""
+    """Bitmask of nvmlClocksEventReason* (NVML's clock event, or throttle, reasons)."""
     ecc_corrected_volatile: int | None = None
     ecc_uncorrected_volatile: int | None = None
     ecc_corrected_aggregate: int | None = None
@@ -261,6 +374,19 @@ class GpuSample:
     errors: Mapping[str, str] = field(default_factory=dict)
     """field -> NVML error text for reads that failed with something other than NotSupported."""
 
+    def __post_init__(self) -> None:
+        _need("GpuSample", "index", self.index, int, "an integer")
+        _need("GpuSample", "lost", self.lost, bool, "true or false")
+        _check(
+            self,
+            **_fields(_GPU_COUNTS, _int),
+            **_fields(_GPU_FLAGS, _flag),
+            **_fields(_GPU_TEXTS, _text),
+            nvlink_errors=lambda v: {k: n for k, n in v.items() if isinstance(k, str) and _int(n) is not None}
+            if hasattr(v, "items") else {},
+            errors=_text_map,
+        )
+
 
 @dataclass(frozen=True)
 class NvmlSample:
@@ -273,6 +399,9 @@ class NvmlSample:
     nvml_version: str | None = None
     count: int | None = None
     gpus: tuple[GpuSample, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self, count=_int)
 
 
 # --------------------------------------------------------------------------- samples: kernel log
@@ -312,8 +441,10 @@ class XidEvent:
     text: str
     """The first line's message, as logged."""
     count: int
-    first_ts: float
-    last_ts: float
+    """Lines folded, at least 1."""
+    first_ts: float | None
+    """Epoch seconds of the first line; None when the line's time is not a usable time."""
+    last_ts: float | None
     first_cursor: str | None
     last_cursor: str | None
     pid: int | None = None
@@ -324,6 +455,20 @@ class XidEvent:
     tpc: int | None = None
     synthesized: bool = False
     """True for "GPU has fallen off the bus" lines without an Xid, mapped to 79."""
+
+    def __post_init__(self) -> None:
+        _need("XidEvent", "xid", self.xid, int, "an integer")
+        _check(
+            self,
+            bus_id=_text,
+            text=lambda v: v if isinstance(v, str) else "",
+            count=lambda v: v if _int(v) is not None and v > 0 else 1,
+            first_ts=_time,
+            last_ts=_time,
+            **_fields(("first_cursor", "last_cursor", "process", "nvlink_severity"), _text),
+            **_fields(("pid", "subcode", "gpc", "tpc"), _int),
+            synthesized=bool,
+        )
 
 
 @dataclass(frozen=True)
@@ -343,21 +488,43 @@ class KernelSample:
     persists it together with the history the events were folded into, so a restart resumes
     exactly once."""
 
+    def __post_init__(self) -> None:
+        _check(
+            self,
+            identities=lambda v: {
+                k: (_text(pair[0]), _text(pair[1]))
+                for k, pair in v.items()
+                if isinstance(k, str) and isinstance(pair, (tuple, list)) and len(pair) == 2
+            } if hasattr(v, "items") else {},
+        )
+
 
 # --------------------------------------------------------------------------- samples: InfiniBand
 
 
 @dataclass(frozen=True)
 class CounterDelta:
-    """A counter's change since the previous reading, over `window_s` seconds."""
+    """A counter's change since the previous reading, over `window_s` seconds. The collector that
+    reads the counter computes the delta against its own baseline; nothing else does."""
 
     value: int
     delta: int | None
     """None on the first reading, after a reset (value went down) or when saturated."""
     window_s: float | None
+    """Seconds since the previous reading; None when there is none or the clock went backwards."""
     saturated: bool = False
     """The PMA counter sits at its maximum (16/8/4-bit): new errors are unknown, not zero."""
     reset: bool = False
+
+    def __post_init__(self) -> None:
+        _need("CounterDelta", "value", self.value, int, "an integer")
+        _check(
+            self,
+            delta=lambda v: v if _int(v) is not None and v >= 0 else None,
+            window_s=lambda v: v if _real(v) is not None and v >= 0 else None,
+            saturated=bool,
+            reset=bool,
+        )
 
     @property
     def rate_per_s(self) -> float | None:
@@ -381,6 +548,18 @@ class PortSample:
     unreadable: Mapping[str, str] = field(default_factory=dict)
     """File -> error for files that exist but could not be read or parsed (EIO, EINVAL, garbage)."""
 
+    def __post_init__(self) -> None:
+        _need("PortSample", "device", self.device, str, "a device name")
+        _need("PortSample", "port", self.port, int, "a port number")
+        _check(
+            self,
+            **_fields(("state", "phys_state", "link_layer"), _text),
+            rate_gbps=_real,
+            counters=lambda v: {k: c for k, c in v.items() if isinstance(k, str) and isinstance(c, CounterDelta)}
+            if hasattr(v, "items") else {},
+            unreadable=_text_map,
+        )
+
     @property
     def up(self) -> bool:
         return self.state == "ACTIVE" and self.phys_state == "LinkUp"
@@ -392,6 +571,12 @@ class InfinibandSample:
     detail: str = ""
     ports: tuple[PortSample, ...] = ()
     boot_id: str | None = None
+    time: float | None = None
+    """When the collector read the ports (epoch seconds). Classifying the same sample again (the
+    kernel follower ticks between collections) does not count its counter deltas twice."""
+
+    def __post_init__(self) -> None:
+        _check(self, time=_time)
 
 
 # --------------------------------------------------------------------------- samples: host
@@ -414,6 +599,9 @@ class FilesystemProbe:
     """The mount holding `path` (longest prefix in /proc/mounts): `/` for a directory that is not
     mounted; None when the mount table could not be read."""
 
+    def __post_init__(self) -> None:
+        _check(self, writable=_flag, latency_s=_real, **_fields(("error", "fstype", "mount_point"), _text))
+
 
 @dataclass(frozen=True)
 class HostSample:
@@ -426,6 +614,22 @@ class HostSample:
     dstate_pids: tuple[tuple[int, str], ...] = ()
     """(pid, comm) of processes in uninterruptible sleep."""
     filesystems: tuple[FilesystemProbe, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(
+            self,
+            mem_available_bytes=_int,
+            mem_total_bytes=_int,
+            psi=lambda v: {
+                str(res): {str(k): x for k, x in values.items() if _real(x) is not None}
+                for res, values in v.items()
+                if hasattr(values, "items")
+            } if hasattr(v, "items") else {},
+            dstate_pids=lambda v: tuple(
+                (p[0], p[1]) for p in (v or ())
+                if isinstance(p, (tuple, list)) and len(p) == 2 and _int(p[0]) is not None and isinstance(p[1], str)
+            ),
+        )
 
 
 # --------------------------------------------------------------------------- one tick
@@ -441,3 +645,7 @@ class Snapshot:
     infiniband: InfinibandSample
     host: HostSample
     collect_seconds: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if _real(self.time) is None:
+            raise TypeError(f"Snapshot.time: expected epoch seconds, found {self.time!r}")

@@ -31,8 +31,7 @@ MAX_PORT_RECORDS = 256
 MAX_TRANSITIONS = 64
 MAX_LATCHES = 512
 MAX_TEXT = 2000
-"""2100-01-01: later times in a saved history are corruption."""
-"""Longest log line kept; kernel lines are short, this only stops a corrupt or hostile file."""
+"""Longest log line or text kept; kernel lines are short, this only stops a corrupt or hostile file."""
 
 _SOURCES = ("nvml", "kernel_log", "infiniband", "host")
 _KINDS = ("gpu", "port", "node", "filesystem")
@@ -123,7 +122,8 @@ class History:
     gpu_ids: Mapping[str, Component] = field(default_factory=dict)
     """Normalised bus id -> the GPU NVML last reported there (maps Xids of a GPU NVML lost since)."""
     baselines: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-    """Raw counter -> (time, value) last seen, for deltas (NVML ECC/PCIe/NVLink, IB counters)."""
+    """Raw NVML counter (ECC, PCIe replays, NVLink) -> (time, value) last classified, for its
+    increases. InfiniBand counters arrive as deltas from their collector and have none here."""
     series: Mapping[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
     """Windowed amounts -> ((time, amount, span_s), ...): counter increases and observed seconds."""
     xids: Mapping[str, XidRecord] = field(default_factory=dict)
@@ -132,6 +132,8 @@ class History:
     """'mlx5_0/1' -> record."""
     latches: Mapping[str, Latch] = field(default_factory=dict)
     """Finding id -> latched finding."""
+    ib_read: float | None = None
+    """Read time of the last InfiniBand sample whose counter deltas were counted."""
 
     # ------------------------------------------------------------------ bounds
 
@@ -180,6 +182,7 @@ class History:
             "xids": {k: _xid_json(r) for k, r in self.xids.items()},
             "ports": {k: _port_json(p) for k, p in self.ports.items()},
             "latches": {k: {"until": la.until, "finding": finding_to_json(la.finding)} for k, la in self.latches.items()},
+            "ib_read": self.ib_read,
         }
 
     @classmethod
@@ -208,6 +211,7 @@ class History:
             xids=section("xids", r.xid),
             ports=section("ports", r.port),
             latches=section("latches", r.latch),
+            ib_read=r.opt_time(d.get("ib_read"), "history.ib_read"),
         )
         return hist.capped()
 

@@ -18,6 +18,7 @@ import os
 from dataclasses import replace
 from typing import Any, Iterable
 
+from healthd.agent.classify.rules import quick_check
 from healthd.bindings import BindingReader, attach_jobs
 from healthd.checks import CHECKS_FILE, MAX_RESULTS
 from healthd.model import NODE, Evidence, Finding, verdict, would_do
@@ -25,12 +26,6 @@ from healthd.text import clean, iso, parse_time
 from healthd.trusted import SMALL_MAX_BYTES, TRUSTED_UID, TrustedDir, json_object, read_fd
 
 log = logging.getLogger("healthd")
-
-
-RULES: dict[str, tuple[int, str, str]] = {
-    "gpu_count": (1, "hardware", "drain"),
-    "dcgmi_diag": (2, "hardware", "drain"),
-}
 
 
 class HookFiles:
@@ -112,17 +107,16 @@ def findings_from_checks(doc: Any, node: str, now: float, ttl_s: float) -> tuple
         if t is None or now - t > ttl_s or t - now > ttl_s:
             continue
         name = clean(r["name"], 40)
-        tier, attribution, action = RULES.get(name, (3, "unknown", "none"))
-        fid = f"hooks.{name}:node" if name in RULES else f"hooks.check:{name}"
+        fid, rule = quick_check(name)
         detail = clean(r.get("detail") or "failed", 200)
         source = clean(r.get("source") or "hook", 40)
         out[fid] = Finding(
             id=fid,
             component=NODE,
             source="host",
-            attribution=attribution,  # type: ignore[arg-type]
-            tier=tier,  # type: ignore[arg-type]
-            action=action,  # type: ignore[arg-type]
+            attribution=rule.attribution,  # type: ignore[arg-type]
+            tier=rule.tier,  # type: ignore[arg-type]
+            action=rule.action,  # type: ignore[arg-type]
             summary=f"quick check {name} failed: {detail}",
             evidence=(Evidence("probe", f"{source} at {iso(t)}: {name} failed: {detail}",
                                {"check": name, "ok": False, "detail": detail, "by": source, "time": iso(t)}),),

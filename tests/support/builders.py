@@ -104,6 +104,10 @@ def fs(path: str = "/ckpt", **kw: Any) -> FilesystemProbe:
 
 def snap(t: float = NOW, *, nv: NvmlSample | None = None, k: KernelSample | None = None, i: InfinibandSample | None = None,
          h: HostSample | None = None, boot_id: str = "boot-1") -> Snapshot:
+    """One tick at `t`. An InfiniBand sample without a read time is read at `t`, as the collector
+    stamps it; passing the same sample to a later tick is classifying it again."""
+    if i is not None and i.time is None:
+        i = dataclasses.replace(i, time=t)
     return Snapshot(
         node="gpu001",
         time=t,

@@ -67,8 +67,9 @@ class CatalogError(ValueError):
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """Tier, attribution and action a rule gives a finding instead of the row's own."""
+class XidOutcome:
+    """The tier, attribution and action of an Xid row, or of one of the row's rules (repeat,
+    severity, recovery action) that applies instead of the row's own."""
 
     tier: int
     attribution: str
@@ -90,13 +91,13 @@ class XidEntry:
     summary: str
     source: tuple[str, ...]
     note: str = ""
-    repeat: Outcome | None = None
-    """Outcome when the Xid repeats on one GPU (and on no other GPU of the node)."""
+    repeat: XidOutcome | None = None
+    """The outcome when the Xid repeats on one GPU (and on no other GPU of the node)."""
     sympathetic: bool = False
     """Cleanup after another Xid on the same GPU when it follows one within the sympathetic window."""
-    severity: Mapping[str, Outcome] = field(default_factory=dict)
+    severity: Mapping[str, XidOutcome] = field(default_factory=dict)
     """NVLink5: printed severity ('Fatal', 'Non-fatal') -> outcome."""
-    recovery_action: tuple[tuple[str, Outcome], ...] = ()
+    recovery_action: tuple[tuple[str, XidOutcome], ...] = ()
     """Xid 154: (word in the announced recovery action, outcome), first match wins."""
     in_catalog: bool = True
     """False for the default entry given to an Xid the catalog does not list."""
@@ -106,8 +107,8 @@ class XidEntry:
     """Fields a site override changed."""
 
     @property
-    def outcome(self) -> Outcome:
-        return Outcome(self.tier, self.attribution, self.action)
+    def outcome(self) -> XidOutcome:
+        return XidOutcome(self.tier, self.attribution, self.action)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -258,14 +259,14 @@ def _parse_row(row: Any, index: int, name: str) -> XidEntry:
     sympathetic = row.get("sympathetic", False)
     if not isinstance(sympathetic, bool):
         raise fail("sympathetic", "true or false", sympathetic)
-    severity: dict[str, Outcome] = {}
+    severity: dict[str, XidOutcome] = {}
     if row.get("severity") is not None:
         sev = row["severity"]
         if not isinstance(sev, dict) or not sev:
             raise fail("severity", "a mapping of printed severity (Fatal, Non-fatal) to {tier, attribution, action}", sev)
         for word, value in sev.items():
             severity[str(word)] = _outcome(value, f"severity.{word}.", fail)
-    recovery: list[tuple[str, Outcome]] = []
+    recovery: list[tuple[str, XidOutcome]] = []
     if row.get("recovery_action") is not None:
         rec = row["recovery_action"]
         if not isinstance(rec, dict) or not rec:
@@ -292,7 +293,7 @@ def _parse_row(row: Any, index: int, name: str) -> XidEntry:
     )
 
 
-def _outcome(value: Any, prefix: str, fail: Any) -> Outcome:
+def _outcome(value: Any, prefix: str, fail: Any) -> XidOutcome:
     """Validate {tier, attribution, action} (a row or a rule's outcome)."""
     if not isinstance(value, dict):
         raise fail(prefix.rstrip(".") or "row", "a mapping with tier, attribution and action", value)
@@ -307,7 +308,7 @@ def _outcome(value: Any, prefix: str, fail: Any) -> Outcome:
     if action not in ACTIONS:
         raise fail(prefix + "action", f"one of {', '.join(ACTIONS)}", action)
     _check_consistent(tier, action, prefix + "action", fail)
-    return Outcome(int(tier), attribution, action)
+    return XidOutcome(int(tier), attribution, action)
 
 
 def _check_consistent(tier: int, action: str, fld: str, fail: Any) -> None:

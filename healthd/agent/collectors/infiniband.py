@@ -5,7 +5,8 @@ PortCounters) and `hw_counters/` (driver counters; `lifespan` is a setting, skip
 counter into a CounterDelta against the previous reading. No decisions: flaps, drops and thresholds
 belong to the classifier, which sees the history of these samples.
 
-Counter rules (DESIGN "Counters are deltas and rates"; telemetry-testing.md §4):
+Counter rules (this collector is the one place counter deltas are computed; the classifier only
+adds them up over its windows):
 - the first reading of a counter is a baseline: delta None;
 - a value lower than the previous one means the counter was cleared: delta None, reset=True;
 - counters restart at boot, so a baseline from another boot id is dropped, not subtracted;
@@ -224,10 +225,10 @@ class InfinibandCollector:
         try:
             devices = sorted(os.listdir(root), key=_natural_key)
         except FileNotFoundError:
-            return InfinibandSample(status="no_data", detail=f"no InfiniBand HCA ({root} absent)", boot_id=boot_id)
+            return InfinibandSample(status="no_data", detail=f"no InfiniBand HCA ({root} absent)", boot_id=boot_id, time=now)
         except OSError as exc:
             return InfinibandSample(
-                status="error", detail=f"cannot list {root}: {describe_error(exc)}", boot_id=boot_id
+                status="error", detail=f"cannot list {root}: {describe_error(exc)}", boot_id=boot_id, time=now
             )
 
         ports: list[PortSample] = []
@@ -259,10 +260,10 @@ class InfinibandCollector:
         self._last = new_last
 
         if ports:
-            return InfinibandSample(status="ok", detail="; ".join(problems), ports=tuple(ports), boot_id=boot_id)
+            return InfinibandSample(status="ok", detail="; ".join(problems), ports=tuple(ports), boot_id=boot_id, time=now)
         if problems:
-            return InfinibandSample(status="error", detail="; ".join(problems), boot_id=boot_id)
-        return InfinibandSample(status="no_data", detail=f"no InfiniBand ports under {root}", boot_id=boot_id)
+            return InfinibandSample(status="error", detail="; ".join(problems), boot_id=boot_id, time=now)
+        return InfinibandSample(status="no_data", detail=f"no InfiniBand ports under {root}", boot_id=boot_id, time=now)
 
     def _read_port(
         self, dev: str, port: int, port_dir: str, now: float, bad: dict[str, str]

@@ -9,7 +9,7 @@ Sources, chosen once at the first read that finds one (the follower never switch
 lines twice):
 
 * journal: `journal_dir` (a directory of *.journal files) or, when None, the local system journal.
-  Exactly-once resume (shared telemetry-testing.md §2.3): `seek_cursor(saved)`, next entry; if it *is*
+  Exactly-once resume: `seek_cursor(saved)`, next entry; if it *is*
   the saved entry (`test_cursor`) it was already counted and is skipped, otherwise the saved entry was
   vacuumed: the landing entry is processed and the sample says `gap=True`.
 * kmsg: when no journal is readable. One record per read(); cursor `kmsg:<boot_id>:<seq>`; resume on

@@ -1,6 +1,6 @@
 """Parse NVIDIA driver (NVRM) kernel log lines into KernelLine values. Pure: no I/O, never raises.
 
-Line variants (anchors.md §10.1; gpud components/accelerator/nvidia/xid/kmsg.go):
+Line variants (as the NVIDIA driver prints them; gpud's Xid reader knows the same set):
 
     NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.
     NVRM: Xid (0000:03:00): 14, Channel 00000001                      older drivers: no PCI:, no pid/name

@@ -2,7 +2,7 @@
 (ECC, row remapping, retired pages, PCIe replays and link state, NVLink errors), read through
 nvidia-ml-py's `pynvml` exactly as the driver exposes them.
 
-Rules this module keeps (README "NVML"):
+Rules this module keeps:
 - No driver library on the node is "no data", not an error: a CPU node is not sick.
 - A read the GPU or driver cannot answer (NotSupported, or a symbol this driver lacks) is a None
   field named in `GpuSample.no_data`; any other NVML error for a read goes to `GpuSample.errors`.

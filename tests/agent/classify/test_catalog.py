@@ -28,7 +28,7 @@ def write(tmp_path, body: str) -> str:
     return str(path)
 
 
-def test_packaged_catalog_covers_the_anchor_table_and_every_row_has_a_source():
+def test_packaged_catalog_covers_the_required_xids_and_every_row_has_a_source():
     cat = load_catalog()
     required = {13, 31, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109, 119, 120, 121, 140, 143,
                 *range(144, 151), 154, 155, 156, 157, 158, 8, 14, 32, 38, 56, 57, 58, 65, 73, 80, 81}

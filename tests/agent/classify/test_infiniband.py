@@ -205,3 +205,11 @@ def test_ib_collector_error_is_t3_unknown():
     res = run(snap(NOW, i=ib(status="error", detail="EIO reading /sys/class/infiniband")))[0]
     f = get(res, "collector.infiniband:node")
     assert (f.tier, f.attribution) == (3, "unknown") and f.summary == "could not check infiniband: EIO reading /sys/class/infiniband"
+
+
+def test_counter_increases_and_their_windows_are_the_collectors():
+    # the collector's window (30 s since its previous reading), not the 10 s between two ticks
+    res = two(counters(link_downed=cd(5, None)), counters(link_downed=cd(6, 1, 30.0)))
+    assert "counters/link_downed +1 in 30s" in texts(get(res, f"ib.counter:{P}:link_downed"))
+    # a value that went up with no delta (the collector saw a reset or a first reading) is no increase
+    assert two(counters(link_downed=cd(5, None)), counters(link_downed=cd(9, None, reset=True))).findings == ()

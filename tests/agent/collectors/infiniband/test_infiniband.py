@@ -472,3 +472,13 @@ def test_removed_port_drops_from_the_baseline(root, boot):
     s = c.collect(2.0)
     assert [p.device for p in s.ports] == ["mlx5_0"]
     assert set(c.state()["ports"]) == {"mlx5_0/1"}
+
+
+def test_every_sample_carries_its_read_time(root, boot):
+    """The classifier counts a sample's deltas once: it tells a new reading from one it classifies
+    again by this time."""
+    ib_tree.scenario_no_hca(root)
+    assert collector(root, boot).collect(1000.0).time == 1000.0
+    ib_tree.scenario_healthy(root)
+    c = collector(root, boot)
+    assert [c.collect(t).time for t in (1000.0, 1010.0)] == [1000.0, 1010.0]

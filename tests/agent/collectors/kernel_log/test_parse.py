@@ -1,4 +1,4 @@
-"""healthd.agent.collectors.kernel_parse: every NVRM line variant (anchors.md §10.1) with exact fields; no input crashes."""
+"""healthd.agent.collectors.kernel_parse: every NVRM line variant the driver prints, with exact fields; no input crashes."""
 
 from __future__ import annotations
 
