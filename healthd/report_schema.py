@@ -64,6 +64,7 @@ from typing import Any, get_args
 
 from healthd.envelope import DEFAULT_MAX_BYTES, MAX_CREDENTIAL_CHARS, NODE_NAME
 from healthd.model import ACTION_SEVERITY, ACTIONS, ATTRIBUTIONS, TIERS, TS_MAX, VERDICTS, ComponentKind, Source, Status
+from healthd.reason import MAX_REASON_BYTES
 
 # --------------------------------------------------------------------------- the vocabularies
 # the agent's own types (healthd.model), so that the two sides cannot drift apart
@@ -90,7 +91,9 @@ MAX_ID_CHARS = 1024
 MAX_NAME_CHARS = 256
 MAX_SUMMARY_CHARS = 2048
 MAX_TEXT_CHARS = 4096
-MAX_REASON_CHARS = 256
+MAX_REASON_CHARS = MAX_REASON_BYTES
+"""A would_do reason is the Slurm reason the agent would write (healthd.model.would_do): printable
+ASCII, so Slurm's limit in bytes is its limit in characters."""
 MAX_SHORT_CHARS = 64
 MAX_TIME_CHARS = 64
 MAX_KEY_CHARS = 128

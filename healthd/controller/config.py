@@ -16,6 +16,7 @@ from typing import Any
 from healthd.config import ConfigError, build, convert, read_config_text, yaml_mapping
 from healthd.controller.policy import MODES, ControllerPolicySettings
 from healthd.controller.reintegrate import ReintegrationSettings
+from healthd.slurm import BACKENDS
 
 CONTROLLER_CONFIG_PATH = "/etc/healthd/controller.yaml"
 REQUEUE_COMMENT_TAG = "healthd:requeue"
@@ -39,6 +40,11 @@ class ControllerSettings:
     """The controller's munged socket; None = libmunge's default socket."""
     slurm_conf: str = "/etc/slurm/slurm.conf"
     """slurm.conf the Slurm client reads."""
+    slurm_backend: str = "scontrol"
+    """How the controller talks to Slurm: `scontrol` (the Slurm command-line clients, every Slurm
+    version) or `pyslurm` (in-process, only when the installed pyslurm is built for this Slurm's
+    major.minor; otherwise scontrol all the same). pyslurm is opt-in: it has been proven against a
+    stand-in of its API, not yet against a real Slurm of its version."""
     node_addrs: Mapping[str, str] = field(default_factory=dict)
     """node -> the IPv4 address its munged encodes credentials as. When empty, each node's NodeAddr
     from Slurm is used."""
@@ -128,6 +134,8 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
         raise ConfigError(file, "max_connections_per_peer", f"at most max_connections ({settings.max_connections})",
                           settings.max_connections_per_peer)
     _check_hostport(file, "metrics_listen", settings.metrics_listen)
+    if settings.slurm_backend not in BACKENDS:
+        raise ConfigError(file, "slurm_backend", f"one of {', '.join(BACKENDS)}", settings.slurm_backend)
     for key in ("ledger", "slurm_conf", "admin_socket"):
         if not getattr(settings, key).startswith("/"):
             raise ConfigError(file, key, "an absolute path", getattr(settings, key))

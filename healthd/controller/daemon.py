@@ -15,10 +15,8 @@ import concurrent.futures
 import grp
 import logging
 import re
-import shutil
 import signal
 import socket as _socket
-import subprocess
 import sys
 import threading
 import time
@@ -33,7 +31,7 @@ from healthd.controller.config import ControllerSettings, load_controller_settin
 from healthd.controller.executor import ExecResult, Executor
 from healthd.controller.gates import BreakerState, GroupIncident, GateResult, apply_gates, build_context
 from healthd.controller.ledger import Ledger, LedgerError
-from healthd.controller.metrics import ControllerMetrics
+from healthd.controller.metrics import INCIDENT_WINDOW_S, ControllerMetrics, IncidentTimings, RoundFigures
 from healthd.controller.policy import (
     FleetView,
     LedgerView,
@@ -72,29 +70,20 @@ def ledger_outcome(outcome: GateResult) -> tuple[str, str | None, str | None]:
     return status, None, None
 
 
-_NODE_ADDR = re.compile(r"\bNodeName=(\S+).*?\bNodeAddr=(\S+)")
-
-
-def slurm_node_addrs(slurm_conf: str, timeout_s: float = 10.0) -> dict[str, str]:
-    """node -> IPv4 of its NodeAddr, from `scontrol -o show node` (resolved here)."""
-    exe = shutil.which("scontrol", path="/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin")
-    if exe is None:
-        return {}
+def slurm_node_addrs(backend: SlurmBackend) -> dict[str, str]:
+    """node -> IPv4 of its NodeAddr (backend.node_addresses(), resolved here); empty when Slurm
+    cannot be read."""
     try:
-        done = subprocess.run([exe, "-o", "show", "node"], capture_output=True, text=True, timeout=timeout_s,
-                              check=False, env={"SLURM_CONF": slurm_conf, "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        addrs = backend.node_addresses()
+    except SlurmError as exc:
         _log.warning("cannot read NodeAddr from Slurm: %s", exc)
         return {}
     out = {}
-    for line in done.stdout.splitlines():
-        m = _NODE_ADDR.search(line)
-        if not m:
-            continue
+    for node, addr in addrs.items():
         try:
-            out[m.group(1)] = _socket.gethostbyname(m.group(2))
+            out[node] = _socket.gethostbyname(addr)
         except OSError:
-            _log.warning("node %s: NodeAddr %s does not resolve", m.group(1), m.group(2))
+            _log.warning("node %s: NodeAddr %s does not resolve", node, addr)
     return out
 
 
@@ -122,7 +111,7 @@ class Controller:
         self.clock = clock
         self.decode = decode
         self.executor = executor or Executor(backend, ledger, dry_run=dry_run, requeue_opt_in=settings.requeue_opt_in,
-                                             slurm_conf=settings.slurm_conf, clock=clock, out=out)
+                                             clock=clock, out=out)
         self.reconciler = Reconciler(self.executor)
         self._limited = RateLimitedLog(_log)
         self.reintegrator = Reintegrator(settings.reintegration, self.executor, slurm_conf=settings.slurm_conf,
@@ -161,7 +150,7 @@ class Controller:
             return
         if self._addr_cache and now - self._addr_read_at < ADDR_REFRESH_S:
             return
-        addrs = slurm_node_addrs(self.settings.slurm_conf)
+        addrs = slurm_node_addrs(self.backend)
         if addrs:
             self._addr_cache = addrs
             self._addr_read_at = now
@@ -458,9 +447,42 @@ class Controller:
             if only is None and mode != "observe":
                 self._reintegrate(fleet, lview, ctx.breaker.open, now)
             if only is None:
-                self.metrics.update_from_round(self, now)
+                self._observe_round(now)
                 self._limited.flush()  # tell the counts of refusals it kept out of the log
             return results
+
+    def round_figures(self, now: float, incidents_since: float | None = None) -> RoundFigures:
+        """The fleet gauges' figures at the end of a full round: the reports by freshness and verdict,
+        and the ledger's waiting approvals, open incidents, reintegrations and the incidents created
+        since `incidents_since` (default: the last week)."""
+        ttl = self.policy.report_ttl_s
+        with self.reports_lock:
+            reports = list(self.reports.values())
+        fresh: dict[str, int] = {}
+        for rep in reports:
+            if now - rep.received_at <= ttl:
+                fresh[rep.verdict] = fresh.get(rep.verdict, 0) + 1
+        waiting = self.ledger.waiting_decisions()
+        open_by: dict[tuple[str, str], int] = {}
+        for inc in self.ledger.incidents(status="open"):
+            open_by[(inc.tier, inc.attribution)] = open_by.get((inc.tier, inc.attribution), 0) + 1
+        recent = tuple(IncidentTimings(inc.id, inc.created_at, inc.detection_latency, inc.decision_latency,
+                                       inc.action_latency, inc.recovery_time)
+                       for inc in self.ledger.incidents(since=now - INCIDENT_WINDOW_S if incidents_since is None
+                                                          else incidents_since))
+        return RoundFigures(at=now, nodes_reporting=fresh, nodes_stale=len(reports) - sum(fresh.values()),
+                            approvals_waiting=len(waiting),
+                            oldest_waiting_since=min((d.decided_at for d in waiting), default=None),
+                            incidents_open=open_by, reintegrations=self.ledger.reintegration_counts(),
+                            incidents=recent)
+
+    def _observe_round(self, now: float) -> None:
+        """Hand this full round's figures to the metrics. Never raises: a metrics problem (the ledger
+        busy) must not fail a control round."""
+        try:
+            self.metrics.observe_round(self.round_figures(now, self.metrics.incidents_since(now)))
+        except Exception:
+            _log.exception("controller metrics not updated this round")
 
     def _act(self, outcome: GateResult, now: float, mode: str) -> ExecResult:
         """Record and apply one allowed outcome; a failure of this node's write never stops the round."""
@@ -622,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"healthd-controller: ledger {settings.ledger}: {exc}", file=sys.stderr)
         return 2
     try:
-        backend = default_backend(settings.slurm_conf, _log, dry_run=args.dry_run)
+        backend = default_backend(settings.slurm_conf, _log, dry_run=args.dry_run,
+                                  prefer_pyslurm=settings.slurm_backend == "pyslurm")
     except SlurmError as exc:
         print(f"healthd-controller: Slurm: {exc}", file=sys.stderr)
         ledger.close()

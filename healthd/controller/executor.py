@@ -15,8 +15,6 @@ applies an old plan blindly; the next round re-decides from current evidence thr
 from __future__ import annotations
 
 import logging
-import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,26 +24,14 @@ from healthd.controller.gates import GateResult, still_safe
 from healthd.controller.ledger import Action, Ledger
 from healthd.controller.ownership import NODE_STATE_KINDS, describe_reason, owned, shows_write
 from healthd.controller.policy import Decision, LedgerView
-from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
+from healthd.slurm.backend import JobInfo, NodeInfo, SlurmBackend, SlurmError
 
 _log = logging.getLogger("healthd.controller.executor")
 
 UNDO_PREFIX = "undo:"
 """Idempotency-key prefix of reversals planned by `healthctl undo` (healthd.controller.admin)."""
-SAFE_PATH = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin"
-JobLister = Callable[[str], list["JobInfo"]]
+JobLister = Callable[[str], list[JobInfo]]
 JobReader = Callable[[str], "JobInfo | None"]
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    """A job running on a node, as far as requeue opt-in and its reconciliation need it."""
-
-    job_id: str
-    batch: bool
-    comment: str
-    restarts: int = 0
-    """Slurm's restart count: a requeue Slurm kept leaves the job with a higher count, elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -57,58 +43,6 @@ class ExecResult:
     detail: str = ""
     action_id: int | None = None
     argv: tuple[str, ...] = ()
-
-
-SQUEUE_FORMAT = "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000"
-"""The batch flag (sbatch, not salloc/srun) is only in --Format; fields padded, '|' ends the first three."""
-
-
-def squeue_jobs(node: str, slurm_conf: str | None = None, timeout_s: float = 10.0,
-                squeue: str | None = None) -> list[JobInfo]:
-    """Running jobs on `node` from squeue (job id, batch flag, restart count, comment), run with
-    SLURM_CONF set to `slurm_conf` (a client without it may look for a configless server in DNS).
-    Empty when squeue is missing."""
-    return _squeue([f"--nodelist={node}", "--states=RUNNING"], slurm_conf, timeout_s, squeue)
-
-
-def squeue_job(job_id: str, slurm_conf: str | None = None, timeout_s: float = 10.0,
-               squeue: str | None = None) -> JobInfo | None:
-    """One job in any state (None when Slurm no longer knows it): its restart count tells whether a
-    requeue whose client died with the controller reached slurmctld."""
-    found = _squeue([f"--jobs={job_id}", "--states=all"], slurm_conf, timeout_s, squeue)
-    return next((j for j in found if j.job_id == job_id), None)
-
-
-def _squeue(select: list[str], slurm_conf: str | None, timeout_s: float, squeue: str | None) -> list[JobInfo]:
-    exe = squeue or shutil.which("squeue", path=SAFE_PATH)
-    if exe is None:
-        return []
-    argv = [exe, "--noheader", *select, SQUEUE_FORMAT]
-    try:
-        env = {"PATH": SAFE_PATH, "LANG": "C"}
-        if slurm_conf:
-            env["SLURM_CONF"] = slurm_conf
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SlurmError(f"squeue failed: {exc}", argv) from None
-    if done.returncode != 0:
-        if "Invalid job id" in done.stderr:
-            return []  # a job Slurm has forgotten
-        raise SlurmError(f"squeue failed: {done.stderr.strip()}", argv, done.returncode, done.stderr)
-    return parse_squeue_jobs(done.stdout)
-
-
-def parse_squeue_jobs(text: str) -> list[JobInfo]:
-    """The lines of `squeue --Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000` (pure)."""
-    out = []
-    for line in text.splitlines():
-        parts = line.split("|", 3)
-        if len(parts) != 4 or not parts[0].strip():
-            continue
-        restarts = parts[2].strip()
-        out.append(JobInfo(parts[0].strip(), parts[1].strip() == "1", parts[3].strip(),
-                           int(restarts) if restarts.isdigit() else 0))
-    return out
 
 
 MAX_ATTEMPTS = 3
@@ -157,21 +91,29 @@ class Executor:
 
     def __init__(self, backend: SlurmBackend, ledger: Ledger, dry_run: bool = False, *,
                  requeue_opt_in: str = "healthd:requeue", list_jobs: JobLister | None = None,
-                 read_job: JobReader | None = None, slurm_conf: str | None = None,
+                 read_job: JobReader | None = None,
                  clock: Callable[[], float] = time.time,
                  out: Callable[[str], None] | None = None):
         self.backend = backend
         self.ledger = ledger
         self.dry_run = dry_run
         self.requeue_opt_in = requeue_opt_in
-        self.list_jobs = list_jobs or (lambda node: squeue_jobs(node, slurm_conf))
-        self.read_job = read_job or (lambda job: squeue_job(job, slurm_conf))
+        self.list_jobs = list_jobs or backend.jobs_on
+        """The jobs running on a node (the backend's; tests hand in their own)."""
+        self.read_job = read_job or self._read_job
+        """One job in any state, None once Slurm no longer knows it."""
         self.clock = clock
         """When a write really returned: the ledger's applied_at is this, not the round's start."""
         self.out = out or (lambda line: print(line, flush=True))
         self._printed: set[str] = set()
 
     # -- views ---------------------------------------------------------------------------------------
+
+    def _read_job(self, job_id: str) -> JobInfo | None:
+        try:
+            return self.backend.job(job_id)
+        except ValueError:
+            return None  # not a job id (a damaged ledger record): no job Slurm could know
 
     def ledger_view(self) -> LedgerView:
         return LedgerView(holds=self.ledger.holds())

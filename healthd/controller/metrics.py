@@ -7,26 +7,27 @@ alert is `time() - x > N`), gauges of "how many now" are plain plurals. Labels a
 incident stage); never a node name: per-node series are the agents' own (`healthd_verdict` by
 `instance`), so the controller's series count does not grow with the fleet.
 
-Counters and `breaker_open` are updated where things happen (daemon.py); the fleet gauges below are
-set once per control round by `update_from_round` (on the round thread, under the round lock, so the
-ledger is read where the round already reads it, never from the scrape thread).
+Counters and `breaker_open` are updated where things happen (daemon.py). The fleet gauges are set once
+per full control round from the figures the round hands over (`RoundFigures`, read by the round thread
+from its reports and its ledger; this module reads nothing of the controller). A collector serves them
+from one immutable set of samples that each round replaces whole, so a scrape sees one round's values
+and never a family half filled.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from healthd.controller.ledger import REINTEGRATION_STATES
+from healthd.gauges import Family, Samples, SnapshotGauges
 from healthd.model import VERDICTS
 
-if TYPE_CHECKING:
-    from healthd.controller.daemon import Controller
-
 _log = logging.getLogger("healthd.controller")
-REINTEGRATION_STATES = ("requested", "validating", "probation", "passed", "failed", "recurred", "aborted")
 INCIDENT_STAGES = ("detection", "decision", "action", "recovery")
 INCIDENT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
 INCIDENT_WINDOW_S = 7 * 86400.0
@@ -34,16 +35,86 @@ INCIDENT_WINDOW_S = 7 * 86400.0
 STARTUP_SLACK_S = 60.0
 
 
-def _set_all(gauge: Gauge, values: Mapping[tuple[str, ...], float], keep: Iterable[tuple[str, ...]] = ()) -> None:
-    """Set every labelled child from `values` (0 for `keep` labelsets without a value) and drop the
-    children neither names: no clear(), so a scrape never sees the family empty mid-update."""
-    wanted = {k: 0.0 for k in keep}
-    wanted.update(values)
-    for labels, v in wanted.items():
-        gauge.labels(*labels).set(v)
-    for labels in [tuple(s) for s in gauge._metrics]:  # noqa: SLF001 - prometheus_client has no public listing
-        if labels not in wanted:
-            gauge.remove(*labels)
+@dataclass(frozen=True)
+class IncidentTimings:
+    """One incident's stage timings in seconds; None for a stage that has not happened yet."""
+
+    id: int
+    created_at: float
+    detection: float | None = None
+    """First evidence to detected."""
+    decision: float | None = None
+    """Detected to decided."""
+    action: float | None = None
+    """Decided to applied in Slurm."""
+    recovery: float | None = None
+    """First evidence to back in service."""
+
+
+@dataclass(frozen=True)
+class RoundFigures:
+    """What one full control round exports."""
+
+    at: float
+    """When the round completed (Unix time)."""
+    nodes_reporting: Mapping[str, int] = field(default_factory=dict)
+    """Nodes whose latest report is fresh (within report_ttl_s), by its verdict."""
+    nodes_stale: int = 0
+    """Nodes that reported once but not within report_ttl_s."""
+    approvals_waiting: int = 0
+    oldest_waiting_since: float | None = None
+    """When the oldest decision waiting for approval was made; None when none waits."""
+    incidents_open: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(tier, attribution) -> open incidents."""
+    reintegrations: Mapping[str, int] = field(default_factory=dict)
+    """Reintegration state -> reintegrations in the ledger."""
+    incidents: tuple[IncidentTimings, ...] = ()
+    """The incidents created within INCIDENT_WINDOW_S before `at`."""
+
+
+GAUGES: tuple[Family, ...] = (
+    ("healthd_controller_last_round_timestamp_seconds",
+     "When the last full control round completed (Slurm reachable)", ()),
+    ("healthd_controller_nodes_reporting",
+     "Nodes whose latest report is fresh (within report_ttl_s), by its verdict", ("verdict",)),
+    ("healthd_controller_nodes_stale", "Nodes that reported once but not within report_ttl_s", ()),
+    ("healthd_controller_approvals_waiting",
+     "Decisions waiting for an operator's approval (healthctl approve/reject)", ()),
+    ("healthd_controller_approvals_waiting_oldest_age_seconds",
+     "Age of the oldest decision waiting for approval (0 when none)", ()),
+    ("healthd_controller_incidents_open", "Open incidents, by tier and attribution", ("tier", "attribution")),
+    ("healthd_controller_reintegrations",
+     "Reintegrations in the ledger, by state (the in-flight states are current; "
+     "passed/failed/recurred/aborted only grow)", ("state",)),
+)
+"""The per-round gauge families: name, help, label names; `round_samples` gives their samples in this order."""
+
+
+def round_samples(figures: RoundFigures) -> tuple[Samples, ...]:
+    """Every per-round gauge family's samples for one round, in GAUGES order. A verdict outside
+    VERDICTS counts as unknown, so the verdict label stays a bounded set."""
+    by_verdict = dict.fromkeys(VERDICTS, 0.0)
+    for verdict, n in figures.nodes_reporting.items():
+        key = verdict if verdict in by_verdict else "unknown"
+        by_verdict[key] += n
+    by_state = dict.fromkeys(REINTEGRATION_STATES, 0.0)
+    by_state.update((state, float(n)) for state, n in figures.reintegrations.items())
+    since = figures.oldest_waiting_since
+    return (
+        (((), float(figures.at)),),
+        tuple(((v,), n) for v, n in by_verdict.items()),
+        (((), float(figures.nodes_stale)),),
+        (((), float(figures.approvals_waiting)),),
+        (((), 0.0 if since is None else max(0.0, figures.at - since)),),
+        tuple(((tier, attribution), float(n)) for (tier, attribution), n in figures.incidents_open.items()),
+        tuple(((state,), n) for state, n in by_state.items()),
+    )
+
+
+BEFORE_FIRST_ROUND: tuple[Samples, ...] = (
+    (((), 0.0),), tuple(((v,), 0.0) for v in VERDICTS), (((), 0.0),), (((), 0.0),), (((), 0.0),), (),
+    tuple(((s,), 0.0) for s in REINTEGRATION_STATES))
+"""What the gauges show until the first full round: zeros, no open incidents."""
 
 
 class ControllerMetrics:
@@ -60,90 +131,47 @@ class ControllerMetrics:
         self.breaker_open = Gauge("healthd_controller_breaker_open", "1 while the circuit breaker is open", registry=r)
         self.report_latency = Histogram("healthd_controller_report_latency_seconds",
                                         "Time to verify and store one report", registry=r)
-        # -- set by update_from_round ------------------------------------------------------------------
-        self.last_round = Gauge("healthd_controller_last_round_timestamp_seconds",
-                                "When the last full control round completed (Slurm reachable)", registry=r)
-        self.nodes_reporting = Gauge("healthd_controller_nodes_reporting",
-                                     "Nodes whose latest report is fresh (within report_ttl_s), by its verdict",
-                                     ["verdict"], registry=r)
-        self.nodes_stale = Gauge("healthd_controller_nodes_stale",
-                                 "Nodes that reported once but not within report_ttl_s", registry=r)
-        self.approvals_waiting = Gauge("healthd_controller_approvals_waiting",
-                                       "Decisions waiting for an operator's approval (healthctl approve/reject)",
-                                       registry=r)
-        self.approval_oldest_age = Gauge("healthd_controller_approvals_waiting_oldest_age_seconds",
-                                         "Age of the oldest decision waiting for approval (0 when none)", registry=r)
-        self.incidents_open = Gauge("healthd_controller_incidents_open", "Open incidents, by tier and attribution",
-                                    ["tier", "attribution"], registry=r)
-        self.reintegrations = Gauge("healthd_controller_reintegrations",
-                                    "Reintegrations in the ledger, by state (the in-flight states are current; "
-                                    "passed/failed/recurred/aborted only grow)", ["state"], registry=r)
+        self.gauges = SnapshotGauges(GAUGES, BEFORE_FIRST_ROUND)
+        r.register(self.gauges)
         self.incident_latency = Histogram("healthd_controller_incident_latency_seconds",
                                           "Incident stage timings: detection (first evidence to detected), decision "
                                           "(detected to decided), action (decided to applied in Slurm), recovery "
                                           "(first evidence to back in service)", ["stage"], buckets=INCIDENT_BUCKETS,
                                           registry=r)
-        for v in VERDICTS:
-            self.nodes_reporting.labels(v).set(0)
-        for s in REINTEGRATION_STATES:
-            self.reintegrations.labels(s).set(0)
         for stage in INCIDENT_STAGES:
             self.incident_latency.labels(stage)
+        self._lock = threading.Lock()
+        """One round's figures are taken in whole before the next's."""
         self._started_at: float | None = None
         self._observed: set[tuple[int, str]] = set()
 
-    def update_from_round(self, controller: Controller, now: float) -> None:
-        """Set the fleet gauges from the controller's reports and its ledger; call once per full round
-        (daemon.py `Controller.evaluate`, under the round lock). Idempotent for the same state. Never
-        raises: a metrics problem (the ledger busy) must not fail a control round."""
-        try:
-            self._update_from_round(controller, now)
-        except Exception:
-            _log.exception("controller metrics not updated this round")
+    def observe_round(self, figures: RoundFigures) -> None:
+        """Export one full control round (daemon.py `Controller.evaluate`): observe the stage timings
+        that became known, then swap in the round's gauges. Idempotent for the same figures."""
+        samples = round_samples(figures)
+        with self._lock:
+            self._observe_incidents(figures.at, figures.incidents)
+            self.gauges.publish(samples)
 
-    def _update_from_round(self, controller: Controller, now: float) -> None:
-        ttl = controller.policy.report_ttl_s
-        with controller.reports_lock:
-            reports = list(controller.reports.values())
-        fresh: dict[tuple[str, ...], float] = {}
-        stale = 0
-        for rep in reports:
-            if now - rep.received_at > ttl:
-                stale += 1
-            else:
-                key = (rep.verdict if rep.verdict in VERDICTS else "unknown",)
-                fresh[key] = fresh.get(key, 0) + 1
-        _set_all(self.nodes_reporting, fresh, keep=[(v,) for v in VERDICTS])
-        self.nodes_stale.set(stale)
-
-        ledger = controller.ledger
-        waiting = ledger.waiting_decisions()
-        self.approvals_waiting.set(len(waiting))
-        self.approval_oldest_age.set(max(0.0, now - min(d.decided_at for d in waiting)) if waiting else 0.0)
-
-        open_by: dict[tuple[str, ...], float] = {}
-        for inc in ledger.incidents(status="open"):
-            key = (inc.tier, inc.attribution)
-            open_by[key] = open_by.get(key, 0) + 1
-        _set_all(self.incidents_open, open_by)
-
-        by_state = {(state,): float(n) for state, n in ledger.reintegration_counts().items()}
-        _set_all(self.reintegrations, by_state, keep=[(s,) for s in REINTEGRATION_STATES])
-
-        self._observe_incidents(controller, now)
-        self.last_round.set(now)  # breaker_open is set by the round itself, from the state it evaluated
-
-    def _observe_incidents(self, controller: Controller, now: float) -> None:
-        """Observe each stage timing once, when it becomes known, for incidents created since this
-        process started (a restart does not count old incidents again). "Started" is the first full
-        round less STARTUP_SLACK_S, so incidents that requests opened just before it are counted."""
+    def incidents_since(self, now: float) -> float:
+        """The creation time from which incidents' stage timings are watched: this process's start
+        (a restart does not count old incidents again) or a week ago, whichever is later. "Started"
+        is the first full round less STARTUP_SLACK_S, so incidents that requests opened just before
+        it are counted. The daemon reads the ledger's incidents from here."""
         if self._started_at is None:
             self._started_at = now - STARTUP_SLACK_S
-        since = max(self._started_at, now - INCIDENT_WINDOW_S)
+        return max(self._started_at, now - INCIDENT_WINDOW_S)
+
+    def _observe_incidents(self, now: float, incidents: tuple[IncidentTimings, ...]) -> None:
+        """Observe each stage timing once, when it becomes known, for incidents created since
+        incidents_since(now)."""
+        since = self.incidents_since(now)
         seen: set[tuple[int, str]] = set()
-        for inc in controller.ledger.incidents(since=since):
-            for stage, value in (("detection", inc.detection_latency), ("decision", inc.decision_latency),
-                                 ("action", inc.action_latency), ("recovery", inc.recovery_time)):
+        for inc in incidents:
+            if inc.created_at < since:
+                continue
+            for stage, value in (("detection", inc.detection), ("decision", inc.decision),
+                                 ("action", inc.action), ("recovery", inc.recovery)):
                 if value is None:
                     continue
                 key = (inc.id, stage)

@@ -8,10 +8,8 @@ ledger can tell "decided again" from "decided anew".
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import hashlib
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -23,7 +21,8 @@ from ClusterShell.RangeSet import RangeSetException
 from healthd.report_schema import ReportInvalid, validate_finding, validate_report
 from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, owned
-from healthd.model import ACTION_SEVERITY, Component, Evidence, Finding
+from healthd.model import ACTION_SEVERITY, Evidence, Finding
+from healthd.reason import build_reason, printable
 from healthd.slurm.backend import NodeInfo
 
 Mode = Literal["observe", "supervised", "auto"]
@@ -35,8 +34,6 @@ ACTING_KINDS: frozenset[str] = frozenset({"drain", "drain-and-requeue", "reboot-
 """Kinds that change Slurm state (everything but `none`)."""
 REMOVING_KINDS: frozenset[str] = frozenset({"drain", "drain-and-requeue", "reboot-asap"})
 """Kinds that take a node out of service: these count against rate limits and capacity floors."""
-REASON_PREFIX = "healthd:"
-MAX_REASON_CHARS = 200
 
 # finding action -> decision kind
 _ACTION_TO_KIND: Mapping[str, str] = MappingProxyType(
@@ -120,17 +117,6 @@ class ControllerPolicySettings:
 # --------------------------------------------------------------------------- reports -> Findings
 
 
-def _epoch(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return _dt.datetime.fromisoformat(value).timestamp()
-        except ValueError:
-            return None
-    return None
-
-
 def finding_from_json(doc: Mapping[str, Any], *, checked: bool = False) -> Finding:
     """One finding of the README's state document -> Finding. Raises ValueError on a malformed one
     (healthd.report_schema decides what is malformed, and names the field).
@@ -145,33 +131,7 @@ def finding_from_json(doc: Mapping[str, Any], *, checked: bool = False) -> Findi
             fid = doc.get("id") if isinstance(doc, dict) else None
             shown = repr(fid[:80]) if isinstance(fid, str) else "?"
             raise ValueError(f"malformed finding {shown}: {exc.reason}") from None
-    comp = doc["component"]
-    return Finding(
-        id=doc["id"],
-        component=Component(
-            kind=comp["kind"],
-            index=comp.get("index"),
-            uuid=comp.get("uuid"),
-            serial=comp.get("serial"),
-            bus_id=comp.get("bus_id"),
-            device=comp.get("device"),
-            port=comp.get("port"),
-        ),
-        source=doc["source"],
-        attribution=doc["attribution"],
-        tier=doc["tier"],
-        action=doc["action"],
-        summary=doc["summary"],
-        evidence=tuple(
-            Evidence(kind=e["kind"], text=e["text"], data={k: v for k, v in e.items() if k not in ("kind", "text")})
-            for e in doc["evidence"]
-        ),
-        xid=doc.get("xid"),
-        count=doc.get("count") or 1,
-        first_seen=_epoch(doc.get("first_seen")),
-        last_seen=_epoch(doc.get("last_seen")),
-        job=doc.get("job"),
-    )
+    return Finding.from_json(doc)
 
 
 @dataclass(frozen=True)
@@ -270,7 +230,7 @@ def parse_topology_conf(text: str) -> dict[str, frozenset[str]]:
 
 @functools.lru_cache(maxsize=4)
 def _topology_cached(text: str) -> Mapping[str, frozenset[str]]:
-    # the controller hands the same topology.conf text every round; parsing it was ~40% of a
+    # the controller hands the same topology.conf text every round, and parsing it costs ~40% of a
     # 10,000-node round (bench/controller_path.py)
     return MappingProxyType(parse_topology_conf(text))
 
@@ -402,18 +362,11 @@ def incident_id(node: str, finding: Finding) -> str:
     return "H" + hashlib.sha1(raw).hexdigest()[:8]
 
 
-_PRINTABLE = re.compile(r"[^\x20-\x7e]")
-
-
 def make_reason(cause: str, incident: str) -> str:
-    """`healthd: <cause> [#<incident>]`, one printable line of at most 200 characters; the cause is
-    shortened (never the prefix or the incident)."""
-    suffix = f" [#{incident}]"
-    cause = " ".join(_PRINTABLE.sub("?", cause).split())
-    room = MAX_REASON_CHARS - len(REASON_PREFIX) - 1 - len(suffix)
-    if len(cause) > room:
-        cause = cause[: max(room - 3, 0)] + "..."
-    return f"{REASON_PREFIX} {cause}{suffix}"
+    """`healthd: <cause> [#<incident>]`, one printable line within Slurm's reason limit
+    (healthd.reason) with the cause's runs of spaces made one; the cause is shortened (never the
+    prefix or the incident)."""
+    return build_reason(" ".join(printable(cause).split()), f"[#{incident}]")
 
 
 def is_actionable(f: Finding) -> bool:

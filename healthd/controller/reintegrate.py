@@ -39,12 +39,10 @@ from healthd.controller.ledger import Reintegration
 from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, describe_reason, owned
 from healthd.controller.policy import Decision, FleetView, NodeReport, is_actionable, make_reason
-from healthd.slurm.backend import SlurmError, SlurmRefused
-from healthd.slurm.scontrol import CommandResult, CommandTimeout, run_command
+from healthd.slurm.backend import SlurmBackend, SlurmError, SlurmRefused, StepResult
 
 _log = logging.getLogger("healthd.controller.reintegrate")
 
-SAFE_PATH = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin"
 RESERVATION_PREFIX = "healthd_validate_"
 DEFAULT_VALIDATION: tuple[tuple[str, ...], ...] = (
     ("srun", "--reservation={reservation}", "--nodelist={node}", "--nodes=1", "--exclusive", "--time=30",
@@ -52,8 +50,6 @@ DEFAULT_VALIDATION: tuple[tuple[str, ...], ...] = (
 )
 PLACEHOLDERS = ("node", "reservation", "incident", "slurm_conf")
 OUTPUT_TAIL = 2000
-
-Runner = Callable[[list[str], dict[str, str], float], CommandResult]
 
 
 @dataclass(frozen=True)
@@ -117,22 +113,20 @@ def expand(argv: tuple[str, ...], values: Mapping[str, str]) -> list[str]:
     return [re.sub(r"{(" + "|".join(PLACEHOLDERS) + r")}", lambda m: values[m.group(1)], a) for a in argv]
 
 
-def run_validation(commands: list[list[str]], env: dict[str, str], timeout_s: float,
-                   runner: Runner = run_command) -> list[dict[str, Any]]:
-    """Run the commands in order, stopping at the first failure. One result per command run."""
+def run_validation(commands: list[list[str]], backend: SlurmBackend, timeout_s: float) -> list[dict[str, Any]]:
+    """Run the commands in order through the backend (its Slurm environment; 124 when one is killed
+    at `timeout_s`, 127 when one cannot start), stopping at the first failure. One result per
+    command run."""
     results = []
     for argv in commands:
         started = time.monotonic()
         try:
-            done = runner(argv, env, timeout_s)
-            rc, output = done.returncode, (done.stdout + done.stderr)
-        except CommandTimeout as exc:
-            rc, output = 124, str(exc)
-        except (OSError, ValueError) as exc:  # not found, not executable
-            rc, output = 127, f"{type(exc).__name__}: {exc}"
-        results.append({"argv": argv, "rc": rc, "seconds": round(time.monotonic() - started, 3),
-                        "output": output[-OUTPUT_TAIL:]})
-        if rc != 0:
+            done = backend.run_step(argv, timeout_s)
+        except (SlurmError, ValueError) as exc:  # not even handed to Slurm: a failed step, not a dead thread
+            done = StepResult(127, f"{type(exc).__name__}: {exc}")
+        results.append({"argv": argv, "rc": done.returncode, "seconds": round(time.monotonic() - started, 3),
+                        "output": done.output[-OUTPUT_TAIL:]})
+        if done.returncode != 0:
             break
     return results
 
@@ -163,8 +157,7 @@ class Reintegrator:
     """Moves reintegrations on, one step per control round (called from the daemon under its round lock)."""
 
     def __init__(self, settings: ReintegrationSettings, executor: Executor, *,
-                 slurm_conf: str, dry_run: bool = False, runner: Runner = run_command,
-                 out: Callable[[str], None] | None = None):
+                 slurm_conf: str, dry_run: bool = False, out: Callable[[str], None] | None = None):
         self.settings = settings
         self.executor = executor
         """Makes the resume and the re-drain, with the same ownership re-read and ledger discipline as
@@ -172,8 +165,8 @@ class Reintegrator:
         self.backend = executor.backend
         self.ledger = executor.ledger
         self.slurm_conf = slurm_conf
+        """The {slurm_conf} of the validation commands."""
         self.dry_run = dry_run
-        self.runner = runner
         self.out = out or (lambda line: print(line, flush=True))
         self._threads: dict[int, threading.Thread] = {}
         self._results: dict[int, list[dict[str, Any]]] = {}
@@ -321,10 +314,9 @@ class Reintegrator:
         values = {"node": node, "reservation": reservation, "incident": "" if incident_id is None else str(incident_id),
                   "slurm_conf": self.slurm_conf}
         commands = [expand(argv, values) for argv in self.settings.validation]
-        env = {"PATH": SAFE_PATH, "LANG": "C", "SLURM_CONF": self.slurm_conf}
 
         def run() -> None:
-            results = run_validation(commands, env, self.settings.validation_timeout_s, self.runner)
+            results = run_validation(commands, self.backend, self.settings.validation_timeout_s)
             with self._lock:
                 self._results[rid] = results
 

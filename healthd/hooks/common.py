@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from healthd import trusted as files
-from healthd.text import clean, parse_time
+from healthd.reason import MAX_REASON_BYTES, build_reason, is_healthd_reason, reason_bytes
+from healthd.text import clean
+from healthd import statedoc
 from healthd.statedoc import load_state
 from healthd.trusted import SMALL_MAX_BYTES, TRUSTED_UID, TooLarge, Untrusted, read_bounded  # noqa: F401 - re-exported
 
@@ -263,7 +265,7 @@ def judge(
 
     if doc is None:
         return unknown(error or "no state document")
-    t = parse_time(doc.get("generated_at"))
+    t = statedoc.generated_at(doc)
     if t is None:
         return unknown(f"generated_at {clean(repr(doc.get('generated_at')), 60)} is not an RFC 3339 time")
     age = now - t
@@ -273,14 +275,13 @@ def judge(
         return unknown(f"state is dated {-age:.0f}s in the future: the clock moved")
     if doc.get("node") != node:
         return unknown(f"state file is for node {clean(repr(doc.get('node')), 80)}, not {node}")
-    agent = doc.get("agent")
-    pid = agent.get("pid") if isinstance(agent, dict) else None
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+    pid = statedoc.agent_pid(doc)
+    if pid is None:
         return unknown("state has no agent pid")
     if not pid_alive(pid):
         return unknown(f"agent pid {pid} is not running")
-    findings = doc.get("findings")
-    if not isinstance(findings, list):
+    findings = statedoc.findings(doc)
+    if findings is None:
         return unknown("state has no findings list")
     verdict = doc.get("verdict")
     return Judgement(True, f"agent alive (pid {pid}, verdict {clean(verdict, 20)}, {len(findings)} finding(s), "
@@ -291,10 +292,8 @@ def judge(
 
 
 def healthd_reason(text: str, suffix: str = "") -> str:
-    """`healthd: <text> <suffix>`, one printable line shorter than 200 characters."""
-    room = 199 - len("healthd: ") - (len(suffix) + 1 if suffix else 0)
-    body = clean(text, max(20, room))
-    return f"healthd: {body} {suffix}" if suffix else f"healthd: {body}"
+    """`healthd: <text> <suffix>`, one printable line within Slurm's reason limit (healthd.reason)."""
+    return build_reason(text, suffix)
 
 
 # --------------------------------------------------------------------------- Slurm
@@ -303,10 +302,6 @@ def healthd_reason(text: str, suffix: str = "") -> str:
 def is_drained(info: Any) -> bool:
     states = [str(getattr(info, "state", "") or "")] + [str(f) for f in (getattr(info, "flags", ()) or ())]
     return any(s.upper().startswith("DRAIN") for s in states)
-
-
-def is_healthd_reason(reason: Any) -> bool:
-    return isinstance(reason, str) and reason.startswith("healthd:")
 
 
 def slurm_error() -> type[Exception]:
@@ -341,12 +336,14 @@ def take_node(ctx: "Context", reason: str) -> bool:
     if drained and current:
         log.info(f"node {node} is already drained by healthd ({clean(current, 120)}); the first reason stays")
         return True
+    # a healthd reason too long for Slurm's record (someone else wrote it) gives way to ours
+    keep = current if current and reason_bytes(current) <= MAX_REASON_BYTES else reason
     try:
-        backend.drain([node], current or reason)
+        backend.drain([node], keep)
     except SlurmError as e:
         log.warning(f"cannot drain node {node}: {clean(e, 200)}")
         return False
-    log.warning(f"drained node {node}: {current or reason}")
+    log.warning(f"drained node {node}: {keep}")
     return True
 
 

@@ -1,6 +1,7 @@
-"""healthd's Slurm backends: the SlurmBackend Protocol and NodeInfo (backend), the scontrol/sinfo
+"""healthd's Slurm backends: the SlurmBackend Protocol and its values (backend), the scontrol/sinfo
 implementation for every Slurm version (scontrol), the pyslurm one for sites whose Slurm matches
-pyslurm 25.11 (pyslurm_backend), and default_backend() to choose between them."""
+pyslurm 25.11 (pyslurm_backend), and default_backend() to choose between them: scontrol unless a
+site asks for pyslurm, which has yet to run against a real Slurm of its version."""
 
 from __future__ import annotations
 
@@ -10,16 +11,20 @@ import logging
 import os
 
 from healthd.slurm.backend import (
+    JobInfo,
     NodeInfo,
     SlurmBackend,
     SlurmError,
     SlurmOutputError,
     SlurmRefused,
     SlurmUnavailable,
+    StepResult,
 )
 from healthd.slurm.scontrol import ScontrolBackend, parse_version
 
 __all__ = [
+    "BACKENDS",
+    "JobInfo",
     "NodeInfo",
     "SlurmBackend",
     "SlurmError",
@@ -27,8 +32,12 @@ __all__ = [
     "SlurmRefused",
     "SlurmUnavailable",
     "ScontrolBackend",
+    "StepResult",
     "default_backend",
 ]
+
+BACKENDS = ("scontrol", "pyslurm")
+"""What a site may ask for (the controller's `slurm_backend`); scontrol is the default."""
 
 _log = logging.getLogger(__name__)
 
@@ -55,14 +64,16 @@ def default_backend(
     *,
     timeout_s: float = 10.0,
     dry_run: bool = False,
-    prefer_pyslurm: bool = True,
+    prefer_pyslurm: bool = False,
     scontrol: ScontrolBackend | None = None,
     pyslurm_module=None,
 ) -> SlurmBackend:
-    """PyslurmBackend when pyslurm imports AND its Slurm major.minor (pyslurm's own version is
-    SLURM_MAJOR.SLURM_MINOR.PATCH) equals the installed Slurm's (`scontrol --version`);
-    otherwise ScontrolBackend. Logs the choice and why. Raises SlurmUnavailable when there is no
-    slurm.conf (slurm_conf or SLURM_CONF): no client runs without one.
+    """ScontrolBackend, unless `prefer_pyslurm` (the site's `slurm_backend: pyslurm`): then
+    PyslurmBackend when pyslurm imports AND its Slurm major.minor (pyslurm's own version is
+    SLURM_MAJOR.SLURM_MINOR.PATCH) equals the installed Slurm's (`scontrol --version`), otherwise
+    ScontrolBackend still. pyslurm is opt-in because only a stand-in of its API has been through the
+    contract suite, never pyslurm on a real Slurm of its version. Logs the choice and why. Raises
+    SlurmUnavailable when there is no slurm.conf (slurm_conf or SLURM_CONF): no client runs without one.
 
     `scontrol` and `pyslurm_module` let tests hand in a ScontrolBackend with a fake runner and an
     already imported (stand-in) pyslurm; production code leaves them None."""
@@ -70,7 +81,7 @@ def default_backend(
     if scontrol is None:
         scontrol = ScontrolBackend(slurm_conf, timeout_s=timeout_s, dry_run=dry_run, logger=log)
     if not prefer_pyslurm:
-        log.info("Slurm backend: scontrol (pyslurm not wanted)")
+        log.info("Slurm backend: scontrol (the default: pyslurm not wanted unless slurm_backend is pyslurm)")
         return scontrol
     try:
         slurm_version = scontrol.version()

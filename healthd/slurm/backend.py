@@ -9,7 +9,8 @@ tests/slurm/contract.py holds both to the same behaviour.
 Everything a caller hands to a write is validated here, before any client runs: node names are
 Slurm hostnames or hostlists, reasons are one line of printable text. A reason travels as ONE argv
 element (`Reason=<text>`), never through a shell, so spaces, `=`, quotes and `;|&$()` in it are
-data, not syntax; what is refused is only what Slurm itself cannot store on one line.
+data, not syntax; what is refused is only what Slurm cannot keep: more than one line, or more than
+healthd.reason.MAX_REASON_BYTES.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Protocol, runtime_checkable
 from ClusterShell.NodeSet import NodeSet, NodeSetException
 from ClusterShell.RangeSet import RangeSetException
 
+from healthd.reason import MAX_REASON_BYTES, reason_bytes
+
 MAX_NODES_CHARS = 256
-MAX_REASON_CHARS = 1000
 # A hostlist such as n[0-999999999] is 256 characters but a billion names: refuse it before
 # ClusterShell expands it.
 MAX_NODES_EXPANDED = 65536
@@ -101,6 +103,27 @@ class NodeInfo:
         return self.state in RESUMABLE_STATES or bool(self.flags & RESUMABLE_FLAGS)
 
 
+@dataclass(frozen=True)
+class JobInfo:
+    """A job as far as requeue opt-in and its reconciliation need it."""
+
+    job_id: str
+    batch: bool
+    """Submitted with sbatch (only a batch job can be requeued)."""
+    comment: str
+    restarts: int = 0
+    """Slurm's restart count: a requeue Slurm kept leaves the job with a higher count, elsewhere."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """How one command run by `SlurmBackend.run_step` ended: its exit status (124: killed at its
+    timeout; 127: it could not be started) and what it printed, stdout then stderr."""
+
+    returncode: int
+    output: str
+
+
 class SlurmError(RuntimeError):
     """A Slurm call failed. `argv` is the command (or pyslurm call) that was attempted,
     `returncode` its exit status (None when it never finished), `stderr` what Slurm said."""
@@ -136,7 +159,14 @@ class SlurmBackend(Protocol):
     reservation that does not exist returns quietly (a restart after a delete repeats it), as do
     RESUME and cancel_reboot on a node that needs neither. `ctld_started_at` is when the running
     slurmctld started (epoch seconds; None when it does not say): a controller that restarted
-    after a write may have come back from a state save older than the write."""
+    after a write may have come back from a state save older than the write.
+
+    Jobs: `jobs_on(node)` lists the jobs running on one node; `job(job_id)` reads one job in any
+    state, None once Slurm no longer knows it. `node_addresses()` maps node names to their NodeAddr
+    as Slurm has it (not resolved). `run_step(argv, timeout_s)` runs one command that starts work
+    through Slurm (an `srun` validation step) with SLURM_CONF and a minimal environment, and never
+    raises for how the command ended (see StepResult); with `dry_run=True` it is planned, not run,
+    like a write."""
 
     dry_run: bool
     planned: list[list[str]]
@@ -169,6 +199,14 @@ class SlurmBackend(Protocol):
     def reservation_exists(self, name: str) -> bool: ...
 
     def ctld_started_at(self) -> float | None: ...
+
+    def jobs_on(self, node: str) -> list[JobInfo]: ...
+
+    def job(self, job_id: int | str) -> JobInfo | None: ...
+
+    def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]: ...
+
+    def run_step(self, argv: Sequence[str], timeout_s: float) -> StepResult: ...
 
     def version(self) -> str: ...
 
@@ -263,14 +301,17 @@ def slurm_hostlist(nodes: str | Sequence[str] | NodeSet) -> str:
 
 
 def validate_reason(reason: str) -> str:
-    """Return the reason unchanged, or raise ValueError. A reason is one line of at most 1000
-    characters with no control characters; it must not be empty or only spaces."""
+    """Return the reason unchanged, or raise ValueError. A reason is one line of at most
+    MAX_REASON_BYTES bytes of UTF-8 (healthd.reason says why) with no control characters; it must
+    not be empty or only spaces."""
     if not isinstance(reason, str):
         raise ValueError(f"reason must be a string, got {type(reason).__name__}")
     if not reason.strip():
         raise ValueError("reason is empty: Slurm requires a reason to drain or reboot a node")
-    if len(reason) > MAX_REASON_CHARS:
-        raise ValueError(f"reason is {len(reason)} characters, more than {MAX_REASON_CHARS}")
+    size = reason_bytes(reason)
+    if size > MAX_REASON_BYTES:
+        raise ValueError(f"reason is {size} bytes of UTF-8, more than the {MAX_REASON_BYTES} Slurm's accounting "
+                         "keeps (healthd.reason)")
     bad = _has_forbidden_char(reason)
     if bad is not None:
         raise ValueError(
@@ -295,6 +336,25 @@ def validate_reservation_name(name: str) -> str:
             f"invalid reservation name {name!r}: 1-64 characters, letters, digits and ._- , starting alphanumeric"
         )
     return name
+
+
+def validate_node_name(name: str) -> str:
+    """Return one node name unchanged, or raise ValueError (a hostlist of several is refused)."""
+    ns = validate_nodes(name)
+    if not isinstance(name, str) or len(ns) != 1 or str(ns) != name:
+        raise ValueError(f"expected one node name, got {name!r}")
+    return name
+
+
+def validate_argv(argv: Sequence[str]) -> list[str]:
+    """Return a command as a list, or raise ValueError: a non-empty sequence of strings, the first
+    not empty (it is run as it is, without a shell)."""
+    if isinstance(argv, str) or not isinstance(argv, Sequence):
+        raise ValueError(f"a command is a list of arguments, got {type(argv).__name__}")
+    items = list(argv)
+    if not items or not all(isinstance(a, str) for a in items) or not items[0]:
+        raise ValueError(f"a command is a non-empty list of strings, got {items!r}")
+    return items
 
 
 def validate_users(users: Sequence[str]) -> list[str]:

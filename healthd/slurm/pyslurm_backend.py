@@ -19,7 +19,10 @@ on PyPI, the same tree as github.com/PySlurm/pyslurm):
   PYSLURM_DISABLE_AUTO_INIT is set.
 pyslurm 25.11 has no call for `scontrol reboot` (no slurm_reboot_nodes wrapper, and
 _node_state_from_str knows no REBOOT state), nor for requeueing one array task: those two go
-through the `fallback` ScontrolBackend.
+through the `fallback` ScontrolBackend. So do the reads of jobs and node addresses and the
+validation steps: an `srun` step is a process whatever the backend, and the job and address reads
+(once per requeue, every few minutes) stay on the client calls the contract suite proves on a real
+Slurm rather than on pyslurm attributes nothing here has run against.
 
 pyslurm calls are in-process C RPCs that cannot be interrupted, so each runs in a daemon thread
 and the caller waits at most timeout_s; while a timed-out call is still stuck, further calls fail
@@ -34,16 +37,20 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from healthd.slurm.backend import (
+    JobInfo,
     NodeInfo,
     SlurmRefused,
     SlurmUnavailable,
+    StepResult,
     filter_nodes,
     guarded_state_write,
     parse_state_string,
     slurm_hostlist,
+    validate_argv,
     validate_duration,
     validate_job_id,
     validate_next_state,
+    validate_node_name,
     validate_nodes,
     validate_reason,
     validate_reservation_flags,
@@ -111,7 +118,8 @@ class PyslurmBackend:
     """SlurmBackend over the pyslurm module.
 
     module: the imported pyslurm (tests pass the stand-in); None imports pyslurm.
-    fallback: a ScontrolBackend for what pyslurm 25.11 cannot do (reboot, array-task requeue)."""
+    fallback: a ScontrolBackend for what goes through scontrol, squeue and srun (reboot, array-task
+    requeue, jobs, node addresses, validation steps; see the module docstring)."""
 
     def __init__(
         self,
@@ -187,7 +195,7 @@ class PyslurmBackend:
     def _need_fallback(self, what: str) -> ScontrolBackend:
         if self.fallback is None:
             raise SlurmUnavailable(
-                f"{what}: pyslurm 25.11 has no call for this and no scontrol fallback is configured "
+                f"{what}: this goes through the Slurm clients here and no scontrol fallback is configured "
                 "(pass fallback=ScontrolBackend(...))",
                 argv=[what],
             )
@@ -386,3 +394,30 @@ class PyslurmBackend:
         """When slurmctld started: pyslurm 25.11 does not expose it, so the scontrol fallback
         reads it (None without a fallback)."""
         return self.fallback.ctld_started_at() if self.fallback is not None else None
+
+    # -- through the fallback: jobs, node addresses, validation steps -----------------------
+
+    def jobs_on(self, node: str) -> list[JobInfo]:
+        validate_node_name(node)
+        return self._need_fallback("jobs_on").jobs_on(node)
+
+    def job(self, job_id: int | str) -> JobInfo | None:
+        validate_job_id(job_id)
+        return self._need_fallback("job").job(job_id)
+
+    def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        if names is not None:
+            names = [names] if isinstance(names, str) else list(names)
+            if not names:
+                return {}
+            validate_nodes(names)
+        return self._need_fallback("node_addresses").node_addresses(names)
+
+    def run_step(self, argv: Sequence[str], timeout_s: float) -> StepResult:
+        validate_argv(argv)
+        fb = self._need_fallback("run_step")
+        fb.dry_run = self.dry_run
+        result = fb.run_step(argv, timeout_s)
+        if self.dry_run:
+            self.planned.extend(fb.planned[-1:])
+        return result

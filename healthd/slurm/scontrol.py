@@ -6,6 +6,10 @@ with a hard timeout after which the whole process group is killed. Failures are 
 SlurmUnavailable (timeout, slurmctld unreachable), SlurmRefused (slurmctld said no),
 SlurmOutputError (output we do not understand).
 
+Validation steps (`run_step`, an `srun` the controller starts) run with a minimal environment instead:
+srun hands the caller's environment to the job on the node, so the step gets a fixed system PATH,
+LANG=C and SLURM_CONF, nothing of the daemon's own.
+
 Reads, by Slurm version (`scontrol --version`, which does not contact slurmctld):
 - 23.02 and later: `scontrol show nodes --json`, the data_parser NODE schema (one object per
   node; `state` is a list such as ["IDLE", "DRAIN"]; times are {"set","infinite","number"}).
@@ -17,7 +21,7 @@ Reads, by Slurm version (`scontrol --version`, which does not contact slurmctld)
   parsed by parse_scontrol_node_line.
 Sources for the JSON shapes: SchedMD/slurm src/plugins/data_parser/v0.0.42/parsers.c
 (PARSER_ARRAY(NODE), PARSER_ARRAY(SINFO_DATA), PARSER_FLAG_ARRAY(NODE_STATES)) and the 22.05
-sinfo output captured on a real cluster (shared/reference/slurm-testbed.md §3b).
+sinfo output captured on a real cluster (tests/slurm/captured/).
 """
 
 from __future__ import annotations
@@ -37,18 +41,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from healthd.slurm.backend import (
+    JobInfo,
     NodeInfo,
     SlurmError,
     SlurmOutputError,
     SlurmRefused,
     SlurmUnavailable,
+    StepResult,
     filter_nodes,
     guarded_state_write,
     parse_state_string,
     slurm_hostlist,
+    validate_argv,
     validate_duration,
     validate_job_id,
     validate_next_state,
+    validate_node_name,
     validate_nodes,
     validate_reason,
     validate_reservation_flags,
@@ -87,6 +95,12 @@ _VERSION_RE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 # `scontrol show reservation NAME`'s for one that does not exist
 RESERVATION_GONE_MARKERS = ("Requested reservation is invalid", "not found")
 _BOOT_TIME_RE = re.compile(r"^BOOT_TIME\s*=\s*(\S+)", re.MULTILINE)
+# squeue's answer to a job id slurmctld no longer holds (ESLURM_INVALID_JOB_ID)
+JOB_GONE_MARKER = "Invalid job id"
+SQUEUE_FORMAT = "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000"
+"""The batch flag (sbatch, not salloc/srun) is only in --Format; fields padded, '|' ends the first three."""
+STEP_PATH = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin"
+"""PATH of a validation step (with bin_dir first when one is given): the system's, not the daemon's."""
 
 # ---------------------------------------------------------------------------------------------
 # running a client
@@ -142,6 +156,19 @@ def run_command(argv: list[str], env: dict[str, str], timeout_s: float) -> Comma
         out.decode("utf-8", errors="replace"),
         err.decode("utf-8", errors="replace"),
     )
+
+
+def step_result(argv: list[str], env: dict[str, str], timeout_s: float, runner: Runner = run_command) -> StepResult:
+    """Run one command through `runner` and say how it ended, whatever happened: its exit status and
+    stdout then stderr; 124 and the timeout when it was killed at `timeout_s`; 127 and the error when
+    it could not be started (not found, not executable, a NUL in an argument)."""
+    try:
+        done = runner(argv, env, timeout_s)
+    except CommandTimeout as exc:
+        return StepResult(124, str(exc))
+    except (OSError, ValueError) as exc:
+        return StepResult(127, f"{type(exc).__name__}: {exc}")
+    return StepResult(done.returncode, done.stdout + done.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +376,7 @@ def _node_from_object(obj: Any, path: str) -> NodeInfo:
     reason = _get(obj, "reason", path, (str,), default="")
     user = _get(obj, "reason_set_by_user", path, (str,))
     when = _number(obj.get("reason_changed_at"), f"{path}.reason_changed_at")
-    # 22.05 sometimes keeps reason_set_by_user after a resume cleared the reason (testbed §3b)
+    # 22.05 sometimes keeps reason_set_by_user after a resume cleared the reason (tests/slurm/captured/)
     if not reason:
         user, when = None, None
     gres = _get(obj, "gres", path, (str,)) or None
@@ -467,6 +494,36 @@ def parse_sinfo_json_text(text: str) -> list[NodeInfo]:
     except (ValueError, RecursionError) as exc:
         raise SlurmOutputError(f"Slurm's JSON output does not parse: {exc}: {text[:120]!r}") from None
     return parse_sinfo_json(doc)
+
+
+def parse_squeue_jobs(text: str) -> list[JobInfo]:
+    """The lines of `squeue --noheader` with SQUEUE_FORMAT (pure); lines without a job id are skipped."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split("|", 3)
+        if len(parts) != 4 or not parts[0].strip():
+            continue
+        restarts = parts[2].strip()
+        out.append(JobInfo(parts[0].strip(), parts[1].strip() == "1", parts[3].strip(),
+                           int(restarts) if restarts.isdigit() else 0))
+    return out
+
+
+def parse_node_addresses(text: str) -> dict[str, str]:
+    """node -> NodeAddr from the lines of `scontrol show node -o` (pure). The fields are read from
+    the part of the line before Reason=, whose free text could hold a `NodeAddr=` of its own."""
+    out = {}
+    for line in text.splitlines():
+        head = line.split(" Reason=", 1)[0]
+        fields: dict[str, str] = {}
+        keys = list(_KEY_RE.finditer(head))
+        for i, m in enumerate(keys):
+            end = keys[i + 1].start() if i + 1 < len(keys) else len(head)
+            fields.setdefault(m.group(1), head[m.end():end].strip())
+        name, addr = fields.get("NodeName"), fields.get("NodeAddr")
+        if name and addr:
+            out[name] = addr
+    return out
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -800,16 +857,66 @@ class ScontrolBackend:
         m = _BOOT_TIME_RE.search(out)
         return _local_epoch(m.group(1)) if m else None
 
+    # -- jobs, addresses, validation steps ------------------------------------------------
+
+    def _squeue(self, select: list[str]) -> list[JobInfo]:
+        return parse_squeue_jobs(self._run([self._bin("squeue"), "--noheader", *select, SQUEUE_FORMAT]))
+
+    def jobs_on(self, node: str) -> list[JobInfo]:
+        """The jobs running on `node` (squeue): id, batch flag, restart count, comment."""
+        return self._squeue([f"--nodelist={validate_node_name(node)}", "--states=RUNNING"])
+
+    def job(self, job_id: int | str) -> JobInfo | None:
+        """One job in any state, None once slurmctld no longer holds it: its restart count tells
+        whether a requeue whose client died with the controller reached slurmctld."""
+        text = validate_job_id(job_id)
+        try:
+            found = self._squeue([f"--jobs={text}", "--states=all"])
+        except SlurmRefused as exc:
+            if JOB_GONE_MARKER in (exc.stderr + str(exc)):
+                return None
+            raise
+        return next((j for j in found if j.job_id == text), None)
+
+    def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """node -> its NodeAddr as Slurm has it (`scontrol show node -o`), all nodes or those named."""
+        if names is not None:
+            names = [names] if isinstance(names, str) else list(names)
+            if not names:
+                return {}
+            wanted = set(validate_nodes(names))
+        addrs = parse_node_addresses(self._run([self._bin("scontrol"), "show", "node", "-o"]))
+        return addrs if names is None else {n: a for n, a in addrs.items() if n in wanted}
+
+    def run_step(self, argv: Sequence[str], timeout_s: float) -> StepResult:
+        """Run one command that starts work through Slurm (`srun ... healthd validate`), as it is (no
+        shell), with STEP_PATH, LANG=C and SLURM_CONF only, its process group killed at timeout_s.
+        Never raises for how it ended (StepResult); with dry_run it is planned, not run."""
+        command = validate_argv(argv)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if self.dry_run:
+            self.planned.append(command)
+            self._log.info("dry run, not running: %s", shlex.join(command))
+            return StepResult(0, f"dry run, not run: {shlex.join(command)}")
+        path = f"{self.bin_dir}:{STEP_PATH}" if self.bin_dir else STEP_PATH
+        env = {"PATH": path, "LANG": "C", "SLURM_CONF": self.slurm_conf}
+        self._log.info("running: %s", shlex.join(command))
+        return step_result(command, env, float(timeout_s), self._runner)
+
 
 __all__ = [
     "CommandResult",
     "CommandTimeout",
     "ScontrolBackend",
     "SlurmError",
+    "parse_node_addresses",
     "parse_scontrol_node_line",
     "parse_scontrol_show_node",
     "parse_sinfo_json",
     "parse_sinfo_json_text",
+    "parse_squeue_jobs",
     "parse_version",
     "run_command",
+    "step_result",
 ]

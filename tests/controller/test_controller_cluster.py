@@ -187,7 +187,7 @@ def test_daemon_dry_run_prints_the_drain_and_stops_on_sigterm(cluster, fleet, tm
 def test_node_addrs_from_slurm_nodeaddr(cluster, tmp_path):
     from healthd.controller.daemon import slurm_node_addrs
 
-    addrs = slurm_node_addrs(str(cluster.conf_path))
+    addrs = slurm_node_addrs(ScontrolBackend(str(cluster.conf_path), timeout_s=10))
     assert set(addrs) == set(cluster.nodes)
     assert all(a.count(".") == 3 for a in addrs.values())
 

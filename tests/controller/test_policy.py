@@ -9,7 +9,6 @@ import pytest
 
 from tests.support.holds import holds_for
 from healthd.controller.policy import (
-    MAX_REASON_CHARS,
     ControllerPolicySettings,
     Decision,
     FleetView,
@@ -23,6 +22,7 @@ from healthd.controller.policy import (
     parse_topology_conf,
 )
 from healthd.model import Component, Evidence, Finding
+from healthd.reason import MAX_REASON_BYTES as MAX_REASON_CHARS
 from healthd.slurm.backend import NodeInfo
 
 NOW = 1_800_000_000.0

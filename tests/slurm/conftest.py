@@ -9,7 +9,7 @@
   end of the session; call `.down()` yourself to stop one earlier.
 - SLURM_CONF is set in os.environ for the whole session (to the session cluster's slurm.conf, written
   at once even if the cluster is never started): a Slurm client run without it would make a DNS SRV
-  query off the machine (testbed P1).
+  query off the machine.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _roots: list[Path] = []
 def _new_root(name: str) -> Path:
     """A cluster directory directly under /tmp, mode 0755. Not under pytest's tmp tree: pytest keeps
     /tmp/pytest-of-<user> at 0700 (and resets it when another session starts), but munged wants
-    every directory above its socket searchable by all (testbed P4) and slurmctld, which drops to
+    every directory above its socket searchable by all and slurmctld, which drops to
     SlurmUser=slurm, must reach its state dir and that socket."""
     root = Path(tempfile.mkdtemp(prefix=f"healthd-{name}-", dir="/tmp"))
     root.chmod(0o755)

@@ -6,8 +6,8 @@ tests/slurm/test_backend_contract.py runs every check against
 so a behaviour proven on the real Slurm is the behaviour the pyslurm adapter is held to.
 
 `ctl` is the small adapter a check needs around the backend (the Ctl Protocol below): reset the
-cluster, start a job, look at jobs and reservations, stop and start slurmctld, and count the
-Slurm calls made so far (to prove that a refused input made none).
+cluster, start a job, look at jobs and reservations, write the argv of a job step, stop and start
+slurmctld, and count the Slurm calls made so far (to prove that a refused input made none).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Protocol
 
 import pytest
 
+from healthd.reason import MAX_REASON_BYTES
 from healthd.slurm.backend import SlurmBackend, SlurmRefused, SlurmUnavailable
 
 NODES = ["node01", "node02", "node03", "node04"]
@@ -58,7 +59,8 @@ BAD_REASONS = [
     "nul\x00byte",
     "bell\x07",
     "esc\x1b[31m",
-    "x" * 1001,
+    "x" * (MAX_REASON_BYTES + 1),
+    "é" * (MAX_REASON_BYTES // 2 + 1),  # within the limit in characters, over it in UTF-8 bytes
     "line\u2028separator",
 ]
 
@@ -69,13 +71,16 @@ class Ctl(Protocol):
     def reset(self) -> None:
         """All nodes idle and undrained, no reboot pending, no job, no test reservation, slurmctld up."""
 
-    def submit_running_job(self, node: str) -> int:
-        """A batch job running on `node` (returns once it runs)."""
+    def submit_running_job(self, node: str, comment: str = "") -> int:
+        """A batch job running on `node`, with `comment` as its --comment (returns once it runs)."""
 
     def job_state(self, job_id: int) -> str:
         """RUNNING, PENDING, ... ('' when the job is gone)."""
 
     def reservation_exists(self, name: str) -> bool: ...
+
+    def step(self, node: str, command: list[str]) -> list[str]:
+        """The argv of a job step that runs `command` on `node` (srun, one node, a short time limit)."""
 
     def stop_ctld(self) -> None: ...
 
@@ -119,6 +124,15 @@ def check_lists_nodes(backend: SlurmBackend, ctl: Ctl) -> None:
 
 
 # ----------------------------------------------------------------------------- drain / resume
+
+
+def check_longest_reason_round_trips(backend: SlurmBackend, ctl: Ctl) -> None:
+    """A reason of exactly the limit is written and read back whole; one byte more is refused."""
+    longest = "healthd: " + "x" * (MAX_REASON_BYTES - len("healthd: "))
+    backend.drain("node02", longest)
+    assert backend.node("node02").reason == longest
+    with pytest.raises(ValueError, match=f"more than the {MAX_REASON_BYTES}"):
+        backend.drain("node02", longest + "x")
 
 
 def check_drain_reason_round_trips(backend: SlurmBackend, ctl: Ctl) -> None:
@@ -218,6 +232,44 @@ def check_reservation_create_delete(backend: SlurmBackend, ctl: Ctl) -> None:
     assert not ctl.reservation_exists(name)
 
 
+def check_jobs_on_a_node_and_one_job(backend: SlurmBackend, ctl: Ctl) -> None:
+    """The running jobs of one node, and one job in any state: a requeue Slurm kept raises the
+    job's restart count (how the reconciler tells a requeue that landed)."""
+    job = ctl.submit_running_job("node04", comment="x healthd:requeue y")
+    (running,) = backend.jobs_on("node04")
+    assert running.job_id == str(job) and running.batch and running.restarts == 0
+    assert "healthd:requeue" in running.comment
+    assert backend.jobs_on("node01") == []
+    assert backend.job(job) == running and backend.job(str(job)) == running
+    backend.requeue(job)
+    assert _wait(lambda: (j := backend.job(job)) is not None and j.restarts == 1, 10), backend.job(job)
+    assert backend.job(999999) is None  # a job Slurm does not know
+
+
+def check_node_addresses(backend: SlurmBackend, ctl: Ctl) -> None:
+    addrs = backend.node_addresses()
+    assert sorted(addrs) == sorted(ctl.nodes) and all(addrs.values()), addrs
+    assert backend.node_addresses(["node02"]) == {"node02": addrs["node02"]}
+    assert backend.node_addresses("node[03-04]") == {"node03": addrs["node03"], "node04": addrs["node04"]}
+    assert backend.node_addresses([]) == {}
+
+
+def check_run_step(backend: SlurmBackend, ctl: Ctl) -> None:
+    """A job step runs where it is sent and says how it ended; it never raises for that: a failure
+    is its exit status, a step still running at its timeout is killed (124), a command that cannot
+    start is 127."""
+    ok = backend.run_step(ctl.step("node02", ["printenv", "SLURMD_NODENAME"]), timeout_s=60)
+    assert ok.returncode == 0 and ok.output.split()[:1] == ["node02"], ok
+    failed = backend.run_step(ctl.step("node02", ["false"]), timeout_s=60)
+    assert failed.returncode not in (0, 124, 127), failed
+    started = time.monotonic()
+    slow = backend.run_step(ctl.step("node03", ["sleep", "60"]), timeout_s=2)
+    assert slow.returncode == 124 and "did not finish within 2 s" in slow.output, slow
+    assert time.monotonic() - started < 10
+    missing = backend.run_step(["/nonexistent/healthd-step"], timeout_s=5)
+    assert missing.returncode == 127 and "FileNotFoundError" in missing.output, missing
+
+
 def check_node_boot_time(backend: SlurmBackend, ctl: Ctl) -> None:
     """Every reader gives the node's boot time where Slurm has one (the reconciler tells a finished
     reboot from a lost request by it); `ctld_started_at` is slurmctld's start, when known."""
@@ -241,6 +293,8 @@ def check_hostile_inputs_refused_before_any_call(backend: SlurmBackend, ctl: Ctl
             lambda bad=bad: backend.create_reservation("healthd-x", bad, 10),
             lambda bad=bad: backend.nodes([bad]),
             lambda bad=bad: backend.node(bad),
+            lambda bad=bad: backend.jobs_on(bad),
+            lambda bad=bad: backend.node_addresses([bad]),
             lambda bad=bad: backend.describe("drain", nodes=bad, reason="healthd: x"),
         ):
             with pytest.raises(ValueError):
@@ -256,6 +310,13 @@ def check_hostile_inputs_refused_before_any_call(backend: SlurmBackend, ctl: Ctl
     for bad_job in (0, -1, "1;2", "1 2", "abc", "", True, 1.5, "12_x"):
         with pytest.raises(ValueError):
             backend.requeue(bad_job)
+        with pytest.raises(ValueError):
+            backend.job(bad_job)
+    with pytest.raises(ValueError):
+        backend.jobs_on("node[01-02]")  # one node, not a hostlist
+    for bad_argv in ([], "srun hostname", [""], ["srun", 7], None):
+        with pytest.raises(ValueError):
+            backend.run_step(bad_argv, timeout_s=5)
     for bad_name in ("", "a b", "x;y", "x=y", "-x", "x" * 65):
         with pytest.raises(ValueError):
             backend.create_reservation(bad_name, "node01", 10)
@@ -280,9 +341,12 @@ def check_dry_run_changes_nothing(backend: SlurmBackend, ctl: Ctl) -> None:
         backend.drain("node01", HOSTILE_REASON)
         backend.create_reservation("healthd-dry", "node01", 10)
         backend.requeue(12345)
+        step = ctl.step("node01", ["false"])
+        assert backend.run_step(step, timeout_s=5).returncode == 0
         assert ctl.calls() == calls
-        assert len(backend.planned) == planned_before + 3
-        assert backend.planned[-3] == backend.describe("drain", nodes="node01", reason=HOSTILE_REASON)
+        assert len(backend.planned) == planned_before + 4
+        assert backend.planned[-4] == backend.describe("drain", nodes="node01", reason=HOSTILE_REASON)
+        assert backend.planned[-1] == step
     finally:
         backend.dry_run = False
     assert not backend.node("node01").drain_requested
@@ -301,6 +365,9 @@ def check_slurmctld_down_is_unavailable_within_timeout(backend: SlurmBackend, ct
             lambda: backend.nodes(),
             lambda: backend.drain("node01", "healthd: ctld down [#11]"),
             lambda: backend.requeue(1),
+            lambda: backend.jobs_on("node01"),
+            lambda: backend.job(1),
+            lambda: backend.node_addresses(),
         ):
             started = time.monotonic()
             with pytest.raises(SlurmUnavailable):
@@ -316,6 +383,7 @@ def check_slurmctld_down_is_unavailable_within_timeout(backend: SlurmBackend, ct
 CHECKS = [
     check_lists_nodes,
     check_drain_reason_round_trips,
+    check_longest_reason_round_trips,
     check_drain_hostlist,
     check_resume_twice_is_fine,
     check_draining_busy_node,
@@ -323,6 +391,9 @@ CHECKS = [
     check_reboot_next_state_down,
     check_requeue_running_batch_job,
     check_reservation_create_delete,
+    check_jobs_on_a_node_and_one_job,
+    check_node_addresses,
+    check_run_step,
     check_node_boot_time,
     check_hostile_inputs_refused_before_any_call,
     check_dry_run_changes_nothing,

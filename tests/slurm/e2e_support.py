@@ -74,19 +74,23 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
 
 @contextmanager
 def hard_limit(seconds: int, what: str) -> Iterator[None]:
-    """SIGALRM after `seconds`: raises in the main thread, so nothing in a scenario can hang the suite
-    (pytest-timeout is not a dependency). Every subprocess call has its own, shorter timeout."""
+    """SIGALRM after `seconds`: raises in the main thread with `what` in the message, so nothing in a
+    scenario can hang the suite. Every subprocess call has its own, shorter timeout. The test's own
+    timer (pytest-timeout's, on the same signal) is put back on exit with the time it had left."""
 
     def alarm(signum: int, frame: Any) -> None:
         raise E2EError(f"{what}: hard limit of {seconds} s reached")
 
     old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
     try:
         yield
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 0.001))
 
 
 def render_wrapper(template: str, bin_dir: str, config: str, hook_log: str) -> str:

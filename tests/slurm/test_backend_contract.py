@@ -19,7 +19,7 @@ import pytest
 
 from healthd.slurm.backend import SlurmUnavailable
 from healthd.slurm.pyslurm_backend import PyslurmBackend
-from healthd.slurm.scontrol import CommandResult, ScontrolBackend, run_command
+from healthd.slurm.scontrol import CommandResult, CommandTimeout, ScontrolBackend, run_command
 from tests.slurm import contract
 
 STANDIN_DIR = Path(__file__).parent / "pyslurm_standin"
@@ -66,8 +66,9 @@ class RealCtl:
                 self.cluster.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=10, check=True)
         self.cluster.wait_idle(30)
 
-    def submit_running_job(self, node: str) -> int:
-        out = self._out(["sbatch", "--parsable", "-w", node, "-o", "/dev/null", "--wrap", "sleep 300"])
+    def submit_running_job(self, node: str, comment: str = "") -> int:
+        extra = [f"--comment={comment}"] if comment else []
+        out = self._out(["sbatch", "--parsable", "-w", node, "-o", "/dev/null", *extra, "--wrap", "sleep 300"])
         job = int(out.strip().split(";")[0])
         self.cluster.wait_for(lambda: self.job_state(job) == "RUNNING", 30, what=f"job {job} to run on {node}")
         return job
@@ -79,6 +80,9 @@ class RealCtl:
     def reservation_exists(self, name: str) -> bool:
         res = self.cluster.run(["scontrol", "show", "reservation", "-o", name], timeout=10)
         return res.returncode == 0 and f"ReservationName={name} " in res.stdout
+
+    def step(self, node: str, command: list[str]) -> list[str]:
+        return step_argv(node, command)
 
     def stop_ctld(self) -> None:
         self.cluster.stop_ctld()
@@ -93,6 +97,10 @@ class RealCtl:
         self.cluster.wait_for(
             lambda: not self.cluster.sinfo_states().get(node, "*").endswith("*"), 15, what=f"{node} to respond"
         )
+
+
+def step_argv(node: str, command: list[str]) -> list[str]:
+    return ["srun", f"--nodelist={node}", "--nodes=1", "--time=1", "--job-name=healthd-contract", *command]
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +173,10 @@ def standin():
 
 
 class StandinScontrol:
-    """What the stand-in cluster answers to the scontrol calls PyslurmBackend's fallback makes
-    (reboot and array-task requeue: pyslurm 25.11 has no call for them)."""
+    """What the stand-in cluster answers to the client calls PyslurmBackend's fallback makes: reboot
+    and array-task requeue (pyslurm 25.11 has no call for them), squeue for jobs, `scontrol show
+    node -o` for node addresses, and srun for job steps (printenv, false and sleep, as a real step
+    would end)."""
 
     def __init__(self, ps):
         self.ps = ps
@@ -187,7 +197,48 @@ class StandinScontrol:
                 return CommandResult(1, "", "slurm_load_ctl_conf error: Unable to contact slurm controller\n")
             return CommandResult(0, "Configuration data as of 2026-12-01T08:00:00\n"
                                     "BOOT_TIME               = 2026-12-01T07:00:00\n", "")
+        if argv[0] == "squeue":
+            return self._squeue(argv)
+        if argv[1:] == ["show", "node", "-o"]:
+            cluster = self.ps._standin_cluster()
+            if not cluster.ctld_up:
+                return CommandResult(1, "", "slurm_load_node error: Unable to contact slurm controller\n")
+            return CommandResult(0, "".join(f"NodeName={n.name} Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=localhost "
+                                            f"State={n.base} Reason=NodeAddr=10.0.0.1\n"
+                                            for n in cluster.nodes.values()), "")
+        if argv[0] == "srun":
+            return self._srun(argv, timeout_s)
+        if "/" in argv[0]:
+            raise FileNotFoundError(2, "No such file or directory", argv[0])
         return CommandResult(1, "", f"stand-in scontrol cannot do {argv[1:]}\n")
+
+    def _squeue(self, argv):
+        cluster = self.ps._standin_cluster()
+        if not cluster.ctld_up:
+            return CommandResult(1, "", "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n")
+        opts = dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a and not a.startswith("--Format"))
+        if "--jobs" in opts:
+            jid = int(opts["--jobs"])
+            if jid not in cluster.jobs:
+                return CommandResult(1, "", "slurm_load_jobs error: Invalid job id specified\n")
+            jobs = {jid: cluster.jobs[jid]}
+        else:
+            jobs = {j: job for j, job in cluster.jobs.items()
+                    if job["node"] == opts["--nodelist"] and job["state"] == "RUNNING"}
+        lines = [f"{j:<40}|{'1' if job['batch'] else '0':<4}|{job.get('restarts', 0):<10}|{job.get('comment', ''):<1000}"
+                 for j, job in sorted(jobs.items())]
+        return CommandResult(0, "".join(line + "\n" for line in lines), "")
+
+    def _srun(self, argv, timeout_s):
+        node = next(a.split("=", 1)[1] for a in argv if a.startswith("--nodelist="))
+        command = [a for a in argv[1:] if not a.startswith("-")]
+        if command[:2] == ["printenv", "SLURMD_NODENAME"]:
+            return CommandResult(0, f"{node}\n", "")
+        if command[:1] == ["false"]:
+            return CommandResult(1, "", f"srun: error: {node}: task 0: Exited with exit code 1\n")
+        if command[:1] == ["sleep"] and float(command[1]) > timeout_s:
+            raise CommandTimeout(f"{argv[0]} did not finish within {timeout_s:g} s")
+        return CommandResult(0, "", "")
 
 
 class StandinCtl:
@@ -203,8 +254,8 @@ class StandinCtl:
     def reset(self) -> None:
         self.ps._standin_reset(self.nodes)
 
-    def submit_running_job(self, node: str) -> int:
-        return self.ps._standin_submit(node)
+    def submit_running_job(self, node: str, comment: str = "") -> int:
+        return self.ps._standin_submit(node, comment)
 
     def job_state(self, job_id: int) -> str:
         job = self.cluster.jobs.get(job_id)
@@ -212,6 +263,9 @@ class StandinCtl:
 
     def reservation_exists(self, name: str) -> bool:
         return name in self.cluster.reservations
+
+    def step(self, node: str, command: list[str]) -> list[str]:
+        return step_argv(node, command)
 
     def stop_ctld(self) -> None:
         self.cluster.ctld_up = False
@@ -296,11 +350,11 @@ def test_default_backend_takes_pyslurm_only_when_its_slurm_version_matches(stand
     from healthd.slurm import default_backend
 
     caplog.set_level("INFO")
-    chosen = default_backend(scontrol=_fake_scontrol("22.05.8"), pyslurm_module=standin)
+    chosen = default_backend(scontrol=_fake_scontrol("22.05.8"), pyslurm_module=standin, prefer_pyslurm=True)
     assert isinstance(chosen, ScontrolBackend)
     assert "pyslurm 25.11.2 is built for Slurm 25.11, this is Slurm 22.05.8" in caplog.text
     caplog.clear()
-    chosen = default_backend(scontrol=_fake_scontrol("25.11.1"), pyslurm_module=standin)
+    chosen = default_backend(scontrol=_fake_scontrol("25.11.1"), pyslurm_module=standin, prefer_pyslurm=True)
     assert isinstance(chosen, PyslurmBackend) and isinstance(chosen.fallback, ScontrolBackend)
     assert "Slurm backend: pyslurm 25.11.2 (matches Slurm 25.11.1)" in caplog.text
     caplog.clear()
@@ -319,8 +373,21 @@ def test_default_backend_without_pyslurm_installed(caplog):
     except importlib.metadata.PackageNotFoundError:
         pass
     caplog.set_level("INFO")
-    assert isinstance(default_backend(scontrol=_fake_scontrol("22.05.8")), ScontrolBackend)
+    assert isinstance(default_backend(scontrol=_fake_scontrol("22.05.8"), prefer_pyslurm=True), ScontrolBackend)
     assert "pyslurm is not installed" in caplog.text
+
+
+def test_scontrol_is_the_default_even_where_pyslurm_matches(standin, caplog):
+    """pyslurm is opt-in (the controller's `slurm_backend: pyslurm`): a matching pyslurm alone
+    does not choose it, and the version is not even read."""
+    from healthd.slurm import default_backend
+
+    def runner(argv, env, timeout_s):
+        raise AssertionError(f"no Slurm client may run to choose the default backend: {argv}")
+
+    caplog.set_level("INFO")
+    chosen = default_backend(scontrol=ScontrolBackend("/etc/slurm/slurm.conf", runner=runner), pyslurm_module=standin)
+    assert isinstance(chosen, ScontrolBackend) and "not wanted" in caplog.text
 
 
 def test_pyslurm_is_imported_without_auto_init_and_initialised_with_our_slurm_conf(standin, monkeypatch):

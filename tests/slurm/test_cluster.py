@@ -134,7 +134,9 @@ def test_slurmctld_down_fails_fast_and_comes_back(slurm_cluster: SlurmCluster):
         assert time.monotonic() - started < 4
         ping = slurm_cluster.run(["scontrol", "ping"], timeout=5)
         assert ping.returncode != 0 and "DOWN" in ping.stdout
-        assert all(_alive(pid) for name, pid in slurm_cluster.pids().items() if name != "slurmctld")
+        others = {name: pid for name, pid in slurm_cluster.pids().items() if name != "slurmctld"}
+        assert "munged" in others and any(name.startswith("slurmd") for name in others), others
+        assert all(_alive(pid) for pid in others.values())
     finally:
         slurm_cluster.start_ctld()
     slurm_cluster.wait_idle(15)

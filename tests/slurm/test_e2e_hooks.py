@@ -1,7 +1,7 @@
 """End to end on a REAL local Slurm 22.05 cluster: healthd's three hooks (healthd-healthcheck, -prolog,
 -epilog) installed through the operator wrapper slurm/healthd-hook-wrapper.sh, run by real slurmd
 daemons, each node with its own `healthd run` agent against the C stand-in NVML, an InfiniBand tree and
-a journal directory (tests/slurm/e2e_support.py). Issue 3 section 4:
+a journal directory (tests/slurm/e2e_support.py):
 
 1. Xid 79 on node02, gating local: the prolog refuses the job there, node02 is drained with healthd's
    own reason, the job is requeued and completes on another node.
@@ -404,7 +404,7 @@ def test_admin_drain_reason_survives_health_checks_and_epilogs(e2e: HooksCluster
 
 
 def hook_env(node: str, job: str, gpus: str, context: str) -> dict[str, str]:
-    """What slurmd 22.05 gives a Prolog/Epilog (testbed 3d), trimmed to what the hooks read."""
+    """What slurmd 22.05 gives a Prolog/Epilog, trimmed to what the hooks read."""
     return {"SLURMD_NODENAME": node, "SLURM_JOB_ID": job, "SLURM_JOBID": job, "SLURM_JOB_USER": "nobody",
             "SLURM_JOB_UID": "65534", "SLURM_JOB_GPUS": gpus, "CUDA_VISIBLE_DEVICES": gpus,
             "SLURM_SCRIPT_CONTEXT": context, "SLURM_CLUSTER_NAME": "healthd"}

@@ -15,6 +15,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from healthd.slurm.backend import (
+    JobInfo,
     NodeInfo,
     SlurmOutputError,
     SlurmRefused,
@@ -28,10 +29,13 @@ from healthd.slurm.scontrol import (
     CommandResult,
     CommandTimeout,
     ScontrolBackend,
+    STEP_PATH,
+    parse_node_addresses,
     parse_scontrol_node_line,
     parse_scontrol_show_node,
     parse_sinfo_json,
     parse_sinfo_json_text,
+    parse_squeue_jobs,
     parse_version,
     run_command,
 )
@@ -603,3 +607,67 @@ def test_hostlists_slurm_rejects_are_rendered_so_it_accepts_them():
     assert slurm_hostlist("gpu[1-2]-ib") == "gpu1-ib,gpu2-ib"
     assert slurm_hostlist("rack[1-2]-node[01-02]") == "rack1-node[01-02],rack2-node[01-02]"
     assert slurm_hostlist(["node03", "node01", "node02"]) == "node[01-03]"
+
+
+# ----------------------------------------------------------------------------- jobs, addresses, validation steps
+
+SQUEUE_LINES = (
+    f"{'41':<40}|{'1':<4}|{'0':<10}|{'x healthd:requeue y':<1000}\n"
+    f"{'42_3':<40}|{'0':<4}|{'2':<10}|{'':<1000}\n"
+    "\n"
+    "not a job line\n"
+)
+
+
+def test_squeue_lines_are_jobs():
+    assert parse_squeue_jobs(SQUEUE_LINES) == [JobInfo("41", True, "x healthd:requeue y", 0), JobInfo("42_3", False, "", 2)]
+
+
+def test_node_addresses_come_from_before_the_reason():
+    line = LINE.format(reason="healthd: moved NodeAddr=10.9.9.9 [root@2026-11-29T09:22:22]")
+    assert parse_node_addresses(line + "\n" + line.replace("node03", "node04")) == {
+        "node03": "127.0.0.1", "node04": "127.0.0.1"}
+    assert parse_node_addresses("No nodes in the system\n") == {}
+
+
+def test_job_reads_argv_and_a_forgotten_job():
+    backend, runner = _backend(
+        CommandResult(0, SQUEUE_LINES, ""),
+        CommandResult(0, SQUEUE_LINES, ""),
+        CommandResult(1, "", "slurm_load_jobs error: Invalid job id specified\n"),
+        CommandResult(1, "", "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n"),
+    )
+    assert [j.job_id for j in backend.jobs_on("node02")] == ["41", "42_3"]
+    assert backend.job("42_3") == JobInfo("42_3", False, "", 2)
+    assert backend.job(7) is None
+    with pytest.raises(SlurmUnavailable):
+        backend.job(8)
+    fmt = "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000"
+    assert [a for a, _ in runner.calls] == [
+        ["squeue", "--noheader", "--nodelist=node02", "--states=RUNNING", fmt],
+        ["squeue", "--noheader", "--jobs=42_3", "--states=all", fmt],
+        ["squeue", "--noheader", "--jobs=7", "--states=all", fmt],
+        ["squeue", "--noheader", "--jobs=8", "--states=all", fmt],
+    ]
+    assert all(env["SLURM_CONF"] == "/etc/slurm/test.conf" for _, env in runner.calls)
+
+
+def test_run_step_gets_a_minimal_environment_and_never_raises_for_how_it_ended(monkeypatch):
+    monkeypatch.setenv("SECRET_TOKEN", "x")
+    backend, runner = _backend(CommandResult(3, "out\n", "err\n"), CommandTimeout("srun did not finish within 5 s"),
+                               FileNotFoundError("srun not found"), bin_dir="/opt/slurm/bin")
+    argv = ["srun", "--nodelist=node02", "healthd", "validate"]
+    first = backend.run_step(argv, timeout_s=5)
+    assert (first.returncode, first.output) == (3, "out\nerr\n")
+    assert backend.run_step(argv, timeout_s=5).returncode == 124
+    missing = backend.run_step(argv, timeout_s=5)
+    assert missing.returncode == 127 and missing.output == "FileNotFoundError: srun not found"
+    (called, env), *_ = runner.calls
+    assert called == argv
+    assert env == {"PATH": f"/opt/slurm/bin:{STEP_PATH}", "LANG": "C", "SLURM_CONF": "/etc/slurm/test.conf"}
+
+
+def test_run_step_in_a_dry_run_is_planned():
+    backend, runner = _backend(dry_run=True)
+    assert backend.run_step(["srun", "true"], timeout_s=5).returncode == 0
+    assert runner.calls == [] and backend.planned == [["srun", "true"]]

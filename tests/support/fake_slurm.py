@@ -7,7 +7,17 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from healthd.slurm.backend import NodeInfo, SlurmRefused, filter_nodes, slurm_hostlist, validate_job_id
+from healthd.slurm.backend import (
+    JobInfo,
+    NodeInfo,
+    SlurmRefused,
+    StepResult,
+    filter_nodes,
+    slurm_hostlist,
+    validate_argv,
+    validate_job_id,
+)
+from healthd.slurm.scontrol import STEP_PATH, step_result
 
 
 class FakeBackend:
@@ -31,6 +41,13 @@ class FakeBackend:
         self.started_at: float | None = 1_000_000_000.0
         """slurmctld's start (ctld_started_at)."""
         self.reservations: set[str] = set()
+        self.running: dict[str, list[JobInfo]] = {}
+        """node -> the jobs running on it (jobs_on)."""
+        self.known_jobs: dict[str, JobInfo] = {}
+        """job id -> a job in any state (job), besides those running."""
+        self.addresses = {n: "127.0.0.1" for n in self.state}
+        self.steps: list[list[str]] = []
+        """Every command run_step ran (for real: the reintegration tests run small scripts)."""
 
     def _names(self, nodes: str | Sequence[str]) -> list[str]:
         return [nodes] if isinstance(nodes, str) else list(nodes)
@@ -99,6 +116,25 @@ class FakeBackend:
 
     def ctld_started_at(self) -> float | None:
         return self.started_at
+
+    def jobs_on(self, node: str) -> list[JobInfo]:
+        self.nodes()  # unavailable like every read
+        return list(self.running.get(node, []))
+
+    def job(self, job_id) -> JobInfo | None:
+        text = validate_job_id(job_id)
+        self.nodes()
+        running = {j.job_id: j for jobs in self.running.values() for j in jobs}
+        return running.get(text) or self.known_jobs.get(text)
+
+    def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        wanted = {n.name for n in self.nodes(names)}
+        return {n: a for n, a in self.addresses.items() if n in wanted}
+
+    def run_step(self, argv: Sequence[str], timeout_s: float) -> StepResult:
+        command = validate_argv(argv)
+        self.steps.append(command)
+        return step_result(command, {"PATH": STEP_PATH, "LANG": "C"}, timeout_s)
 
     def version(self) -> str:
         return "24.05.0"

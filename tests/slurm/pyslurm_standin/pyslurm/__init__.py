@@ -126,11 +126,11 @@ def _standin_cluster() -> _Standin:
     return _standin
 
 
-def _standin_submit(node: str) -> int:
+def _standin_submit(node: str, comment: str = "") -> int:
     """Test control: a running batch job on `node` (the node becomes MIXED)."""
     jid = _standin.next_job_id
     _standin.next_job_id += 1
-    _standin.jobs[jid] = {"state": "RUNNING", "node": node, "batch": True}
+    _standin.jobs[jid] = {"state": "RUNNING", "node": node, "batch": True, "comment": comment, "restarts": 0}
     _standin.nodes[node].base = "MIXED"
     return jid
 
@@ -306,6 +306,7 @@ class Job:
             raise RPCError(ESLURM_INVALID_JOB_ID)
         job["state"] = "PENDING"
         job["hold"] = hold
+        job["restarts"] = job.get("restarts", 0) + 1  # slurmctld counts every requeue
         node = _standin.nodes.get(job["node"])
         if node is not None and not any(j["state"] == "RUNNING" and j["node"] == node.name for j in _standin.jobs.values()):
             node.base = "IDLE"
