@@ -37,7 +37,7 @@ class KernelLogSettings:
 
 @dataclass(frozen=True)
 class IbThresholds:
-    """Counter-rate thresholds; defaults from NVSentinel's NIC monitor (anchors.md 10.4)."""
+    """Counter-rate thresholds; defaults from NVSentinel's NIC monitor thresholds."""
 
     symbol_error_per_hour: float = 120.0
     """Symbol errors over the trailing hour (NVSentinel's fatal line; raw bit errors are normal on

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from healthd import trusted
-from healthd.text import clean
+from healthd.text import clean, parse_time
 
 STATE_MAX_BYTES = 8 << 20
 """A state document larger than this is refused (a real one is tens of KiB)."""
@@ -69,3 +69,38 @@ def is_t1_hardware(f: dict[str, Any]) -> bool:
 
 def summary(f: dict[str, Any], limit: int = 150) -> str:
     return clean(f.get("summary") or f.get("id") or "unnamed finding", limit)
+
+
+def generated_at(doc: dict[str, Any]) -> float | None:
+    """When the agent wrote the document (epoch seconds); None when the field is not a time."""
+    return parse_time(doc.get("generated_at"))
+
+
+def agent_pid(doc: dict[str, Any]) -> int | None:
+    """The pid of the agent that wrote the document; None when it names none."""
+    agent = doc.get("agent")
+    pid = agent.get("pid") if isinstance(agent, dict) else None
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+
+
+def findings(doc: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The document's findings; None when it has no findings list."""
+    found = doc.get("findings")
+    return found if isinstance(found, list) else None
+
+
+def finding_ids(doc: dict[str, Any]) -> frozenset[str]:
+    """The ids of the document's findings (what makes a report news, with the verdict)."""
+    return frozenset(str(f.get("id")) for f in findings(doc) or () if isinstance(f, dict))
+
+
+def component_label(c: dict[str, Any]) -> str:
+    """How a person names a finding's component: gpu3 (or gpu@<bus id>), mlx5_0/1, fs <mount>, node."""
+    kind = c.get("kind")
+    if kind == "gpu":
+        return f"gpu{c['index']}" if c.get("index") is not None else f"gpu@{c.get('bus_id')}"
+    if kind == "port":
+        return f"{c.get('device')}/{c.get('port')}"
+    if kind == "filesystem":
+        return f"fs {c.get('device')}"
+    return "node"

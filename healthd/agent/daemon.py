@@ -29,7 +29,7 @@ from healthd.agent.collectors.host import HostCollector
 from healthd.agent.collectors.infiniband import InfinibandCollector
 from healthd.agent.collectors.kernel_log import KernelLogFollower
 from healthd.agent.collectors.nvml import NvmlCollector
-from healthd.agent.metrics import Metrics
+from healthd.agent.metrics import Metrics, TickFigures
 from healthd.agent.reporter import Reporter
 from healthd.agent.classify.catalog import Catalog, load_catalog
 from healthd.agent.classify import Classification, classify
@@ -337,7 +337,7 @@ class Agent:
         except OSError as e:
             log.error("cannot save agent state in %s: %s", self.settings.state_dir, e)
         if self.metrics is not None:
-            self.metrics.update(self, doc)
+            self.metrics.update(TickFigures.of(self.snapshot, self.result.verdict, self.result.findings))
         if self.reporter is not None:
             try:
                 self.reporter.offer(doc)  # returns at once: the POST runs on the reporter's thread

@@ -1,9 +1,12 @@
-"""The human-readable dry-run report: GPUs, ports, findings with evidence, what would be done."""
+"""The human-readable dry-run report: GPUs, ports, findings with evidence, what would be done. The
+agent renders the state document it has just built, so the sections are there; finding fields are
+named through healthd.statedoc like every other reader's."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from healthd.statedoc import component_label
 from healthd.text import table
 
 
@@ -39,8 +42,7 @@ def render_text(doc: dict[str, Any]) -> str:
     out.append(f"Findings ({len(findings)})" if findings else "Findings: none")
     for f in findings:
         c = f["component"]
-        who = {"gpu": f"gpu{c['index']}" if c["index"] is not None else f"gpu@{c['bus_id']}",
-               "port": f"{c['device']}/{c['port']}", "filesystem": f"fs {c['device']}"}.get(c["kind"], "node")
+        who = component_label(c)
         xid = f" xid {f['xid']}" if f["xid"] is not None else ""
         out.append(f"  [T{f['tier']} {f['attribution']:<8} -> {f['action']}] {who}{xid}: {f['summary']}")
         if c["kind"] == "gpu" and (c["uuid"] or c["serial"]):

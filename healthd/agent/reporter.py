@@ -38,7 +38,7 @@ from healthd.client import (
     refusal_reason,
     urllib_post,
 )
-from healthd import envelope
+from healthd import envelope, statedoc
 from healthd.report_schema import fit_report
 from healthd.settings import ControllerClientSettings
 
@@ -49,9 +49,7 @@ KNOWN_INSTRUCTIONS = ("clear-finding",)
 
 def change_key(doc: Mapping[str, Any]) -> tuple[Any, frozenset[str]]:
     """What makes a report news: the verdict and the set of finding ids."""
-    findings = doc.get("findings") or []
-    ids = frozenset(str(f.get("id")) for f in findings if isinstance(f, Mapping))
-    return doc.get("verdict"), ids
+    return doc.get("verdict"), statedoc.finding_ids(dict(doc))
 
 
 class Reporter:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import shutil
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tests.support.fake_nvml import build_fake_nvml, write_nvml_config
 from tests.support.ib_tree import set_state
 from tests.support.polling import read_text, scrape, wait_for
 
+
 @pytest.fixture(scope="session")
 def fake_nvml_dir(tmp_path_factory) -> Path:
     return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
@@ -27,7 +27,7 @@ def fake_nvml_dir(tmp_path_factory) -> Path:
 def node(tmp_path, fake_nvml_dir):
     n = Node(tmp_path, fake_nvml_dir)
     yield n
-    shutil.rmtree(n.ckpt, ignore_errors=True)
+    n.close()
 
 
 def by_id(doc: dict) -> dict[str, dict]:
@@ -106,11 +106,11 @@ def test_daemon_follows_the_journal_publishes_and_resumes_exactly_once(node):
     proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        state = wait_for(lambda: read_state(node.state_file), lambda d: d["verdict"] == "healthy")
+        state = wait_for(node.state, lambda d: d["verdict"] == "healthy")
         assert state["node"] == "node01"
         t0 = time.time()
         node.xid("0000:18:00", 95, "pid=1, name=python, Uncontained ECC error")
-        state = wait_for(lambda: read_state(node.state_file), lambda d: any(f["xid"] == 95 for f in d["findings"]))
+        state = wait_for(node.state, lambda d: any(f["xid"] == 95 for f in d["findings"]))
         detection = time.time() - t0
         assert detection < 5.0
         x95 = [f for f in state["findings"] if f["xid"] == 95][0]
@@ -128,10 +128,10 @@ def test_daemon_follows_the_journal_publishes_and_resumes_exactly_once(node):
     proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        state = wait_for(lambda: read_state(node.state_file),
+        state = wait_for(node.state,
                          lambda d: d["agent"]["pid"] == proc.pid and any(f["xid"] == 95 for f in d["findings"]))
         time.sleep(1.5)
-        state = read_state(node.state_file)
+        state = node.state()
         x95 = [f for f in state["findings"] if f["xid"] == 95][0]
         assert x95["count"] == 2
     finally:
@@ -148,14 +148,7 @@ def test_corrupt_agent_state_is_set_aside_and_the_agent_runs(node):
     assert "is corrupt" in p.stderr
     assert list(node.state_dir.glob("agent-state.json.corrupt-*"))
     assert json.loads((node.state_dir / "agent-state.json").read_text())["version"] == 1
-    assert read_state(node.state_file)["verdict"] == "healthy"
-
-
-def read_state(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+    assert node.state()["verdict"] == "healthy"
 
 
 def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopback(node):
@@ -168,7 +161,7 @@ def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopb
     proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=node.env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: read_state(node.state_file), lambda d: d["verdict"] == "healthy")
+        wait_for(node.state, lambda d: d["verdict"] == "healthy")
         # the state file is written before the metrics are updated: wait for the healthy verdict there too
         body = wait_for(lambda: scrape(f"http://127.0.0.1:{port}/metrics"),
                         lambda t: 'healthd_verdict{verdict="healthy"} 1.0' in t)
@@ -180,7 +173,7 @@ def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopb
         assert proc.poll() is None, "a bad config on reload must not stop the agent"
         # still running on the old config: a new Xid is still detected and published
         node.xid("0000:18:00", 48, "pid=9, name=python3, DBE")
-        state = wait_for(lambda: read_state(node.state_file), lambda d: any(f["xid"] == 48 for f in d["findings"]))
+        state = wait_for(node.state, lambda d: any(f["xid"] == 48 for f in d["findings"]))
         assert state["verdict"] == "failed"
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -193,8 +186,8 @@ def test_daemon_keeps_reporting_the_kernel_sources_status_between_kernel_reads(n
     proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=node.env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first = wait_for(lambda: read_state(node.state_file), lambda d: True)
-        later = wait_for(lambda: read_state(node.state_file), lambda d: d["generated_at"] != first["generated_at"])
+        first = wait_for(node.state, lambda d: True)
+        later = wait_for(node.state, lambda d: d["generated_at"] != first["generated_at"])
         for doc in (first, later):
             assert doc["sources"]["kernel_log"]["status"] == "no_data"
             assert "no-such-journal" in doc["sources"]["kernel_log"]["detail"]

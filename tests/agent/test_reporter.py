@@ -4,17 +4,14 @@ controller's), as the controller does."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from healthd.agent.daemon import Agent, Memory, Sources
-from healthd.controller import auth
 from healthd.agent.history import History
 from healthd.agent.instructions import parse_clear
 from healthd.agent.reporter import Reporter, change_key
@@ -23,6 +20,7 @@ from healthd.settings import ControllerClientSettings, HookSettings
 from tests.support.builders import CATALOG, NOW, gpu, kernel, nvml, settings, xid
 from tests.controller.munge_support import MungeFleet, munged_path
 from tests.support.fake_sources import FakeCollector
+from tests.support.stub_controller import VerifyingController
 
 pytestmark = pytest.mark.skipif(munged_path() is None, reason="munged not installed (apt-get install munge)")
 
@@ -35,67 +33,10 @@ def fleet():
         yield f
 
 
-class Controller:
-    """A stand-in for healthd-controller's /v1/report: verifies like the real one, records, answers."""
-
-    def __init__(self, fleet: MungeFleet, port: int = 0):
-        self.fleet = fleet
-        self.reports: list[auth.VerifiedReport] = []
-        self.rejections: list[str] = []
-        self.instructions: list[dict] = []
-        self.got = threading.Condition()
-        ctl = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                try:
-                    rep = auth.verify_report(body, socket=ctl.fleet.controller_socket,
-                                             node_addrs=ctl.fleet.node_addrs, now=time.time())
-                except auth.ReportRejected as e:
-                    with ctl.got:
-                        ctl.rejections.append(e.reason)
-                        ctl.got.notify_all()
-                    self._answer(e.http_status, {"error": e.reason})
-                    return
-                with ctl.got:
-                    ctl.reports.append(rep)
-                    ctl.got.notify_all()
-                self._answer(200, {"accepted": True, "instructions": ctl.instructions})
-
-            def _answer(self, status, doc):
-                data = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        http.server.ThreadingHTTPServer.allow_reuse_address = True
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def wait(self, n: int, timeout: float = 10.0) -> list[auth.VerifiedReport]:
-        end = time.monotonic() + timeout
-        with self.got:
-            while len(self.reports) < n and time.monotonic() < end:
-                self.got.wait(0.05)
-            return list(self.reports)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def controller(fleet):
-    c = Controller(fleet)
+    """A stand-in for healthd-controller's /v1/report: verifies like the real one, records, answers."""
+    c = VerifyingController(fleet)
     yield c
     c.close()
 
@@ -163,7 +104,8 @@ def test_clear_finding_drops_old_evidence_until_the_fault_recurs(fleet, controll
         fid = next(f.id for f in agent.result.findings if f.xid == 79)
         assert agent.result.verdict == "failed"
         # the operator ran `healthctl repaired`: the controller answers the next report with a clear
-        controller.instructions = [{"kind": "clear-finding", "findings": [fid], "before": NOW + 1, "incident": 4}]
+        controller.answer = {"accepted": True, "instructions": [
+            {"kind": "clear-finding", "findings": [fid], "before": NOW + 1, "incident": 4}]}
         agent.publish()
         controller.wait(1)
         quiet(rep)
@@ -196,7 +138,7 @@ def test_unchanged_documents_wait_for_the_heartbeat_and_a_change_goes_at_once(fl
             clock.t += 5
             assert not r.offer(doc("healthy", seq=s))
         time.sleep(0.3)
-        assert len(controller.reports) == 1
+        assert len(controller.verified) == 1
 
         clock.t += 1  # a finding appears: sent at once, whatever the heartbeat says
         assert r.offer(doc("degraded", "xid:gpu1:79", seq=6))
@@ -229,7 +171,7 @@ def test_change_key_is_the_verdict_and_the_set_of_ids():
 
 
 def test_controller_down_backs_off_keeps_only_the_latest_and_never_blocks(fleet, caplog):
-    first = Controller(fleet)
+    first = VerifyingController(fleet)
     port, url = first.port, first.url
     first.close()  # nothing listens on the port now: connection refused
     caplog.set_level(logging.DEBUG, logger="healthd")
@@ -253,11 +195,11 @@ def test_controller_down_backs_off_keeps_only_the_latest_and_never_blocks(fleet,
         assert [r.backoff(n) <= min(0.4, 0.05 * 2 ** (n - 1)) for n in range(1, 8)] == [True] * 7
         assert r.backoff(10) >= 0.2
 
-        back = Controller(fleet, port=port)
+        back = VerifyingController(fleet, port=port)
         try:
             got = back.wait(1, timeout=10)
             time.sleep(0.6)  # a full backoff period: nothing else arrives
-            assert [g.report["seq"] for g in back.reports] == [5]  # only the latest document
+            assert [g.report["seq"] for g in back.verified] == [5]  # only the latest document
             assert r.state == "ok"
             assert any("reachable again" in m for m in caplog.messages)
             assert len(got) == 1
@@ -270,9 +212,7 @@ def test_controller_down_backs_off_keeps_only_the_latest_and_never_blocks(fleet,
 def test_a_refused_report_is_retried_signed_afresh(fleet, controller, caplog):
     """A controller that does not know the node answers 403; the reporter keeps retrying (one log
     line) and each attempt carries a new credential (never a 409 replay)."""
-    controller.fleet = MungeFleet.__new__(MungeFleet)
-    controller.fleet.__dict__.update(fleet.__dict__)
-    controller.fleet.node_addrs = {}
+    controller.node_addrs = {}
     r = reporter(fleet, controller.url, backoff_base_s=0.02, backoff_max_s=0.05)
     try:
         r.offer(doc("failed", "x"))
@@ -280,7 +220,12 @@ def test_a_refused_report_is_retried_signed_afresh(fleet, controller, caplog):
         while r.counters["refused"] < 3 and time.monotonic() < end:
             time.sleep(0.02)
         assert r.counters["refused"] >= 3 and r.state == "refused"
-        assert all("does not know" in reason for reason in controller.rejections)
+        rejections, credentials = list(controller.rejections), list(controller.credentials)
+        assert len(rejections) >= 3 and all("does not know" in reason for reason in rejections), rejections
+        # an unknown node is refused before its credential is decoded, so a reused credential would never
+        # show as a 409 here: the credentials the attempts carried are compared instead
+        assert all(isinstance(c, str) and c.startswith("MUNGE:") for c in credentials), credentials
+        assert len(set(credentials)) == len(credentials) >= 3
         assert sum("refused the report: HTTP 403" in m for m in caplog.messages) == 1
     finally:
         r.stop()
@@ -289,7 +234,8 @@ def test_a_refused_report_is_retried_signed_afresh(fleet, controller, caplog):
 def test_known_instructions_reach_the_agent_unknown_ones_are_only_logged(fleet, controller, caplog):
     caplog.set_level(logging.INFO, logger="healthd")
     clear = {"kind": "clear-finding", "findings": ["xid:gpu1:79"], "before": 1_800_000_000.0}
-    controller.instructions = [{"kind": "run-validation", "id": 7}, clear, {"kind": "clear-finding", "findings": []}]
+    instructions = [{"kind": "run-validation", "id": 7}, clear, {"kind": "clear-finding", "findings": []}]
+    controller.answer = {"accepted": True, "instructions": instructions}
     got: list[dict] = []
 
     def take(ins: dict) -> None:
@@ -301,7 +247,7 @@ def test_known_instructions_reach_the_agent_unknown_ones_are_only_logged(fleet, 
         r.offer(doc("healthy"))
         controller.wait(1)
         quiet(r)
-        assert r.last_instructions == controller.instructions and r.counters["instructions"] == 3
+        assert r.last_instructions == instructions and r.counters["instructions"] == 3
         assert got == [clear]
         assert sum("unknown instruction" in m for m in caplog.messages) == 1
         assert sum("not applied" in m for m in caplog.messages) == 1

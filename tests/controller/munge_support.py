@@ -1,6 +1,6 @@
 """Real munged daemons for the controller's authentication tests: one per fake node plus one for the
 controller, all sharing one key, each with its own socket and its own `--origin=127.0.0.N` (so the
-credential's encode address says which "node" made it; testbed "MUNGE for healthd's own reports").
+credential's encode address says which "node" made it).
 
     with MungeFleet(["node02", "node03"]) as fleet:
         fleet.socket("node02")        # the node's munged socket (the agent encodes through it)

@@ -6,20 +6,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
+from healthd.controller.daemon import main
 from healthd.envelope import sign_report
-from healthd.controller.config import ControllerSettings
-from healthd.controller.daemon import Controller, main
-from healthd.controller.ledger import Ledger
-from healthd.controller.policy import ControllerPolicySettings
-from healthd.controller.server import ControllerHTTPServer
 from healthd.model import iso
 from tests.controller.munge_support import MungeFleet, munged_path
 from tests.controller.test_executor import crash_after_plan, drain_decision
+from tests.support.controller_rig import ControllerRig
 from tests.support.fake_slurm import FakeBackend
 
 NODES = ["node01", "node02", "node03", "node04"]
@@ -44,37 +40,10 @@ def state_doc(node: str, now: float, findings=None) -> dict:
     return {"node": node, "verdict": "failed", "findings": [xid79(now)] if findings is None else findings}
 
 
-class Rig:
-    def __init__(self, fleet: MungeFleet, tmp_path, mode: str, **policy):
-        self.fleet = fleet
-        self.backend = FakeBackend(NODES)
-        self.ledger = Ledger(tmp_path / "ledger.sqlite")
-        settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(tmp_path / "ledger.sqlite"),
-                                      munge_socket=fleet.controller_socket, node_addrs=fleet.node_addrs,
-                                      policy=ControllerPolicySettings(mode=mode, **policy))  # type: ignore[arg-type]
-        self.controller = Controller(settings, self.ledger, self.backend)
-        self.server = ControllerHTTPServer(settings.listen, self.controller)
-        self.server.start_background()
-
-    def post(self, path: str, body: bytes) -> tuple[int, dict]:
-        req = urllib.request.Request(self.server.url + path, data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"{}")
-
+class Rig(ControllerRig):
     def report(self, node: str, doc: dict | None = None, socket_of: str | None = None) -> tuple[int, dict]:
-        now = time.time()
-        body = sign_report(doc or state_doc(node, now), node, self.fleet.socket(socket_of or node))
-        return self.post("/v1/report", body)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.controller.close()
-        self.ledger.close()
+        """`node`'s agent reports `doc` (default: a fresh Xid 79), signed by `socket_of`'s munged if given."""
+        return self.send("/v1/report", doc or state_doc(node, time.time()), node, signer=socket_of)
 
 
 @pytest.fixture
@@ -82,13 +51,12 @@ def rig_factory(fleet, tmp_path):
     rigs: list[Rig] = []
 
     def make(mode: str, **policy) -> Rig:
-        rig = Rig(fleet, tmp_path / f"r{len(rigs)}", mode, **policy)
+        d = tmp_path / f"r{len(rigs)}"
+        d.mkdir()
+        rig = Rig(fleet, d, mode, **policy)
         rigs.append(rig)
         return rig
 
-    for_dirs = tmp_path
-    for i in range(4):
-        (for_dirs / f"r{i}").mkdir()
     yield make
     for rig in rigs:
         rig.close()
@@ -418,3 +386,25 @@ def test_a_report_with_a_new_actionable_finding_wakes_the_control_loop(rig_facto
     rig.controller.wake.clear()
     assert rig.report("node02")[0] == 200  # the same finding again (heartbeat): no news
     assert not rig.controller.wake.is_set()
+
+
+def test_slurm_backend_is_scontrol_unless_pyslurm_is_asked_for():
+    from healthd.config import ConfigError
+    from healthd.controller.config import parse_controller_settings
+
+    assert parse_controller_settings("").slurm_backend == "scontrol"
+    assert parse_controller_settings("slurm_backend: pyslurm").slurm_backend == "pyslurm"
+    with pytest.raises(ConfigError) as info:
+        parse_controller_settings("slurm_backend: slurmrestd", "c.yaml")
+    assert info.value.key == "slurm_backend"
+
+
+def test_node_addresses_come_from_the_backend_resolved_and_unreadable_slurm_is_no_address(caplog):
+    from healthd.controller.daemon import slurm_node_addrs
+
+    backend = FakeBackend(["node01", "node02"])
+    backend.addresses = {"node01": "127.0.0.1", "node02": "localhost"}
+    assert slurm_node_addrs(backend) == {"node01": "127.0.0.1", "node02": "127.0.0.1"}
+    backend.unavailable = True
+    assert slurm_node_addrs(backend) == {}
+    assert "cannot read NodeAddr from Slurm" in caplog.text

@@ -77,7 +77,10 @@ def by_node(outcomes) -> dict[str, GateResult]:
 
 
 def acting(outcomes) -> list[GateResult]:
-    return [o for o in outcomes if o.decision.acts]
+    """The outcomes of decisions that act; never empty, so `all(...)` over them can fail."""
+    out = [o for o in outcomes if o.decision.acts]
+    assert out, "no acting decision among the outcomes"
+    return out
 
 
 # --------------------------------------------------------------------------- mode

@@ -5,13 +5,11 @@ incident on the same GPU; observe-mode proposals judged by operators. Every comm
 
 from __future__ import annotations
 
-import sqlite3
 import json
 import os
-import shutil
+import sqlite3
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import pytest
 from healthd.controller import healthctl
 from healthd.controller.admin import serve_admin_socket
 from healthd.controller.ledger import Ledger
+from tests.support.tmpdirs import shared_tmpdir
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20Z
 NOW = T0 + 100
@@ -74,13 +73,11 @@ def populate(led: Ledger) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def world():
-    d = tempfile.mkdtemp(prefix="healthctl-", dir="/tmp")
-    os.chmod(d, 0o755)
-    path = Path(d) / "ledger.db"
-    with Ledger(path) as led:
-        ids = populate(led)
-    yield path, ids
-    shutil.rmtree(d, ignore_errors=True)
+    with shared_tmpdir("healthctl-") as d:  # nobody reads it in test_any_local_user_may_read
+        path = d / "ledger.db"
+        with Ledger(path) as led:
+            ids = populate(led)
+        yield path, ids
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -224,8 +221,6 @@ def test_missing_and_corrupt_ledger_exit_3(tmp_path: Path, capsys):
     code, out, err = run(capsys, "--ledger", str(bad), "incidents")
     assert code == 3 and out == "" and err.count("\n") == 1 and str(bad) in err
     other = tmp_path / "other.db"
-    import sqlite3
-
     sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
     code, _, err = run(capsys, "--ledger", str(other), "report")
     assert code == 3 and "not a healthd ledger" in err
@@ -239,27 +234,23 @@ def test_usage_exit_2(capsys):
 
 
 def test_changes_go_through_the_socket(tmp_path: Path, capsys):
-    sockdir = Path(tempfile.mkdtemp(prefix="healthctl-sock-", dir="/tmp"))
-    try:
-        with Ledger(tmp_path / "ledger.db") as led:
-            ids = populate(led)
-            led.open_breaker("switch:leaf3", nodes=["node01", "node02", "node03"], at=T0 + 50)
-            with serve_admin_socket(str(sockdir / "admin.sock"), led) as srv:
-                sock = ["--socket", srv.path]
-                code, out, err = run(capsys, *sock, "approve", str(ids["waiting"]))
-                assert code == 0 and "approved" in out and led.approval(ids["waiting"]) is not None
-                code, out, err = run(capsys, *sock, "reject", str(ids["allowed"]), "--why", "x")
-                assert code == 1 and out == "" and err.count("\n") == 1 and "is allowed" in err
-                code, out, _ = run(capsys, *sock, "--json", "undo", str(ids["action"]), "--why", "GPU reseated, false alarm")
-                assert code == 0 and json.loads(out)["data"]["argv"] == ["scontrol", "update", "NodeName=node02", "State=RESUME"]
-                code, out, _ = run(capsys, *sock, "repaired", "node02", "--why", "GPU swapped")
-                assert code == 0 and "node02 enters reintegration" in out
-                code, out, _ = run(capsys, *sock, "breaker", "reset", "--why", "leaf3 replaced")
-                assert code == 0 and not led.breaker_state().open
-                code, _, err = run(capsys, *sock, "breaker", "reset", "--why", "again")
-                assert code == 1 and "already closed" in err
-    finally:
-        shutil.rmtree(sockdir, ignore_errors=True)
+    with shared_tmpdir("healthctl-sock-") as sockdir, Ledger(tmp_path / "ledger.db") as led:
+        ids = populate(led)
+        led.open_breaker("switch:leaf3", nodes=["node01", "node02", "node03"], at=T0 + 50)
+        with serve_admin_socket(str(sockdir / "admin.sock"), led) as srv:
+            sock = ["--socket", srv.path]
+            code, out, err = run(capsys, *sock, "approve", str(ids["waiting"]))
+            assert code == 0 and "approved" in out and led.approval(ids["waiting"]) is not None
+            code, out, err = run(capsys, *sock, "reject", str(ids["allowed"]), "--why", "x")
+            assert code == 1 and out == "" and err.count("\n") == 1 and "is allowed" in err
+            code, out, _ = run(capsys, *sock, "--json", "undo", str(ids["action"]), "--why", "GPU reseated, false alarm")
+            assert code == 0 and json.loads(out)["data"]["argv"] == ["scontrol", "update", "NodeName=node02", "State=RESUME"]
+            code, out, _ = run(capsys, *sock, "repaired", "node02", "--why", "GPU swapped")
+            assert code == 0 and "node02 enters reintegration" in out
+            code, out, _ = run(capsys, *sock, "breaker", "reset", "--why", "leaf3 replaced")
+            assert code == 0 and not led.breaker_state().open
+            code, _, err = run(capsys, *sock, "breaker", "reset", "--why", "again")
+            assert code == 1 and "already closed" in err
     code, _, err = run(capsys, "--socket", str(sockdir / "admin.sock"), "approve", "1")
     assert code == 3 and err.startswith("healthctl: cannot reach the controller") and err.count("\n") == 1
 

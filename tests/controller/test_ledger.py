@@ -79,7 +79,7 @@ def test_failed_migration_step_rolls_back_with_its_version(path: Path, monkeypat
 
     monkeypatch.setitem(ledger_mod.MIGRATIONS, SCHEMA_VERSION + 1, broken)
     conn = sqlite3.connect(path, isolation_level=None)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="step blew up"):
         migrate(conn, str(path), target=SCHEMA_VERSION + 1)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'half_done'").fetchone()[0] == 0
@@ -304,7 +304,7 @@ def test_plan_action_same_key_returns_existing_row(led: Ledger) -> None:
 
 
 def test_transaction_groups_writes_and_rolls_back(led: Ledger) -> None:
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="crash inside"):
         with led.transaction():
             d = _decision(led)
             led.plan_action(decision_id=d.id, idempotency_key="k", node="n1", kind="drain", argv=["x"])

@@ -4,6 +4,7 @@ commands (small scripts run by the real runner on the validation thread)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -46,8 +47,15 @@ class Rig:
                                      clock=lambda: self.now)
 
     def set_check(self, rc: int, message: str = "GPU 0: memory test failed") -> None:
-        self.script.write_text(f"#!/bin/sh\necho \"checking $1 in $2\"\n[ {rc} -eq 0 ] || echo '{message}'\nexit {rc}\n")
-        self.script.chmod(0o755)
+        self.write_script(f"#!/bin/sh\necho \"checking $1 in $2\"\n[ {rc} -eq 0 ] || echo '{message}'\nexit {rc}\n")
+
+    def write_script(self, text: str) -> None:
+        """A new file renamed over the check: a validation still running the old one keeps its own
+        inode (writing in place fails with ETXTBSY while the kernel executes it)."""
+        tmp = self.script.with_name(self.script.name + ".new")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, self.script)
 
     def report(self, node: str, *findings: dict, at: float | None = None) -> None:
         at = self.now if at is None else at
@@ -221,7 +229,7 @@ def test_observe_mode_never_reintegrates(rig):
 def test_a_restarted_controller_runs_the_validation_again(rig, tmp_path):
     r = rig()
     r.set_check(0)
-    r.script.write_text("#!/bin/sh\nsleep 4\n")  # the first controller dies while this runs
+    r.write_script("#!/bin/sh\nsleep 4\n")  # the first controller dies while this runs
     r.drain_node02()
     assert admin.repaired(r.ledger, "node02", "root", "fixed").ok
     r.until(lambda: r.reint().state == "validating")

@@ -1,4 +1,4 @@
-"""Reliability of healthd-controller (issue §7), each an automated test on the real cluster.
+"""Reliability of healthd-controller, each an automated test on the real cluster.
 
 Every test runs the controller as a REAL subprocess (`.venv/bin/healthd-controller --config FILE
 --interval 0.5`) against a real local Slurm cluster (tests/support/slurm_cluster.py, node01..node04)
@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from tests.controller.reliability_support import (
     wait_until,
     write_scontrol_wrapper,
 )
+from tests.support.tmpdirs import shared_tmpdir
 
 NODES = ["node01", "node02", "node03", "node04"]
 OUTAGE_S = 60.0
@@ -56,12 +56,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def workdir():
-    # short path: the admin unix socket lives here (sun_path is 108 bytes)
-    d = Path(tempfile.mkdtemp(prefix="hdrel-", dir="/tmp"))
-    try:
+    with shared_tmpdir("hdrel-") as d:  # short path: the admin unix socket lives here
         yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -502,13 +502,20 @@ SLOW_MS = 50.0  # a bound for a loaded 2-core test machine; these documents take
 
 
 def _timed(fn, *args) -> tuple[float, ReportInvalid | None]:
-    t0 = time.perf_counter()
-    try:
-        fn(*args)
-        err = None
-    except ReportInvalid as exc:
-        err = exc
-    return (time.perf_counter() - t0) * 1000, err
+    """The fastest of three calls, in ms, and what the call raised. A hostile document is slow every
+    time; a call that only lost the CPU to another process on a loaded machine is not."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+            err = None
+        except ReportInvalid as exc:
+            err = exc
+        best = min(best, (time.perf_counter() - t0) * 1000)
+        if best < SLOW_MS:
+            break
+    return best, err
 
 
 @hsettings(max_examples=400, deadline=None)

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from tests.faults.test_kill_points import drained_once
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +37,7 @@ def test_healthds_own_text_written_by_someone_else_is_theirs(w):
     text healthd had written (copied from a ticket): that write is the administrator's, so healthd never
     writes over it, never resumes it, and `repaired` is refused."""
     w.inject_xid("node02", 48)
-    drained_once(w, "node02")
+    w.drained_once("node02")
     reason = w.node_info("node02").reason
     (drain,) = w.actions("node02")
     w.healthctl("undo", str(drain["id"]), "--why", "wrong GPU", json_out=False)
@@ -62,7 +61,7 @@ def test_a_same_text_redrain_is_invisible_in_slurm_and_release_hands_the_node_ov
     is still healthd's. `healthctl release` is how an administrator takes it: healthd forgets its hold, the
     incident is handed over, and healthd never resumes or rewrites the node."""
     w.inject_xid("node02", 48)
-    drained_once(w, "node02")
+    w.drained_once("node02")
     before = w.node_info("node02")
     time.sleep(1.1)
     w.checker.admin_write("node02", before.reason)
@@ -90,21 +89,21 @@ def test_a_same_text_redrain_is_invisible_in_slurm_and_release_hands_the_node_ov
 
 def test_an_administrator_resuming_a_healthd_drain_is_respected_and_a_new_fault_is_acted_on(w):
     w.inject_xid("node02", 48)
-    drained_once(w, "node02")
+    w.drained_once("node02")
     w.slurm(["scontrol", "update", "NodeName=node02", "State=RESUME"])  # a person puts it back
     w.wait(lambda: [a["status"] for a in w.actions("node02")] == ["released"], 30, "the hand-over")
     quiet(w)  # the agent still reports the old Xid line: the person's decision stands
     assert not w.node_info("node02").drain_requested
     assert len(w.actions("node02")) == 1
     w.inject_xid("node02", 48)  # a genuinely new Xid 48 line on the same GPU
-    drained_once(w, "node02")
+    w.drained_once("node02")
     assert [i["status"] for i in w.incidents("node02")] == ["handed-over", "open"]
     w.checker.check()
 
 
 def test_undo_is_a_false_positive_the_same_evidence_never_returns_a_new_fault_does(w):
     w.inject_xid("node02", 48)
-    drained_once(w, "node02")
+    w.drained_once("node02")
     (drain,) = w.actions("node02")
     w.healthctl("undo", str(drain["id"]), "--why", "the Xid came from a reset we did by hand", json_out=False)
     w.wait(lambda: not w.node_info("node02").drain_requested, 30, "the undo")
@@ -113,7 +112,7 @@ def test_undo_is_a_false_positive_the_same_evidence_never_returns_a_new_fault_do
     quiet(w)
     assert not w.node_info("node02").drain_requested  # the agent's old evidence does not re-drain it
     w.inject_xid("node02", 48)  # later, a genuinely new fault on the same GPU
-    drained_once(w, "node02")
+    w.drained_once("node02")
     assert [i["status"] for i in w.incidents("node02")] == ["false_positive", "open"]
     w.checker.check()
 
@@ -122,7 +121,7 @@ def test_an_undone_persistent_condition_stays_dismissed_until_it_goes_away_and_c
     """A GPU NVML keeps reporting lost is re-observed every tick; its episode began before the undo, so the
     operator's verdict holds for as long as it lasts. When it recovers and is lost again, that is new."""
     w.lose_gpu("node03", 1)
-    drained_once(w, "node03")
+    w.drained_once("node03")
     (drain,) = [a for a in w.actions("node03") if a["kind"] != "requeue"]
     w.healthctl("undo", str(drain["id"]), "--why", "known flaky riser, replacement scheduled", json_out=False)
     w.wait(lambda: not w.node_info("node03").drain_requested, 30, "the undo")
@@ -131,7 +130,7 @@ def test_an_undone_persistent_condition_stays_dismissed_until_it_goes_away_and_c
     w.lose_gpu("node03", 1, lost=False)
     quiet(w, 3 * w.agent_interval_s + 1)
     w.lose_gpu("node03", 1)  # lost again: a new episode
-    drained_once(w, "node03")
+    w.drained_once("node03")
     assert [i["status"] for i in w.incidents("node03")] == ["false_positive", "open"]
     w.checker.check()
 
@@ -147,7 +146,7 @@ def test_close_ends_an_incident_that_holds_no_node_and_its_episode_stays_closed(
     assert len(w.incidents("node02")) == 1, "the same episode re-opened an incident"
     # an incident healthd still holds a node for cannot be closed by hand
     w.inject_xid("node03", 48)
-    drained_once(w, "node03")
+    w.drained_once("node03")
     (held,) = w.incidents("node03")
     rc, out = w.healthctl_run("close", str(held["id"]), "--why", "x")
     assert rc == 1 and "still holds node03" in out and w.incidents("node03")[0]["status"] == "open", out

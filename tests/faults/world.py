@@ -249,15 +249,30 @@ class FaultWorld(FleetHarness):
         gpus[gpu]["lost"] = 1 if lost else None
         write_nvml_config(sim.nvml_values, gpus)
 
-    def incidents(self, node: str | None = None) -> list[dict[str, Any]]:
+    def incidents(self, node: str | None = None, status: str | None = None) -> list[dict[str, Any]]:
+        """The incidents (naming `node`, in `status`, when given), oldest first."""
         cols = ("id", "signature", "status", "closed_by", "close_why")
+        where = [w for w, v in (("n.node = ?", node), ("i.status = ?", status)) if v is not None]
         sql = (f"SELECT {', '.join('i.' + c for c in cols)} FROM incidents i"
-               + (" JOIN incident_nodes n ON n.incident_id = i.id WHERE n.node = ?" if node else "") + " ORDER BY i.id")
-        return [dict(zip(cols, r, strict=True)) for r in self.rows(sql, (node,) if node else ())]
+               + (" JOIN incident_nodes n ON n.incident_id = i.id" if node is not None else "")
+               + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY i.id")
+        return [dict(zip(cols, r, strict=True)) for r in self.rows(sql, [v for v in (node, status) if v is not None])]
 
     def held_and_drained(self, node: str) -> bool:
         hold = self.holds().get(node)
         return hold is not None and owned(hold, self.node_info(node))
+
+    def drained_once(self, node: str, timeout_s: float = 30) -> None:
+        """Wait until healthd holds `node` and Slurm shows exactly its drain."""
+        self.wait(lambda: self.held_and_drained(node), timeout_s, f"{node} drained by healthd")
+
+    def submit_opted_in(self, node: str) -> str:
+        """A job on `node` that opted in to being requeued, running; its id."""
+        out = self.slurm(["sbatch", "--parsable", "-w", node, "--comment", "healthd:requeue please", "--requeue",
+                          "-o", "/dev/null", "--wrap", "sleep 600"]).stdout
+        job = out.strip().split(";")[0]
+        self.wait(lambda: self.job(job).get("JobState") == "RUNNING", 30, f"job {job} running on {node}")
+        return job
 
     # -- resetting between tests --------------------------------------------------------------------
 

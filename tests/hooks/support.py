@@ -196,7 +196,7 @@ class Node:
 
     def prolog_env(self, job: str = "7", gpus: str | None = "0,1", user: str = "alice", uid: str = "1000",
                    **extra: str) -> dict[str, str]:
-        """What slurmd 22.05 gives the Prolog (testbed §3d), with the config path added as the
+        """What slurmd 22.05 gives the Prolog, with the config path added as the
         one variable a site sets through a wrapper."""
         env = {
             "SLURMD_NODENAME": self.name,

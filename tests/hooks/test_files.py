@@ -191,6 +191,7 @@ def test_appending_to_a_file_someone_else_owns_is_refused(run):
 def test_concurrent_writers_never_leave_a_partial_file(run):
     stop = threading.Event()
     seen: list[object] = []
+    errors: list[BaseException] = []  # what the reader met: an exception in a thread would not fail the test
 
     def reader() -> None:
         while not stop.is_set():
@@ -198,6 +199,9 @@ def test_concurrent_writers_never_leave_a_partial_file(run):
                 seen.append(files.read_json(str(run / "jobs/7.json"), 1 << 20, root=str(run))["n"])
             except FileNotFoundError:
                 pass
+            except BaseException as exc:  # noqa: BLE001 - a partial file, or anything else: reported below
+                errors.append(exc)
+                return
 
     t = threading.Thread(target=reader)
     t.start()
@@ -207,7 +211,8 @@ def test_concurrent_writers_never_leave_a_partial_file(run):
     finally:
         stop.set()
         t.join()
-    assert all(isinstance(n, int) for n in seen)
+    assert errors == []
+    assert seen and all(isinstance(n, int) for n in seen)  # the reader did read, whole documents only
     assert sorted(p.name for p in (run / "jobs").iterdir()) == ["7.json"]
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tests.hooks.support import Node, finding, state_doc, snapshot
+from tests.support.hook_log import one_line
 
 NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root; hostile files are chowned to nobody")
@@ -31,19 +32,6 @@ def node(tmp_path: Path) -> Node:
     n = Node(tmp_path)
     n.write_config(gating="local")
     return n
-
-
-def hook_lines(err: str) -> list[str]:
-    out = err.splitlines()
-    assert all(line.startswith(("healthd-prolog[", "healthd-epilog[", "healthd-healthcheck[")) for line in out), out
-    return out
-
-
-def one_line(err: str, *parts: str) -> str:
-    """The single log line that carries every part (one clear line, not a traceback)."""
-    found = [line for line in hook_lines(err) if all(p in line for p in parts)]
-    assert len(found) == 1, (parts, err)
-    return found[0]
 
 
 def all_hooks_stay_safe(node: Node, why: str) -> None:

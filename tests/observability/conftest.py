@@ -140,7 +140,7 @@ def controller_scrape(tmp_path_factory) -> str:
                 controller.evaluate(time.time())
                 # the one line daemon.py's evaluate runs after a full round; called here too so this
                 # scrape does not depend on it (idempotent)
-                metrics.update_from_round(controller, time.time())
+                metrics.observe_round(controller.round_figures(time.time()))
             body = wait_for(lambda: scrape(f"http://127.0.0.1:{port}/metrics"),
                             lambda t: "healthd_controller_approvals_waiting 1.0" in t)
         finally:

@@ -19,7 +19,9 @@ NOT_OURS = {"up"}  # Prometheus' own scrape health series
 
 def alerts() -> list[dict]:
     doc = yaml.safe_load(RULES.read_text())
-    return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+    found = [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+    assert found, f"{RULES} has no alerting rules"  # every check below runs over these
+    return found
 
 
 def test_promtool_check_rules(promtool):

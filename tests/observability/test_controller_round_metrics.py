@@ -1,5 +1,5 @@
-"""ControllerMetrics.update_from_round: the fleet gauges from a Controller's reports and ledger
-(fake Slurm, reports put in directly: no MUNGE needed)."""
+"""ControllerMetrics.observe_round: the fleet gauges from the figures a Controller takes of its reports
+and ledger (fake Slurm, reports put in directly: no MUNGE needed)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_fleet_gauges_follow_reports_and_ledger(tmp_path):
         c.reports["node02"] = NodeReport(node="node02", verdict="failed", findings=(xid79(T0 - 3),), received_at=T0)
         c.reports["node03"] = NodeReport(node="node03", verdict="healthy", received_at=T0 - ttl - 1)
         c.evaluate(T0)
-        m.update_from_round(c, T0)
+        m.observe_round(c.round_figures(T0))
         assert get("healthd_controller_last_round_timestamp_seconds") == T0
         assert get("healthd_controller_nodes_reporting", {"verdict": "healthy"}) == 1
         assert get("healthd_controller_nodes_reporting", {"verdict": "failed"}) == 1
@@ -52,7 +52,7 @@ def test_fleet_gauges_follow_reports_and_ledger(tmp_path):
         assert get("healthd_controller_reintegrations", {"state": "failed"}) == 0
 
         later = T0 + 600
-        m.update_from_round(c, later)  # idempotent: nothing observed twice, the age grows
+        m.observe_round(c.round_figures(later))  # idempotent: nothing observed twice, the age grows
         assert get("healthd_controller_approvals_waiting_oldest_age_seconds") == 600
         assert get("healthd_controller_incident_latency_seconds_count", {"stage": "detection"}) == 1
 
@@ -63,7 +63,7 @@ def test_fleet_gauges_follow_reports_and_ledger(tmp_path):
         rid = ledger.request_reintegration("node02", incident_id=None, trigger="repaired",
                                            operator="alice", why="repaired")
         ledger.update_reintegration(rid.id, state="failed")
-        m.update_from_round(c, later)
+        m.observe_round(c.round_figures(later))
         assert get("healthd_controller_approvals_waiting") == 0
         assert get("healthd_controller_approvals_waiting_oldest_age_seconds") == 0
         assert get("healthd_controller_incidents_open", {"tier": "T1", "attribution": "hardware"}) is None
@@ -81,7 +81,7 @@ def test_a_restart_does_not_observe_old_incidents_again(tmp_path):
         c.close()
         restarted = ControllerMetrics()
         c2 = Controller(c.settings, ledger, FakeBackend(), metrics=restarted, node_addrs=dict)
-        restarted.update_from_round(c2, T0 + 3600)
+        restarted.observe_round(c2.round_figures(T0 + 3600))
         assert restarted.registry.get_sample_value("healthd_controller_incident_latency_seconds_count",
                                                    {"stage": "detection"}) == 0
         c2.close()
@@ -90,14 +90,14 @@ def test_a_restart_does_not_observe_old_incidents_again(tmp_path):
 
 
 def test_a_full_round_updates_the_fleet_gauges(tmp_path):
-    """daemon.py's Controller.evaluate calls update_from_round after a full round (not a drain
+    """daemon.py's Controller.evaluate hands the metrics its figures after a full round (not a drain
     request's partial one), so the alerts on round age and approvals see live values."""
     c, ledger, m = make(tmp_path)
     try:
         c.reports["node02"] = NodeReport(node="node02", verdict="failed", findings=(xid79(T0 - 3),), received_at=T0)
         c.evaluate(T0)
         assert m.registry.get_sample_value("healthd_controller_last_round_timestamp_seconds") == T0, \
-            "Controller.evaluate does not call self.metrics.update_from_round(self, now)"
+            "Controller.evaluate does not hand the metrics its round figures"
         assert m.registry.get_sample_value("healthd_controller_approvals_waiting") == 1
         c.evaluate(T0 + 5, only="node02")
         assert m.registry.get_sample_value("healthd_controller_last_round_timestamp_seconds") == T0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,16 @@ class Node:
         )
         doc = json.loads(p.stdout) if p.stdout.strip() else {}
         return p.returncode, doc, p.stderr
+
+    def state(self) -> dict | None:
+        """The state file the agent published, or None while there is none (or it is mid-write)."""
+        try:
+            return json.loads(self.state_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def close(self) -> None:
+        shutil.rmtree(self.ckpt, ignore_errors=True)
 
     def xid(self, bus: str, code: int, text: str, now: float | None = None, **kw) -> None:
         write_journal(self.journal, [f"NVRM: Xid (PCI:{bus}): {code}, {text}"],

@@ -1,6 +1,6 @@
 """Fake `/sys/class/infiniband` trees for tests, written the way the kernel presents them.
 
-Layout (drivers/infiniband/core/sysfs.c; telemetry-testing.md §4): `<root>/<dev>/ports/<n>/`
+Layout (drivers/infiniband/core/sysfs.c): `<root>/<dev>/ports/<n>/`
 holds `state` ("4: ACTIVE"), `phys_state` ("5: LinkUp"), `rate` ("400 Gb/sec (4X NDR)"),
 `link_layer`, `counters/` (PMA) and `hw_counters/` (driver). Every value ends with "\\n".
 

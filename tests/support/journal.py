@@ -1,4 +1,4 @@
-"""Real journal files and a fake /dev/kmsg for tests (see shared telemetry-testing.md §2.2 and §3).
+"""Real journal files and a fake /dev/kmsg for tests.
 
 Journal files are written by systemd's own `systemd-journal-remote`, fed the journal export format on
 stdin, so the code under test reads them with the real `systemd.journal.Reader` — nothing is mocked.

@@ -1,7 +1,5 @@
 """A real Slurm cluster on one machine for tests: munged + slurmctld + N slurmd on 127.0.0.1.
 
-Verified facts behind every choice here: shared `reference/slurm-testbed.md` (pitfalls P1-P8).
-
     from tests.support.slurm_cluster import SlurmCluster, ensure_installed
     ensure_installed()                                   # apt-get slurm-wlm munge, only if missing
     cluster = SlurmCluster(tmp_path / "slurm", hooks={"Prolog": "/path/prolog.sh"})
@@ -12,10 +10,10 @@ Verified facts behind every choice here: shared `reference/slurm-testbed.md` (pi
 
 Everything lives under `root`: etc/ (slurm.conf, gres.conf), munge/, log/, run/, spool/, dev/<node>/.
 Every daemon and client runs with `cluster.env` (SLURM_CONF set, fixed PATH): a Slurm client without
-SLURM_CONF falls back to a DNS SRV lookup (P1). Daemons are started with start_new_session=True and
+SLURM_CONF falls back to a DNS SRV lookup. Daemons are started with start_new_session=True and
 recorded as "pid starttime" in run/<name>.mypid, so `down()` from another process (the CLI) stops
 exactly those processes and never a reused PID. PID 1 on the CI machines does not reap orphans, so a
-zombie (state Z) counts as dead (P3).
+zombie (state Z) counts as dead.
 
 Clusters run side by side on distinct ports (slurmctld on port_base, the nodes on port_base+1..+N).
 Left as None, port_base is picked at up() from the first free block (16817, 16917, ...) while holding
@@ -123,7 +121,7 @@ def slurm_version() -> tuple[int, int]:
         exe = _which(argv[0])
         if exe is None:
             continue
-        # -V/--version print and exit before reading slurm.conf; SLURM_CONF is set anyway (P1).
+        # -V/--version print and exit before reading slurm.conf; SLURM_CONF is set anyway.
         env = dict(_base_env(), SLURM_CONF="/nonexistent/slurm.conf")
         try:
             proc = subprocess.run([exe, *argv[1:]], env=env, capture_output=True, text=True, timeout=10)
@@ -366,7 +364,7 @@ class SlurmCluster:
             "KillWait": "5",
             "GresTypes": "gpu",
             "PrologFlags": "Alloc",
-            # a job refused by a prolog is requeued without a hold (testbed: refused-job facts)
+            # a job refused by a prolog is requeued without a hold
             "SchedulerParameters": "nohold_on_prolog_fail",
         }
         for key in HOOK_KEYS:
@@ -521,7 +519,7 @@ class SlurmCluster:
                 raise SlurmClusterError(f"{name} is not installed: call ensure_installed() or `make deps`")
         if os.geteuid() != 0:
             raise SlurmClusterError("a Slurm test cluster must be started as root (slurmd runs jobs as any user)")
-        # munged refuses a socket below a directory that is not searchable by all (testbed P4), and
+        # munged refuses a socket below a directory that is not searchable by all, and
         # slurmctld, dropped to SlurmUser, must reach its state dir and that socket.
         for parent in [self.root, *self.root.parents]:
             mode = parent.stat().st_mode
@@ -581,7 +579,7 @@ class SlurmCluster:
             except OSError as exc:
                 raise SlurmClusterError(
                     f"mknod {dev} c {NVIDIA_MAJOR} {i} failed ({exc.strerror}): slurmd only accepts character "
-                    "devices as GPU files (testbed 3f); this needs root with CAP_MKNOD"
+                    "devices as GPU files; this needs root with CAP_MKNOD"
                 ) from exc
 
     def _write_munge_key(self) -> None:
@@ -699,7 +697,7 @@ class SlurmCluster:
     def wait_idle(self, timeout_s: float = 30, nodes: Sequence[str] | None = None) -> None:
         """Poll (sinfo bounded by 3 s, daemons checked each round) until `nodes` (default all) are exactly idle.
 
-        Exactly 'idle': not 'idle*' (not responding, P6) and not drained (sinfo -t idle would count those, P5).
+        Exactly 'idle': not 'idle*' (not responding) and not drained (sinfo -t idle would count those).
         """
         self._wait_nodes(lambda state: state == "idle", "idle", timeout_s, nodes)
 
@@ -736,7 +734,7 @@ class SlurmCluster:
 
     # --------------------------------------------------------------- stop
     def _stop(self, names: Sequence[str]) -> None:
-        """TERM the recorded PIDs, wait up to 5 s, KILL what is left; zombies count as dead (P3)."""
+        """TERM the recorded PIDs, wait up to 5 s, KILL what is left; zombies count as dead."""
         targets = []
         for name in names:
             rec = self._recorded(name)

@@ -3,23 +3,19 @@ Slurm cluster and munged fleet of tests/controller/conftest.py for the controlle
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 
 from tests.controller.conftest import cluster, fleet  # noqa: F401  (fixtures, used by name)
-from tests.systemd.support import NotifyListener
+from tests.support.sdnotify import NotifyListener
+from tests.support.tmpdirs import shared_tmpdir
 
 
 @pytest.fixture
 def listener():
     """A bound AF_UNIX datagram socket under /tmp (a short path: sun_path holds 107 bytes)."""
-    d = Path(tempfile.mkdtemp(prefix="healthd-notify-", dir="/tmp"))
-    lst = NotifyListener(str(d / "notify.sock"))
-    try:
-        yield lst
-    finally:
-        lst.close()
-        shutil.rmtree(d, ignore_errors=True)
+    with shared_tmpdir("healthd-notify-") as d:
+        lst = NotifyListener(str(d / "notify.sock"))
+        try:
+            yield lst
+        finally:
+            lst.close()

@@ -1,12 +1,10 @@
 """The real `healthd run` under the sd_notify protocol: a simulated node (C stand-in NVML, IB tree,
-journal files; tests/agent/test_cli.py's Node), a NOTIFY_SOCKET this test owns and WATCHDOG_USEC set. READY=1 only
+journal files; tests/support/agent_node.py's Node), a NOTIFY_SOCKET this test owns and WATCHDOG_USEC set. READY=1 only
 after the first state file; STATUS= lines; WATCHDOG=1 about every half period; then a hung NVML call
 stops the feeding while the process lives on and keeps publishing."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import signal
 import subprocess
 import time
@@ -15,7 +13,7 @@ import pytest
 
 from tests.support.agent_node import HEALTHD, Node
 from tests.support.fake_nvml import build_fake_nvml, write_nvml_config
-from tests.systemd.support import watchdog_silence
+from tests.support.sdnotify import watchdog_silence
 
 PERIOD_S = 2.0
 
@@ -30,14 +28,7 @@ def node(tmp_path, fake_nvml_dir):
     n = Node(tmp_path, fake_nvml_dir)
     n.write_config(nvml={"expected_gpus": 8, "call_timeout_s": 0.5})
     yield n
-    shutil.rmtree(n.ckpt, ignore_errors=True)
-
-
-def state(node: Node) -> dict | None:
-    try:
-        return json.loads(node.state_file.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+    n.close()
 
 
 def test_ready_status_watchdog_and_a_hung_nvml_call_stops_the_feeding(node, listener):
@@ -48,7 +39,7 @@ def test_ready_status_watchdog_and_a_hung_nvml_call_stops_the_feeding(node, list
     try:
         ready_i, ready = listener.wait_for(lambda m: m.text == "READY=1", 60, "READY=1")
         assert ready.seen is True, "READY=1 arrived before the first state file was written"
-        assert state(node)["verdict"] == "healthy"
+        assert node.state()["verdict"] == "healthy"
         texts = listener.texts()
         status = [t for t in texts[:ready_i] if t.startswith("STATUS=")]
         assert status == ["STATUS=verdict healthy, 0 finding(s)"], texts
@@ -70,9 +61,9 @@ def test_ready_status_watchdog_and_a_hung_nvml_call_stops_the_feeding(node, list
         last_feed = watchdog_silence(listener, lambda: proc.poll() is None, silence_s=3 * PERIOD_S, timeout=90)
 
         # the loop itself did not hang: the state file is still rewritten, saying why
-        before = state(node)["generated_at"]
+        before = node.state()["generated_at"]
         deadline = time.monotonic() + 30
-        while (doc := state(node)) is None or doc["generated_at"] == before:
+        while (doc := node.state()) is None or doc["generated_at"] == before:
             assert time.monotonic() < deadline, "the agent stopped publishing while NVML hung"
             time.sleep(0.1)
         assert doc["sources"]["nvml"]["status"] == "error"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.controller.reliability_support import CONTROLLER_BIN, REPO, ControllerProc, signed
 from tests.support.slurm_cluster import SAFE_PATH
-from tests.systemd.support import watchdog_silence
+from tests.support.sdnotify import watchdog_silence
 
 PERIOD_S = 2.0
 

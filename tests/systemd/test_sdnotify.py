@@ -7,7 +7,7 @@ import os
 
 from healthd.controller.daemon import IncidentField, setup_logging
 from healthd.sdnotify import NullNotifier, SocketNotifier, Watchdog, notifier_from_env, stalled_reason, watchdog_period_s
-from tests.systemd.support import NotifyListener
+from tests.support.sdnotify import NotifyListener
 
 
 def test_abstract_namespace_address_works():

@@ -90,3 +90,9 @@ def watchdog_silence(listener: NotifyListener, alive: Callable[[], bool], silenc
         if now > deadline:
             raise AssertionError(f"WATCHDOG=1 kept arriving for {timeout:g}s: {listener.texts()[-20:]}")
         time.sleep(0.1)
+
+
+def longest_gap(feeds: list[float], start: float, end: float) -> float:
+    """The longest stretch of [start, end] without a time in `feeds` (each a time.monotonic())."""
+    points = [start, *[t for t in feeds if start <= t <= end], end]
+    return max(b - a for a, b in zip(points, points[1:], strict=False))
