@@ -1,5 +1,7 @@
-"""The agent's state document, read the one way every reader reads it: the hooks' gate, the dry-run
-renderer and the controller's view of a report all go through these functions.
+"""The agent's state document, read the one way every reader on a node reads it: the hooks' gate, the
+dry-run renderer and the reporter go through these functions. The controller receives the same
+document over HTTP, checks it field by field (healthd.report_schema) and turns its findings back
+into values with healthd.model.Finding.from_json.
 
 The document is JSON written atomically by the agent (healthd.persist); its findings are objects
 with `id`, `tier`, `attribution`, `action`, `summary` and a `component` (`kind` gpu/port/node/

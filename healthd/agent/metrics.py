@@ -100,7 +100,7 @@ class TickFigures:
         )
 
 
-GAUGES: tuple[Family, ...] = (
+TICK_GAUGES: tuple[Family, ...] = (
     ("healthd_verdict", "1 for the node's current verdict", ("verdict",)),
     ("healthd_findings", "Current findings by tier and attribution", ("tier", "attribution")),
     ("healthd_collector_success", "1 if the collector read its source (or it has none) this tick", ("collector",)),
@@ -116,7 +116,7 @@ GAUGES: tuple[Family, ...] = (
 
 
 def tick_samples(figures: TickFigures) -> tuple[Samples, ...]:
-    """Every per-tick gauge family's samples for one tick, in GAUGES order."""
+    """Every per-tick gauge family's samples for one tick, in TICK_GAUGES order."""
     findings: dict[tuple[str, ...], float] = {}
     for tier, attribution in figures.findings:
         key = (str(tier), attribution)
@@ -146,7 +146,7 @@ class Metrics:
     def __init__(self, settings: MetricsSettings, registry: CollectorRegistry | None = None):
         self.settings = settings
         self.registry = r = registry or CollectorRegistry()
-        self.gauges = SnapshotGauges(GAUGES, BEFORE_FIRST_TICK)
+        self.gauges = SnapshotGauges(TICK_GAUGES, BEFORE_FIRST_TICK)
         r.register(self.gauges)
         self.kernel_lines = Counter("healthd_kernel_lines_total", "Kernel log lines read", registry=r)
         self.xid_lines = Counter("healthd_kernel_xid_lines_total", "NVRM Xid lines read, by Xid", ["xid"], registry=r)

@@ -25,10 +25,9 @@ from typing import Any
 from healthd.config import ConfigError
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES, REMEDIATION_KINDS, Incident, Ledger, LedgerError
-from healthd.controller.config import load_controller_settings
+from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
 from healthd.text import table
 
-DEFAULT_CONFIG = "/etc/healthd/controller.yaml"
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
 DEFAULT_SOCKET = "/run/healthd/controller.sock"  # ... and its `admin_socket` default
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -217,7 +216,7 @@ def _next_steps(inc: Incident, decisions: list, actions: list, led: Ledger) -> l
 def _configured_budget(path: str | None) -> int | None:
     """max_actions_per_hour from the controller's config (the default file when present)."""
     try:
-        return load_controller_settings(path).policy.max_actions_per_hour if path or os.path.exists(DEFAULT_CONFIG) else None
+        return load_controller_settings(path).policy.max_actions_per_hour if path or os.path.exists(CONTROLLER_CONFIG_PATH) else None
     except (ConfigError, OSError):
         return None
 
@@ -348,13 +347,25 @@ def _why(value: str) -> str:
     return value
 
 
+CHANGE_COMMANDS: tuple[tuple[str, str, Any, bool, str], ...] = (
+    ("approve", "id", int, False, "approve a waiting decision"),
+    ("reject", "id", int, True, "reject a waiting decision"),
+    ("undo", "id", int, True, "reverse an applied healthd action"),
+    ("repaired", "node", str, False, "mark a healthd-drained node repaired: it enters reintegration"),
+    ("close", "incident", int, True, "close an incident by hand (its evidence episode no longer counts)"),
+    ("release", "node", str, True, "hand a node healthd holds over to you (Slurm unchanged; never resumed)"),
+)
+"""The changes healthctl asks the controller for: command, its argument and type, whether --why is
+required (every reversal and hand-over says why; an approval or a repair may), help."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="healthctl", description="Operator CLI over the healthd controller's ledger.")
     p.add_argument("--ledger", default=os.environ.get("HEALTHCTL_LEDGER", DEFAULT_LEDGER), help="the controller's ledger (read-only)")
     p.add_argument("--socket", default=os.environ.get("HEALTHCTL_SOCKET", DEFAULT_SOCKET), help="the controller's admin socket")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--config", default=os.environ.get("HEALTHCTL_CONFIG"),
-                   help=f"the controller's config, for its budget (default {DEFAULT_CONFIG} when present)")
+                   help=f"the controller's config, for its budget (default {CONTROLLER_CONFIG_PATH} when present)")
     p.add_argument("--now", type=float, default=None, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     s = sub.add_parser("status", help="fleet summary")
@@ -366,24 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("incident", type=int)
     s = sub.add_parser("report", help="repeat offenders, false positives, MTBF, latencies")
     s.add_argument("--days", type=float, default=30.0)
-    s = sub.add_parser("approve", help="approve a waiting decision")
-    s.add_argument("id", type=int)
-    s.add_argument("--why", type=_why, default=None)
-    s = sub.add_parser("reject", help="reject a waiting decision")
-    s.add_argument("id", type=int)
-    s.add_argument("--why", type=_why, required=True)
-    s = sub.add_parser("undo", help="reverse an applied healthd action")
-    s.add_argument("id", type=int)
-    s.add_argument("--why", type=_why, required=True)
-    s = sub.add_parser("repaired", help="mark a healthd-drained node repaired: it enters reintegration")
-    s.add_argument("node")
-    s.add_argument("--why", type=_why, default=None)
-    s = sub.add_parser("close", help="close an incident by hand (its evidence episode no longer counts)")
-    s.add_argument("incident", type=int)
-    s.add_argument("--why", type=_why, required=True)
-    s = sub.add_parser("release", help="hand a node healthd holds over to you (Slurm unchanged; never resumed)")
-    s.add_argument("node")
-    s.add_argument("--why", type=_why, required=True)
+    for name, target, kind, why_required, help_text in CHANGE_COMMANDS:
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument(target, type=kind)
+        s.add_argument("--why", type=_why, required=why_required, default=None)
     s = sub.add_parser("breaker", help="the circuit breaker")
     bs = s.add_subparsers(dest="breaker_cmd", required=True, parser_class=_Parser)
     r = bs.add_parser("reset", help="close the breaker")

@@ -72,7 +72,7 @@ class RoundFigures:
     """The incidents created within INCIDENT_WINDOW_S before `at`."""
 
 
-GAUGES: tuple[Family, ...] = (
+ROUND_GAUGES: tuple[Family, ...] = (
     ("healthd_controller_last_round_timestamp_seconds",
      "When the last full control round completed (Slurm reachable)", ()),
     ("healthd_controller_nodes_reporting",
@@ -91,7 +91,7 @@ GAUGES: tuple[Family, ...] = (
 
 
 def round_samples(figures: RoundFigures) -> tuple[Samples, ...]:
-    """Every per-round gauge family's samples for one round, in GAUGES order. A verdict outside
+    """Every per-round gauge family's samples for one round, in ROUND_GAUGES order. A verdict outside
     VERDICTS counts as unknown, so the verdict label stays a bounded set."""
     by_verdict = dict.fromkeys(VERDICTS, 0.0)
     for verdict, n in figures.nodes_reporting.items():
@@ -131,7 +131,7 @@ class ControllerMetrics:
         self.breaker_open = Gauge("healthd_controller_breaker_open", "1 while the circuit breaker is open", registry=r)
         self.report_latency = Histogram("healthd_controller_report_latency_seconds",
                                         "Time to verify and store one report", registry=r)
-        self.gauges = SnapshotGauges(GAUGES, BEFORE_FIRST_ROUND)
+        self.gauges = SnapshotGauges(ROUND_GAUGES, BEFORE_FIRST_ROUND)
         r.register(self.gauges)
         self.incident_latency = Histogram("healthd_controller_incident_latency_seconds",
                                           "Incident stage timings: detection (first evidence to detected), decision "

@@ -14,7 +14,7 @@ from healthd.controller.daemon import main
 from healthd.envelope import sign_report
 from healthd.model import iso
 from tests.controller.munge_support import MungeFleet, munged_path
-from tests.controller.test_executor import crash_after_plan, drain_decision
+from tests.support.decisions import crash_after_plan, drain_decision
 from tests.support.controller_rig import ControllerRig
 from tests.support.fake_slurm import FakeBackend
 

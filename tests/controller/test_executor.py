@@ -9,17 +9,10 @@ import pytest
 from healthd.controller.executor import MAX_ATTEMPTS, Executor, JobInfo, idempotency_key
 from healthd.controller.gates import GateResult
 from healthd.controller.ledger import Ledger
-from healthd.controller.policy import Decision, make_reason
+from tests.support.decisions import NOW, drain_decision
 from tests.support.fake_slurm import FakeBackend
 from healthd.slurm.backend import SlurmBackend
 
-NOW = 1_800_000_000.0
-
-
-def drain_decision(node: str = "node02", kind: str = "drain", incident: str = "H1") -> Decision:
-    return Decision(id=f"{kind}:{node}:xid:gpu0:79", kind=kind, node=node,  # type: ignore[arg-type]
-                    reason=make_reason("xid 79 gpu0: fell off the bus", incident), tier=1,
-                    attribution="hardware", finding_ids=("xid:gpu0:79",), incident=incident, decided_at=NOW)
 
 
 @pytest.fixture
@@ -99,16 +92,6 @@ def test_foreign_reason_between_decide_and_write_refused(ledger):
     assert res.status == "refused" and "alice" in res.detail
     assert be.writes == []
     assert ledger.pending_actions() == [] and ledger.actions() == []
-
-
-def crash_after_plan(ledger, be, d, at: float = NOW):
-    """A decision recorded and its action planned, then nothing: what a SIGKILL before the Slurm call leaves."""
-    ex = Executor(be, ledger, clock=lambda: NOW)
-    row = ledger.record_decision(node=d.node, kind=d.kind, tier="T1", mode="auto", reason=d.reason, outcome="allowed",
-                                 at=at)
-    ledger.plan_action(decision_id=row.id, idempotency_key=idempotency_key(d), node=d.node, kind=d.kind,
-                       argv=ex.argv_for(d), reason=d.reason, at=at)
-    return row
 
 
 def test_a_write_whose_client_failed_but_landed_is_adopted_never_written_twice(ledger):

@@ -17,7 +17,7 @@ from healthd.controller.ownership import Hold
 from healthd.controller.policy import Decision, make_reason
 from healthd.controller.reconcile import Reconciler, judge_gone
 from healthd.slurm.backend import NodeInfo
-from tests.controller.test_executor import crash_after_plan
+from tests.support.decisions import crash_after_plan
 from tests.support.fake_slurm import FakeBackend
 
 NOW = 1_800_000_000.0

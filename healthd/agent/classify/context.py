@@ -193,19 +193,9 @@ class TickContext:
         r = rule(kind, case)
         return self.build(f"{kind}:{where}", component, source, r.tier, r.attribution, r.action, summary, evidence, **kw)
 
-    def emit(
-        self,
-        kind: str,
-        where: str,
-        component: Component,
-        source: str,
-        summary: str,
-        evidence: Iterable[Evidence],
-        case: str = "",
-        **kw: Any,
-    ) -> None:
-        """Raise a finding for this tick."""
-        self.add(self.finding(kind, where, component, source, summary, evidence, case, **kw))
+    def emit(self, *args: Any, **kw: Any) -> None:
+        """Raise a finding for this tick (`finding`'s arguments)."""
+        self.add(self.finding(*args, **kw))
 
     def latch(self, f: Finding, hold_s: float, increase: int, total: int | None = None) -> None:
         """Report `f` now and for `hold_s` after the last time its condition was seen. Repeated

@@ -66,26 +66,24 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
-def repeat_offenders_by_node(ledger: Ledger, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
-    """Nodes in at least `min_incidents` incidents (created at or after `since`), worst first."""
+def _offenders(ledger: Ledger, table: str, key: str, since: float | None, min_incidents: int) -> list[Offender]:
     rows = ledger.query(
-        "SELECT m.node, COUNT(DISTINCT i.id), MAX(i.created_at) FROM incident_nodes m JOIN incidents i ON m.incident_id = i.id "
-        f"WHERE {_COUNTED} AND (? IS NULL OR i.created_at >= ?) GROUP BY m.node HAVING COUNT(DISTINCT i.id) >= ? "
+        f"SELECT m.{key}, COUNT(DISTINCT i.id), MAX(i.created_at) FROM {table} m JOIN incidents i ON m.incident_id = i.id "
+        f"WHERE {_COUNTED} AND (? IS NULL OR i.created_at >= ?) GROUP BY m.{key} HAVING COUNT(DISTINCT i.id) >= ? "
         "ORDER BY 2 DESC, 3 DESC, 1",
         (*EXCLUDED_INCIDENT_STATUSES, since, since, min_incidents),
     )
     return [Offender(r[0], int(r[1]), r[2]) for r in rows]
+
+
+def repeat_offenders_by_node(ledger: Ledger, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
+    """Nodes in at least `min_incidents` incidents (created at or after `since`), worst first."""
+    return _offenders(ledger, "incident_nodes", "node", since, min_incidents)
 
 
 def repeat_offenders_by_gpu(ledger: Ledger, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
     """GPU serials in at least `min_incidents` incidents: follows a GPU moved between nodes."""
-    rows = ledger.query(
-        "SELECT g.gpu_serial, COUNT(DISTINCT i.id), MAX(i.created_at) FROM incident_gpus g JOIN incidents i ON g.incident_id = i.id "
-        f"WHERE {_COUNTED} AND (? IS NULL OR i.created_at >= ?) GROUP BY g.gpu_serial HAVING COUNT(DISTINCT i.id) >= ? "
-        "ORDER BY 2 DESC, 3 DESC, 1",
-        (*EXCLUDED_INCIDENT_STATUSES, since, since, min_incidents),
-    )
-    return [Offender(r[0], int(r[1]), r[2]) for r in rows]
+    return _offenders(ledger, "incident_gpus", "gpu_serial", since, min_incidents)
 
 
 def false_positive_rate(ledger: Ledger, *, mode: str = "observe", since: float | None = None) -> FalsePositiveRate:
