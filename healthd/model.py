@@ -320,6 +320,48 @@ def _fields(names: tuple[str, ...], check: Any) -> dict[str, Any]:
     return dict.fromkeys(names, check)
 
 
+def _deltas(v: Any) -> dict[str, Any]:
+    """name -> CounterDelta; anything else is dropped."""
+    return {k: c for k, c in v.items() if isinstance(k, str) and isinstance(c, CounterDelta)} if hasattr(v, "items") else {}
+
+
+# --------------------------------------------------------------------------- samples: counters
+
+
+@dataclass(frozen=True)
+class CounterDelta:
+    """A counter's change since the previous reading, over `window_s` seconds. The collector that
+    reads the counter computes the delta against its own baseline (healthd.agent.collectors.counters);
+    nothing else does."""
+
+    value: int
+    delta: int | None
+    """None on the first reading, after a reset (value went down) or when saturated."""
+    window_s: float | None
+    """Seconds since the previous reading; None when there is none or the clock went backwards."""
+    saturated: bool = False
+    """A saturating counter (InfiniBand's 16/8/4-bit PMA counters) sits at its maximum: new errors
+    are unknown, not zero."""
+    reset: bool = False
+    """The value went down: the counter was cleared (a GPU reset, a driver reload, `perfquery -x`)."""
+
+    def __post_init__(self) -> None:
+        _need("CounterDelta", "value", self.value, int, "an integer")
+        _check(
+            self,
+            delta=lambda v: v if _int(v) is not None and v >= 0 else None,
+            window_s=lambda v: v if _real(v) is not None and v >= 0 else None,
+            saturated=bool,
+            reset=bool,
+        )
+
+    @property
+    def rate_per_s(self) -> float | None:
+        if self.delta is None or not self.window_s:
+            return None
+        return self.delta / self.window_s
+
+
 # --------------------------------------------------------------------------- samples: NVML
 
 
@@ -370,6 +412,9 @@ class GpuSample:
     pcie_width_max: int | None = None
     nvlink_errors: Mapping[str, int] = field(default_factory=dict)
     """`link<N>.<replay|recovery|crc_flit|crc_data>` -> counter, for links NVML reports active."""
+    counters: Mapping[str, CounterDelta] = field(default_factory=dict)
+    """The ever-growing counters above as deltas since the collector's previous reading:
+    `ecc_uncorrected_volatile`, `ecc_corrected_volatile`, `pcie_replay`, `nvlink/link<N>.<name>`."""
     no_data: tuple[str, ...] = ()
     errors: Mapping[str, str] = field(default_factory=dict)
     """field -> NVML error text for reads that failed with something other than NotSupported."""
@@ -384,6 +429,7 @@ class GpuSample:
             **_fields(_GPU_TEXTS, _text),
             nvlink_errors=lambda v: {k: n for k, n in v.items() if isinstance(k, str) and _int(n) is not None}
             if hasattr(v, "items") else {},
+            counters=_deltas,
             errors=_text_map,
         )
 
@@ -399,9 +445,12 @@ class NvmlSample:
     nvml_version: str | None = None
     count: int | None = None
     gpus: tuple[GpuSample, ...] = ()
+    time: float | None = None
+    """When the collector read the GPUs (epoch seconds). Classifying the same sample again (the
+    kernel follower ticks between collections) does not count its counter deltas twice."""
 
     def __post_init__(self) -> None:
-        _check(self, count=_int)
+        _check(self, count=_int, time=_time)
 
 
 # --------------------------------------------------------------------------- samples: kernel log
@@ -503,37 +552,6 @@ class KernelSample:
 
 
 @dataclass(frozen=True)
-class CounterDelta:
-    """A counter's change since the previous reading, over `window_s` seconds. The collector that
-    reads the counter computes the delta against its own baseline; nothing else does."""
-
-    value: int
-    delta: int | None
-    """None on the first reading, after a reset (value went down) or when saturated."""
-    window_s: float | None
-    """Seconds since the previous reading; None when there is none or the clock went backwards."""
-    saturated: bool = False
-    """The PMA counter sits at its maximum (16/8/4-bit): new errors are unknown, not zero."""
-    reset: bool = False
-
-    def __post_init__(self) -> None:
-        _need("CounterDelta", "value", self.value, int, "an integer")
-        _check(
-            self,
-            delta=lambda v: v if _int(v) is not None and v >= 0 else None,
-            window_s=lambda v: v if _real(v) is not None and v >= 0 else None,
-            saturated=bool,
-            reset=bool,
-        )
-
-    @property
-    def rate_per_s(self) -> float | None:
-        if self.delta is None or not self.window_s:
-            return None
-        return self.delta / self.window_s
-
-
-@dataclass(frozen=True)
 class PortSample:
     device: str
     port: int
@@ -555,8 +573,7 @@ class PortSample:
             self,
             **_fields(("state", "phys_state", "link_layer"), _text),
             rate_gbps=_real,
-            counters=lambda v: {k: c for k, c in v.items() if isinstance(k, str) and isinstance(c, CounterDelta)}
-            if hasattr(v, "items") else {},
+            counters=_deltas,
             unreadable=_text_map,
         )
 

@@ -82,6 +82,24 @@ def _times(raw: Any) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def _nvml_baseline_of(history: Any) -> dict | None:
+    """The NVML counter baseline an older agent kept in its history (`baselines`:
+    'gpu/<identity>/<counter>' -> [time, value]), in the NVML collector's form, so an upgrade does
+    not lose the increases of the tick it happens on."""
+    if not isinstance(history, dict) or not isinstance(history.get("baselines"), dict):
+        return None
+    gpus: dict[str, dict[str, list]] = {}
+    for key, pair in history["baselines"].items():
+        parts = key.split("/", 2) if isinstance(key, str) else []
+        if len(parts) != 3 or parts[0] != "gpu" or not isinstance(pair, list) or len(pair) != 2:
+            continue
+        t, value = pair
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+            gpus.setdefault(parts[1], {})[parts[2]] = [int(value), t]
+    boot_id = history.get("boot_id") if isinstance(history.get("boot_id"), str) else None
+    return {"version": 1, "boot_id": boot_id, "gpus": gpus} if gpus else None
+
+
 @dataclass
 class Memory:
     """What the agent remembers across restarts (`<state_dir>/agent-state.json`)."""
@@ -89,6 +107,7 @@ class Memory:
     history: History
     cursor: str | None = None
     ib_baseline: dict | None = None
+    nvml_baseline: dict | None = None
     cleared: dict = dataclasses.field(default_factory=dict)
     """finding id -> epoch: evidence up to then no longer counts (the controller's clear-finding)."""
     dismissed: dict = dataclasses.field(default_factory=dict)
@@ -112,10 +131,11 @@ class Memory:
             history = History()
         cursor = doc.get("cursor") if isinstance(doc.get("cursor"), str) else None
         baseline = doc.get("infiniband") if isinstance(doc.get("infiniband"), dict) else None
-        return cls(history=history, cursor=cursor, ib_baseline=baseline, cleared=_times(doc.get("cleared")),
+        nvml = doc.get("nvml") if isinstance(doc.get("nvml"), dict) else _nvml_baseline_of(doc.get("history"))
+        return cls(history=history, cursor=cursor, ib_baseline=baseline, nvml_baseline=nvml, cleared=_times(doc.get("cleared")),
                    dismissed=_times(doc.get("dismissed")), episodes=_times(doc.get("episodes")))
 
-    def save(self, state_dir: str, ib_state: dict | None) -> None:
+    def save(self, state_dir: str, ib_state: dict | None, nvml_state: dict | None) -> None:
         write_json_atomic(
             Path(state_dir) / "agent-state.json",
             {
@@ -123,6 +143,7 @@ class Memory:
                 "saved_at": time.time(),
                 "cursor": self.cursor,
                 "infiniband": ib_state,
+                "nvml": nvml_state,
                 "history": self.history.to_json(),
                 "cleared": self.cleared,
                 "dismissed": self.dismissed,
@@ -136,7 +157,9 @@ def build_sources(settings: Settings, memory: Memory) -> Sources:
     """The real collectors, each pointed at the roots the config names."""
     s = settings
     return Sources(
-        nvml=NvmlCollector(timeout_s=s.nvml.call_timeout_s, expected_gpus=s.nvml.expected_gpus) if s.nvml.enabled else None,
+        nvml=NvmlCollector(timeout_s=s.nvml.call_timeout_s, expected_gpus=s.nvml.expected_gpus, baseline=memory.nvml_baseline)
+        if s.nvml.enabled
+        else None,
         infiniband=InfinibandCollector(sysfs_root=s.infiniband.sysfs_root, baseline=memory.ib_baseline)
         if s.infiniband.enabled
         else None,
@@ -333,7 +356,8 @@ class Agent:
             log.error("cannot write state file %s: %s", self.settings.state_file, e)
         try:
             ib = self.sources.infiniband.state() if self.sources.infiniband is not None else None
-            self.memory.save(self.settings.state_dir, ib)
+            nvml = self.sources.nvml.state() if self.sources.nvml is not None else None
+            self.memory.save(self.settings.state_dir, ib, nvml)
         except OSError as e:
             log.error("cannot save agent state in %s: %s", self.settings.state_dir, e)
         if self.metrics is not None:

@@ -22,7 +22,6 @@ from healthd.model import ACTIONS, ATTRIBUTIONS, TS_MAX, Component, Evidence, Fi
 HISTORY_VERSION = 1
 
 MAX_GPU_IDS = 64
-MAX_BASELINES = 4096
 MAX_SERIES_KEYS = 2048
 MAX_SERIES_POINTS = 256
 MAX_XID_KEYS = 512
@@ -121,9 +120,6 @@ class History:
     """Snapshot time of the tick that produced this history."""
     gpu_ids: Mapping[str, Component] = field(default_factory=dict)
     """Normalised bus id -> the GPU NVML last reported there (maps Xids of a GPU NVML lost since)."""
-    baselines: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-    """Raw NVML counter (ECC, PCIe replays, NVLink) -> (time, value) last classified, for its
-    increases. InfiniBand counters arrive as deltas from their collector and have none here."""
     series: Mapping[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
     """Windowed amounts -> ((time, amount, span_s), ...): counter increases and observed seconds."""
     xids: Mapping[str, XidRecord] = field(default_factory=dict)
@@ -134,6 +130,8 @@ class History:
     """Finding id -> latched finding."""
     ib_read: float | None = None
     """Read time of the last InfiniBand sample whose counter deltas were counted."""
+    nvml_read: float | None = None
+    """Read time of the last NVML sample whose counter deltas were counted."""
 
     # ------------------------------------------------------------------ bounds
 
@@ -162,7 +160,6 @@ class History:
         return dataclasses.replace(
             self,
             gpu_ids=dict(list(self.gpu_ids.items())[-MAX_GPU_IDS:]),
-            baselines=newest(self.baselines, MAX_BASELINES, lambda b: b[0]),
             series=newest(series, MAX_SERIES_KEYS, lambda s: s[-1][0] if s else -math.inf),
             xids=newest(xids, MAX_XID_KEYS, lambda r: _xid_last(r)),
             ports=newest(ports, MAX_PORT_RECORDS, lambda p: p.updated if p.updated is not None else -math.inf),
@@ -177,12 +174,12 @@ class History:
             "boot_id": self.boot_id,
             "time": self.time,
             "gpu_ids": {bus: _component_json(c) for bus, c in self.gpu_ids.items()},
-            "baselines": {k: [t, v] for k, (t, v) in self.baselines.items()},
             "series": {k: [list(p) for p in pts] for k, pts in self.series.items()},
             "xids": {k: _xid_json(r) for k, r in self.xids.items()},
             "ports": {k: _port_json(p) for k, p in self.ports.items()},
             "latches": {k: {"until": la.until, "finding": finding_to_json(la.finding)} for k, la in self.latches.items()},
             "ib_read": self.ib_read,
+            "nvml_read": self.nvml_read,
         }
 
     @classmethod
@@ -206,12 +203,12 @@ class History:
             boot_id=r.opt_str(d.get("boot_id"), "history.boot_id"),
             time=r.opt_time(d.get("time"), "history.time"),
             gpu_ids=section("gpu_ids", r.component),
-            baselines=section("baselines", r.pair),
             series=section("series", r.points),
             xids=section("xids", r.xid),
             ports=section("ports", r.port),
             latches=section("latches", r.latch),
             ib_read=r.opt_time(d.get("ib_read"), "history.ib_read"),
+            nvml_read=r.opt_time(d.get("nvml_read"), "history.nvml_read"),
         )
         return hist.capped()
 
@@ -331,12 +328,6 @@ class _Reader:
         if not isinstance(v, bool):
             raise self.fail(path, "true or false", v)
         return v
-
-    def pair(self, v: Any, path: str) -> tuple[float, float]:
-        items = self.list_(v, path)
-        if len(items) != 2:
-            raise self.fail(path, "[time, value]", v)
-        return (self.time(items[0], path + "[0]"), self.num(items[1], path + "[1]"))
 
     def points(self, v: Any, path: str) -> tuple[tuple[float, float, float], ...]:
         out = []

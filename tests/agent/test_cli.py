@@ -151,6 +151,38 @@ def test_corrupt_agent_state_is_set_aside_and_the_agent_runs(node):
     assert node.state()["verdict"] == "healthy"
 
 
+def run_once(node: Node, rc: int = 0) -> dict:
+    p = subprocess.run([HEALTHD, "run", "--once", "--config", str(node.config)],
+                       capture_output=True, text=True, env=node.env(), timeout=60)
+    assert p.returncode == rc, p.stderr
+    return node.state()
+
+
+def test_gpu_counter_increases_count_across_restarts_and_an_upgrade(node):
+    """Each `run --once` is a whole agent lifetime: the NVML baseline is saved and read back. An
+    agent-state.json from an earlier version kept that baseline in its history; it is carried over."""
+    gpu2 = node.gpus[2]
+    assert run_once(node)["verdict"] == "healthy"
+    saved = json.loads((node.state_dir / "agent-state.json").read_text())
+    assert saved["nvml"]["gpus"][gpu2["uuid"]]["ecc_uncorrected_volatile"][0] == 0 and "baselines" not in saved["history"]
+    gpu2["ecc.uncorrected.volatile"] = 2
+    write_nvml_config(node.nvml_values, node.gpus)
+    f = by_id(run_once(node, rc=2))["nvml.ecc_uncorrected:gpu2"]
+    assert f["tier"] == 1 and "(+2)" in f["summary"]
+
+    # the earlier format: the baseline in the history, as 'gpu/<uuid>/<counter>' -> [time, value]
+    old = json.loads((node.state_dir / "agent-state.json").read_text())
+    del old["nvml"]
+    old["history"]["baselines"] = {f"gpu/{g['uuid']}/ecc_uncorrected_volatile": [time.time() - 10, g.get("ecc.uncorrected.volatile", 0)]
+                                   for g in node.gpus}
+    old["history"]["latches"] = {}
+    (node.state_dir / "agent-state.json").write_text(json.dumps(old))
+    gpu2["ecc.uncorrected.volatile"] = 7
+    write_nvml_config(node.nvml_values, node.gpus)
+    f = by_id(run_once(node, rc=2))["nvml.ecc_uncorrected:gpu2"]
+    assert "(+5)" in f["summary"] and "2 -> 7 (+5)" in f["evidence"][0]["text"]
+
+
 def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopback(node):
     import socket
 

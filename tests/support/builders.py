@@ -1,4 +1,5 @@
-"""Hand-built samples for the classifier tests: pure data, no collectors."""
+"""Hand-built samples for the classifier tests: pure data, no collectors. NVML counters are written
+raw, as NVML reports them; `run` turns them into deltas with the NVML collector's own pure step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 from healthd.agent.classify.catalog import Catalog, load_catalog
 from healthd.agent.classify import Classification, classify
+from healthd.agent.collectors.counters import Baseline
+from healthd.agent.collectors.nvml import with_deltas
 from healthd.agent.history import History
 from healthd.model import (
     CounterDelta,
@@ -104,10 +107,12 @@ def fs(path: str = "/ckpt", **kw: Any) -> FilesystemProbe:
 
 def snap(t: float = NOW, *, nv: NvmlSample | None = None, k: KernelSample | None = None, i: InfinibandSample | None = None,
          h: HostSample | None = None, boot_id: str = "boot-1") -> Snapshot:
-    """One tick at `t`. An InfiniBand sample without a read time is read at `t`, as the collector
-    stamps it; passing the same sample to a later tick is classifying it again."""
+    """One tick at `t`. An NVML or InfiniBand sample without a read time is read at `t`, as the
+    collectors stamp them; passing the same sample to a later tick is classifying it again."""
     if i is not None and i.time is None:
         i = dataclasses.replace(i, time=t)
+    if nv is not None and nv.time is None:
+        nv = dataclasses.replace(nv, time=t)
     return Snapshot(
         node="gpu001",
         time=t,
@@ -119,12 +124,28 @@ def snap(t: float = NOW, *, nv: NvmlSample | None = None, k: KernelSample | None
     )
 
 
+def read_nvml(snaps: Iterable[Snapshot]) -> list[Snapshot]:
+    """The ticks with their NVML counters as deltas, the way one NVML collector would have read
+    them in this order (a sample already carrying deltas is left as it is)."""
+    baseline, last, out = Baseline(), None, []
+    for s in snaps:
+        nv = s.nvml
+        if nv.time is not None and last is not None and nv.time == last[0].time:
+            nv = last[1]  # the same read, classified again
+        elif not any(g.counters for g in nv.gpus):
+            read, baseline = with_deltas(nv, baseline, s.boot_id, nv.time if nv.time is not None else s.time)
+            last, nv = (nv, read), read
+        out.append(dataclasses.replace(s, nvml=nv))
+    return out
+
+
 def run(*snaps: Snapshot, history: History | None = None, catalog: Catalog = CATALOG, cfg: Settings | None = None) -> list[Classification]:
-    """Classify a sequence of ticks, feeding each history to the next."""
+    """Classify a sequence of ticks, feeding each history to the next (NVML counters as one
+    collector reading them in this order would deliver them)."""
     cfg = cfg or settings()
     hist = history or History()
     out = []
-    for s in snaps:
+    for s in read_nvml(snaps):
         res = classify(s, hist, catalog, cfg)
         hist = res.history
         out.append(res)

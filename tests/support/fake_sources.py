@@ -19,5 +19,8 @@ class FakeCollector:
         s, self.sample = self.sample, kernel()
         return s
 
+    def state(self) -> None:
+        return None
+
     def close(self) -> None:
         pass

@@ -110,12 +110,14 @@ class TickContext:
         self.boot_id = snap.boot_id if snap.boot_id else hist.boot_id
 
         self.gpu_ids = dict(hist.gpu_ids)
-        self.baselines = dict(hist.baselines)
         self.series = dict(hist.series)
         self.xids = dict(hist.xids)
         self.ports = dict(hist.ports)
         self.latches = dict(hist.latches)
         self.ib_read = hist.ib_read
+        self.nvml_read = hist.nvml_read
+        self.nvml_fresh = True
+        """This tick's NVML sample was not counted before (its read time is new)."""
         self.findings: dict[str, Finding] = {}
         self.suppressed: list[Finding] = []
         self.fired: set[str] = set()

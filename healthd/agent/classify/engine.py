@@ -17,8 +17,8 @@ from healthd.agent.history import History, PortRecord
 from healthd.model import NODE, Evidence, Finding, Snapshot, verdict, would_do
 from healthd.settings import Settings
 
-BASELINE_MAX_AGE_S = 7 * 86400.0
-"""Counter baselines of a GPU or port not seen for this long are forgotten."""
+PORT_MAX_AGE_S = 7 * 86400.0
+"""The record of a port not seen for this long is forgotten."""
 
 SECTIONS: tuple[tuple[str, Callable[[TickContext], None]], ...] = (
     ("nvml", gpu.evaluate),
@@ -74,7 +74,6 @@ def forget_on_reboot(ctx: TickContext) -> None:
     and reboot-when-idle remedy: forget baselines and port states, close findings that asked for
     a reset or reboot. Xid occurrences stay, so a fault that comes back counts as a repeat."""
     remedied = ("reset-gpu-when-idle", "reboot-when-idle")
-    ctx.baselines = {}
     ctx.ports = {k: PortRecord(updated=p.updated) for k, p in ctx.ports.items()}
     ctx.series = {k: v for k, v in ctx.series.items() if not k.startswith("port/")}
     ctx.latches = {k: la for k, la in ctx.latches.items() if la.finding.action not in remedied}
@@ -113,19 +112,18 @@ def prune(ctx: TickContext) -> History:
         live = r.live_episode and r.last_seen is not None and now - r.last_seen <= cs.finding_ttl_s
         if occ or live:
             xids[k] = dataclasses.replace(r, occurrences=occ)
-    baselines = {k: v for k, v in ctx.baselines.items() if v[0] > now - BASELINE_MAX_AGE_S}
     latches = {k: la for k, la in ctx.latches.items() if la.until >= now}
-    ports = {k: p for k, p in ctx.ports.items() if p.updated is None or p.updated > now - BASELINE_MAX_AGE_S}
+    ports = {k: p for k, p in ctx.ports.items() if p.updated is None or p.updated > now - PORT_MAX_AGE_S}
     return History(
         boot_id=ctx.boot_id,
         time=now,
         gpu_ids=ctx.gpu_ids,
-        baselines=baselines,
         series=series,
         xids=xids,
         ports=ports,
         latches=latches,
         ib_read=ctx.ib_read,
+        nvml_read=ctx.nvml_read,
     ).capped()
 
 

@@ -1,14 +1,13 @@
 """NVML rules: the driver, GPU count, lost GPUs, row remapping and page retirement, ECC, PCIe,
 hardware slowdown, thermal margin, NVLink counters and unreadable fields.
 
-NVML reports raw, ever-growing counters (ECC, PCIe replays, NVLink errors). Their increases are
-taken here against the value last classified (`TickContext.baselines`, kept in History), so the same
-sample classified twice is an increase of 0 and a value that went down (a reset) is no increase.
+NVML's ever-growing counters (ECC, PCIe replays, NVLink errors) arrive as deltas from the NVML
+collector (`GpuSample.counters`, against the collector's own baseline); the rules only add them to
+trailing windows. A sample classified a second time (the kernel follower ticks between collections)
+carries the same read time, and its deltas are not counted again.
 """
 
 from __future__ import annotations
-
-import re
 
 from healthd.agent.classify.context import (
     HOUR_S,
@@ -18,7 +17,7 @@ from healthd.agent.classify.context import (
     finite_or,
     fmt,
 )
-from healthd.model import NODE, Component, Evidence, GpuSample
+from healthd.model import NODE, Component, CounterDelta, Evidence, GpuSample
 
 NVML = "nvml"
 
@@ -30,25 +29,22 @@ HW_SLOWDOWN_MASK = 0x8 | 0x40 | 0x80
 SBE_WINDOW_S = 3600.0
 PCIE_REPLAY_WINDOW_S = 60.0
 
-_NVLINK_KEY = re.compile(r"^link(\d+)\.(\w+)$")
+NVLINK_PREFIX = "nvlink/"
 
 
-def increase(ctx: TickContext, key: str, value: int | None) -> tuple[float, float, float] | None:
-    """(increase, previous value, seconds since that reading) of a raw NVML counter; None on the
-    first reading and after a reset (the value went down). The same value read twice (one sample
-    classified again) is an increase of 0, so increases never count twice."""
-    if value is None:
+def increase(ctx: TickContext, g: GpuSample, name: str) -> CounterDelta | None:
+    """The counter's delta when it grew since the collector's previous reading and this sample is
+    counted for the first time; None otherwise (first reading, reset, no growth, classified again)."""
+    d = g.counters.get(name)
+    if d is None or not d.delta or not ctx.nvml_fresh:
         return None
-    v = float(value)
-    prev = ctx.baselines.get(key)
-    ctx.baselines[key] = (ctx.now, v)
-    if prev is None or v < prev[1]:
-        return None
-    return (v - prev[1], prev[1], max(0.0, ctx.now - prev[0]))
+    return d
 
 
 def evaluate(ctx: TickContext) -> None:
     n, cfg = ctx.snap.nvml, ctx.settings.nvml
+    ctx.nvml_fresh = n.time is None or n.time != ctx.nvml_read
+    ctx.nvml_read = n.time
     expected = cfg.expected_gpus if isinstance(cfg.expected_gpus, int) and not isinstance(cfg.expected_gpus, bool) else None
     status_ev = Evidence(
         "state",
@@ -149,12 +145,12 @@ def ecc_uncorrected(ctx: TickContext, g: GpuSample, c: Component, ident: str, tt
     """Uncorrectable ECC: any increase. With a remap/retirement pending the GPU is handling it and a
     reset applies the fix (T2); without one the error is in memory that cannot be remapped (SRAM)
     or remapping is exhausted: a fail-stop (T1 drain)."""
-    d = increase(ctx, f"{ident}/ecc_uncorrected_volatile", g.ecc_uncorrected_volatile)
-    if d is None or d[0] <= 0:
+    d = increase(ctx, g, "ecc_uncorrected_volatile")
+    if d is None:
         return
     key = c.key()
     handled = g.remap_pending is True or g.retired_pending is True
-    inc, before, span = d
+    inc, before, span = float(d.delta), float(d.value - d.delta), d.window_s or 0.0
     ev = Evidence(
         "counter",
         f"volatile uncorrected ECC {before:.0f} -> {g.ecc_uncorrected_volatile} (+{inc:.0f}) in {dur(span)}; "
@@ -176,9 +172,9 @@ def ecc_uncorrected(ctx: TickContext, g: GpuSample, c: Component, ident: str, tt
 def ecc_corrected(ctx: TickContext, g: GpuSample, c: Component, ident: str) -> None:
     """Corrected (single-bit) ECC errors: a rate over the last hour."""
     cs = ctx.settings.classify
-    d = increase(ctx, f"{ident}/ecc_corrected_volatile", g.ecc_corrected_volatile)
-    if d is not None and d[0] > 0:
-        ctx.record(f"{ident}/sbe", d[0], d[2])
+    d = increase(ctx, g, "ecc_corrected_volatile")
+    if d is not None:
+        ctx.record(f"{ident}/sbe", d.delta, d.window_s or 0.0)
     total, span = ctx.window(f"{ident}/sbe", SBE_WINDOW_S)
     per_hour = total / max(SBE_WINDOW_S, span) * HOUR_S
     if total and per_hour > cs.ecc_sbe_per_hour:
@@ -196,9 +192,9 @@ def pcie(ctx: TickContext, g: GpuSample, c: Component, ident: str, ttl: float) -
     (T3) while the GPU is busy."""
     cs = ctx.settings.classify
     key = c.key()
-    d = increase(ctx, f"{ident}/pcie_replay", g.pcie_replay)
-    if d is not None and d[0] > 0:
-        ctx.record(f"{ident}/pcie_replay", d[0], d[2])
+    d = increase(ctx, g, "pcie_replay")
+    if d is not None:
+        ctx.record(f"{ident}/pcie_replay", d.delta, d.window_s or 0.0)
         total, span = ctx.window(f"{ident}/pcie_replay", PCIE_REPLAY_WINDOW_S)
         per_min = total / max(PCIE_REPLAY_WINDOW_S, span) * MINUTE_S
         if per_min > cs.pcie_replay_per_min:
@@ -212,7 +208,7 @@ def pcie(ctx: TickContext, g: GpuSample, c: Component, ident: str, ttl: float) -
                                "per_min": per_min, "threshold_per_min": cs.pcie_replay_per_min, "value": g.pcie_replay})],
                 ),
                 ttl,
-                int(d[0]),
+                d.delta,
             )
 
     width, width_max = g.pcie_width, g.pcie_width_max
@@ -254,24 +250,22 @@ def hw_slowdown(ctx: TickContext, g: GpuSample, c: Component, ident: str) -> Non
 def nvlink(ctx: TickContext, g: GpuSample, c: Component, ident: str, ttl: float) -> None:
     """NVLink data-link error counters: any increase on any link."""
     increases = []
-    for name, value in sorted(g.nvlink_errors.items()):
-        if not _NVLINK_KEY.match(name):
-            continue
-        d = increase(ctx, f"{ident}/nvlink/{name}", value)
-        if d is not None and d[0] > 0:
-            increases.append((name, d))
+    for counter in sorted(g.counters):
+        if counter.startswith(NVLINK_PREFIX) and (d := increase(ctx, g, counter)) is not None:
+            increases.append((counter[len(NVLINK_PREFIX):], d))
     if not increases:
         return
     key = c.key()
-    total = sum(d[0] for _, d in increases)
+    total = sum(d.delta for _, d in increases)
     ctx.latch(
         ctx.finding(
             "nvml.nvlink", key, c, NVML,
             f"{key}: NVLink error counters increasing ({', '.join(n for n, _ in increases)})",
-            [Evidence("counter", f"NVLink {name} {d[1]:.0f} -> {d[1] + d[0]:.0f} (+{d[0]:.0f}) in {dur(d[2])}",
-                      {"counter": name, "before": d[1], "value": d[1] + d[0], "delta": d[0], "window_s": d[2]})
+            [Evidence("counter", f"NVLink {name} {d.value - d.delta} -> {d.value} (+{d.delta}) in {dur(d.window_s or 0.0)}",
+                      {"counter": name, "before": float(d.value - d.delta), "value": float(d.value), "delta": float(d.delta),
+                       "window_s": d.window_s or 0.0})
              for name, d in increases],
         ),
         ttl,
-        int(total),
+        total,
     )

@@ -5,16 +5,11 @@ PortCounters) and `hw_counters/` (driver counters; `lifespan` is a setting, skip
 counter into a CounterDelta against the previous reading. No decisions: flaps, drops and thresholds
 belong to the classifier, which sees the history of these samples.
 
-Counter rules (this collector is the one place counter deltas are computed; the classifier only
-adds them up over its windows):
-- the first reading of a counter is a baseline: delta None;
-- a value lower than the previous one means the counter was cleared: delta None, reset=True;
-- counters restart at boot, so a baseline from another boot id is dropped, not subtracted;
-- PMA counters saturate at 2^width-1 and stop; at that value new errors are unknown, so the
-  delta is None and saturated=True (never "no new errors").
-
-The baseline (boot id + last value and time per counter) is exposed by `state()` as plain JSON and
-accepted back through the constructor, so deltas continue across an agent restart.
+Counter deltas follow healthd.agent.collectors.counters (a first reading is a baseline, a value
+that went down is a reset, another boot id drops the baseline, a failed read keeps it); PMA counters
+saturate at 2^width-1 and stop, so at that value new errors are unknown and the delta says so.
+The baseline is exposed by `state()` as plain JSON and accepted back through the constructor, so
+deltas continue across an agent restart.
 
 A file that exists but cannot be read (a MAD that fails with EIO/EINVAL, a permission error) or
 whose contents are not what the kernel writes goes to PortSample.unreadable; everything else on the
@@ -30,12 +25,11 @@ import os
 import re
 from typing import Any, Mapping
 
+from healthd.agent.collectors.counters import Baseline, counter_delta
 from healthd.model import CounterDelta, InfinibandSample, PortSample
 from healthd.persist import read_boot_id
 
 log = logging.getLogger(__name__)
-
-BASELINE_VERSION = 1
 
 # Widths of the PMA PortCounters as the kernel declares them (PORT_PMA_ATTR in
 # drivers/infiniband/core/sysfs.c). The IBA spec makes these saturate at their maximum, not wrap.
@@ -89,25 +83,6 @@ def parse_counter(text: str) -> int:
     if not (s and s.isascii() and s.isdigit()):
         raise ValueError(f"expected an unsigned decimal, got {_clip(text)}")
     return int(s)
-
-
-def counter_delta(
-    value: int, previous: tuple[int, float] | None, now: float, width_bits: int | None
-) -> CounterDelta:
-    """One counter reading against its previous (value, time). See the module doc for the rules.
-
-    window_s is the time since the previous reading (None when there is none, or when the clock
-    went backwards)."""
-    saturated = width_bits is not None and value >= (1 << width_bits) - 1
-    if previous is None:
-        return CounterDelta(value=value, delta=None, window_s=None, saturated=saturated)
-    prev_value, prev_time = previous
-    window = now - prev_time if now > prev_time else None
-    if value < prev_value:
-        return CounterDelta(value=value, delta=None, window_s=window, saturated=saturated, reset=True)
-    if saturated:
-        return CounterDelta(value=value, delta=None, window_s=window, saturated=True)
-    return CounterDelta(value=value, delta=value - prev_value, window_s=window)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -170,39 +145,13 @@ class InfinibandCollector:
     # ------------------------------------------------------------------ baseline
 
     def _load_baseline(self, baseline: Mapping) -> None:
-        try:
-            if baseline.get("version") != BASELINE_VERSION:
-                raise ValueError(f"version {baseline.get('version')!r}, expected {BASELINE_VERSION}")
-            boot_id = baseline.get("boot_id")
-            if boot_id is not None and not isinstance(boot_id, str):
-                raise ValueError("boot_id is not a string")
-            ports: dict[str, dict[str, tuple[int, float]]] = {}
-            for port_key, counters in dict(baseline.get("ports") or {}).items():
-                entry: dict[str, tuple[int, float]] = {}
-                for key, pair in dict(counters).items():
-                    value, t = pair
-                    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                        raise ValueError(f"{port_key} {key}: value {value!r} is not a counter")
-                    if isinstance(t, bool) or not isinstance(t, (int, float)):
-                        raise ValueError(f"{port_key} {key}: time {t!r} is not a number")
-                    entry[str(key)] = (value, float(t))
-                ports[str(port_key)] = entry
-        except (AttributeError, TypeError, ValueError) as exc:
-            log.warning("infiniband: ignoring saved counter baseline (%s); deltas restart from the next reading", exc)
-            return
-        self._boot_id = boot_id
-        self._last = ports
+        saved = Baseline.from_json(baseline, "ports", "infiniband")
+        self._boot_id = saved.boot_id
+        self._last = {port: dict(counters) for port, counters in saved.groups.items()}
 
     def state(self) -> dict[str, Any]:
         """The counter baseline as JSON-serialisable data; pass it back as `baseline` after a restart."""
-        return {
-            "version": BASELINE_VERSION,
-            "boot_id": self._boot_id,
-            "ports": {
-                port: {key: [value, t] for key, (value, t) in counters.items()}
-                for port, counters in self._last.items()
-            },
-        }
+        return Baseline(self._boot_id, self._last).to_json("ports")
 
     def _read_boot_id(self) -> str | None:
         return read_boot_id(self.boot_id_path)
@@ -212,13 +161,7 @@ class InfinibandCollector:
     def collect(self, now: float) -> InfinibandSample:
         boot_id = self._read_boot_id()
         if boot_id != self._boot_id:
-            if self._last:
-                log.info(
-                    "infiniband: boot id changed (%s -> %s); counters restarted, taking a new baseline",
-                    self._boot_id,
-                    boot_id,
-                )
-            self._last = {}
+            self._last = {port: dict(c) for port, c in Baseline(self._boot_id, self._last).on_boot(boot_id, "infiniband").groups.items()}
             self._boot_id = boot_id
 
         root = self.sysfs_root

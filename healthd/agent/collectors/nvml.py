@@ -11,19 +11,26 @@ Rules this module keeps:
 - NVML calls can hang inside the driver (a GPU falling off the bus, a wedged RM). Every collection
   runs in a worker thread and the caller waits at most `timeout_s`; while a worker is still stuck,
   no second one is started, so at most one thread is ever blocked in the driver.
+- The ever-growing counters (volatile ECC, PCIe replays, NVLink errors) also arrive as deltas
+  against this collector's baseline per GPU (healthd.agent.collectors.counters), taken on the
+  caller's side once a collection returns: a collection that timed out moves no baseline, so the
+  next good one's delta spans the gap.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import pynvml
 
+from healthd.agent.collectors.counters import Baseline, Reading, counter_delta
 from healthd.model import GpuSample, NvmlSample, normalize_bus_id
+from healthd.persist import read_boot_id
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,57 @@ _NVLINK_COUNTERS = (
     ("crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
     ("crc_data", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA),
 )
+
+
+# GpuSample fields whose value only grows until a reset, reboot or driver reload.
+COUNTER_FIELDS = ("ecc_uncorrected_volatile", "ecc_corrected_volatile", "pcie_replay")
+NVLINK_PREFIX = "nvlink/"
+
+BASELINE_MAX_AGE_S = 7 * 86400.0
+"""The baseline of a GPU not read for this long (removed, or its identity changed) is forgotten."""
+
+
+def counter_readings(g: GpuSample) -> Iterator[tuple[str, int]]:
+    """(name in GpuSample.counters, raw value) for each counter this GPU reported."""
+    for name in COUNTER_FIELDS:
+        value = getattr(g, name)
+        if value is not None:
+            yield name, value
+    for link, value in sorted(g.nvlink_errors.items()):
+        yield NVLINK_PREFIX + link, value
+
+
+def gpu_identity(g: GpuSample) -> str:
+    """The key of a GPU's baseline: its UUID, else its bus id, else its index."""
+    return g.uuid or normalize_bus_id(g.bus_id) or f"index{g.index}"
+
+
+def with_deltas(sample: NvmlSample, baseline: Baseline, boot_id: str | None, now: float) -> tuple[NvmlSample, Baseline]:
+    """The sample, stamped with its read time and each GPU's counter deltas, and the new baseline.
+    A lost GPU, a counter it did not report, and a GPU not read this time keep their baseline."""
+    baseline = baseline.on_boot(boot_id, "nvml")
+    sample = dataclasses.replace(sample, time=now)
+    if sample.status != "ok":
+        return sample, baseline
+    groups: dict[str, Mapping[str, Reading]] = {
+        ident: counters for ident, counters in baseline.groups.items()
+        if counters and max(t for _, t in counters.values()) > now - BASELINE_MAX_AGE_S
+    }
+    gpus = []
+    for g in sample.gpus:
+        if g.lost:
+            gpus.append(g)
+            continue
+        ident = gpu_identity(g)
+        previous = baseline.groups.get(ident, {})
+        last = dict(previous)
+        deltas = {}
+        for name, value in counter_readings(g):
+            deltas[name] = counter_delta(value, previous.get(name), now)
+            last[name] = (value, now)
+        groups[ident] = last
+        gpus.append(dataclasses.replace(g, counters=deltas))
+    return dataclasses.replace(sample, gpus=tuple(gpus)), Baseline(boot_id=baseline.boot_id, groups=groups)
 
 
 def nvml_available() -> bool:
@@ -325,9 +383,17 @@ class NvmlCollector:
 
     name = "nvml"
 
-    def __init__(self, timeout_s: float = 5.0, expected_gpus: int | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        expected_gpus: int | None = None,
+        boot_id_path: str = "/proc/sys/kernel/random/boot_id",
+        baseline: Mapping | None = None,
+    ) -> None:
         self._timeout_s = timeout_s
         self._expected_gpus = expected_gpus
+        self._boot_id_path = boot_id_path
+        self._baseline = Baseline.from_json(baseline, "gpus", "nvml")
         self._initialized = False
         self._job: _Job | None = None
         self._identity: dict[int, dict[str, Any]] = {}
@@ -336,6 +402,14 @@ class NvmlCollector:
     # ---- public
 
     def collect(self, now: float) -> NvmlSample:
+        sample, self._baseline = with_deltas(self._read(), self._baseline, read_boot_id(self._boot_id_path), now)
+        return sample
+
+    def state(self) -> dict[str, Any]:
+        """The counter baseline as JSON-serialisable data; pass it back as `baseline` after a restart."""
+        return self._baseline.to_json("gpus")
+
+    def _read(self) -> NvmlSample:
         stuck = self._job
         if stuck is not None and not stuck.done.is_set():
             age = time.monotonic() - stuck.started

@@ -50,7 +50,7 @@ def busy_history() -> History:
 
 def test_round_trip_through_json_text_is_exact():
     h = busy_history()
-    assert h.xids and h.ports and h.latches and h.series and h.baselines and h.gpu_ids
+    assert h.xids and h.ports and h.latches and h.series and h.gpu_ids and h.nvml_read and h.ib_read
     text = json.dumps(h.to_json(), allow_nan=False)
     assert History.from_json(json.loads(text)) == h
 
@@ -82,7 +82,7 @@ def first(d: dict) -> str:
         (corrupt(lambda d: d["latches"][first(d["latches"])]["finding"].update(tier=7)), ".finding.tier: expected 1, 2 or 3, found 7"),
         (corrupt(lambda d: d["latches"][first(d["latches"])]["finding"].update(action="explode")), ".finding.action: expected one of none"),
         (corrupt(lambda d: d["series"].update(k=[[1.0, 2.0]])), "history.series['k'][0]: expected [time, amount, span_s]"),
-        (corrupt(lambda d: d["baselines"].update(k="nope")), "history.baselines['k']: expected a list, found 'nope'"),
+        (corrupt(lambda d: d.update(nvml_read="soon")), "history.nvml_read: expected a finite number, found 'soon'"),
         (corrupt(lambda d: d["gpu_ids"].update(x={"kind": "toaster"})), "history.gpu_ids['x'].kind: expected one of gpu, port, node, filesystem"),
         ({"version": 1, "xids": []}, "history.xids: expected an object, found []"),
         (corrupt(lambda d: d.update(time=1e12)), "history.time: expected epoch seconds between 1970 and 2100, found 1000000000000.0"),

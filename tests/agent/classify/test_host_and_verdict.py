@@ -15,6 +15,7 @@ from tests.support.builders import (
     ids,
     kernel,
     nvml,
+    read_nvml,
     run,
     settings,
     snap,
@@ -113,9 +114,12 @@ def test_would_do_one_per_action_and_component_strongest_first():
 
 
 def test_findings_sorted_by_tier_and_input_history_untouched():
-    first = run(snap(NOW, nv=nvml(gpu(0, ecc_uncorrected_volatile=0))))[0]
+    one, two = read_nvml([snap(NOW, nv=nvml(gpu(0, ecc_uncorrected_volatile=0))),
+                          snap(NOW + 10, nv=nvml(gpu(0, ecc_uncorrected_volatile=4, margin_c=1)), k=kernel(xid(13, 0, NOW + 5)))])
+    first = run(one)[0]
     before = first.history.to_json()
-    second = run(snap(NOW + 10, nv=nvml(gpu(0, ecc_uncorrected_volatile=4, margin_c=1)), k=kernel(xid(13, 0, NOW + 5))), history=first.history)[0]
+    second = run(two, history=first.history)[0]
     assert first.history.to_json() == before
     assert [f.tier for f in second.findings] == sorted(f.tier for f in second.findings)
+    assert {f.tier for f in second.findings} == {1, 3} and "nvml.ecc_uncorrected:gpu0" in ids(second)
     assert second.history is not first.history and second.history.time == NOW + 10

@@ -11,7 +11,6 @@ import pytest
 from healthd.agent.collectors.infiniband import (
     PMA_WIDTH_BITS,
     InfinibandCollector,
-    counter_delta,
     parse_counter,
     parse_rate,
     parse_state,
@@ -109,21 +108,6 @@ def test_parse_counter(text, value):
 def test_parse_counter_rejects(text):
     with pytest.raises(ValueError):
         parse_counter(text)
-
-
-def test_counter_delta_rules():
-    assert counter_delta(5, None, 100.0, 16) == CounterDelta(value=5, delta=None, window_s=None)
-    assert counter_delta(12, (5, 90.0), 100.0, 16) == CounterDelta(value=12, delta=7, window_s=10.0)
-    assert counter_delta(3, (5, 90.0), 100.0, 16) == CounterDelta(value=3, delta=None, window_s=10.0, reset=True)
-    assert counter_delta(65535, (65000, 90.0), 100.0, 16) == CounterDelta(
-        value=65535, delta=None, window_s=10.0, saturated=True
-    )
-    assert counter_delta(65535, None, 100.0, 16).saturated is True
-    assert counter_delta(65535, (1, 90.0), 100.0, None) == CounterDelta(value=65535, delta=65534, window_s=10.0)
-    assert counter_delta(255, (255, 90.0), 100.0, 8).saturated is True
-    assert counter_delta(254, (250, 90.0), 100.0, 8) == CounterDelta(value=254, delta=4, window_s=10.0)
-    # a clock that went backwards gives no window (so no rate), but the delta is still known
-    assert counter_delta(9, (5, 100.0), 95.0, 16) == CounterDelta(value=9, delta=4, window_s=None)
 
 
 def test_width_table_matches_the_kernel():

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pynvml
 import pytest
@@ -54,8 +54,8 @@ def make_collector(nvml_config: Path) -> Iterator:
     """Factory for collectors that are closed (nvmlShutdown) after the test."""
     made: list[NvmlCollector] = []
 
-    def make(timeout_s: float = 5.0, expected_gpus: int | None = None) -> NvmlCollector:
-        collector = NvmlCollector(timeout_s=timeout_s, expected_gpus=expected_gpus)
+    def make(timeout_s: float = 5.0, expected_gpus: int | None = None, **kw: Any) -> NvmlCollector:
+        collector = NvmlCollector(timeout_s=timeout_s, expected_gpus=expected_gpus, **kw)
         made.append(collector)
         return collector
 

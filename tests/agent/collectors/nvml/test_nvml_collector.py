@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from healthd.agent.collectors.nvml import LIBRARY_MISSING_DETAIL
+from healthd.model import CounterDelta
 from tests.support.fake_nvml import (
     build_fake_nvml,
     fake_nvml_env,
@@ -439,3 +441,56 @@ def test_real_driver(collect_in_subprocess):
         assert isinstance(gpu["temperature_c"], int)
         assert isinstance(gpu["pcie_width_max"], int)
         assert gpu["errors"] == {}, gpu["errors"]
+
+
+# --------------------------------------------------------------------------- counter deltas
+
+
+def test_counter_deltas_continue_across_a_restart_and_stop_at_a_reboot(nvml_config, make_collector, tmp_path: Path):
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-1\n")
+    gpus = healthy_node(2)
+    write_nvml_config(nvml_config, gpus)
+    first = make_collector(boot_id_path=str(boot))
+    sample = first.collect(1000.0)
+    assert sample.time == 1000.0
+    assert sample.gpus[0].counters["ecc_uncorrected_volatile"] == CounterDelta(0, None, None)
+    assert set(sample.gpus[1].counters) == {"ecc_uncorrected_volatile", "ecc_corrected_volatile", "pcie_replay",
+                                            *(f"nvlink/link{n}.{c}" for n in range(18) for c in NVLINK_COUNTERS)}
+
+    gpus[1].update({"ecc.uncorrected.volatile": 2, "pcie_replay": 7, "nvlink5.crc_flit": 3})
+    write_nvml_config(nvml_config, gpus)
+    g = first.collect(1010.0).gpus[1]
+    assert (g.counters["ecc_uncorrected_volatile"], g.counters["pcie_replay"], g.counters["nvlink/link5.crc_flit"]) == (
+        CounterDelta(2, 2, 10.0), CounterDelta(7, 7, 10.0), CounterDelta(3, 3, 10.0))
+
+    # the agent restarts: the saved baseline goes through JSON text into a new collector
+    gpus[1]["ecc.uncorrected.volatile"] = 3
+    write_nvml_config(nvml_config, gpus)
+    second = make_collector(boot_id_path=str(boot), baseline=json.loads(json.dumps(first.state())))
+    assert second.collect(1030.0).gpus[1].counters["ecc_uncorrected_volatile"] == CounterDelta(3, 1, 20.0)
+
+    # after a reboot the counters started again: no delta against the old boot's values
+    boot.write_text("boot-2\n")
+    gpus[1]["ecc.uncorrected.volatile"] = 5
+    write_nvml_config(nvml_config, gpus)
+    assert second.collect(1040.0).gpus[1].counters["ecc_uncorrected_volatile"] == CounterDelta(5, None, None)
+
+
+def test_a_collection_that_timed_out_moves_no_baseline(nvml_config, make_collector, tmp_path: Path):
+    wait_for_workers()
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-1\n")
+    gpus = healthy_node(1)
+    write_nvml_config(nvml_config, gpus)
+    collector = make_collector(timeout_s=0.3, boot_id_path=str(boot))
+    collector.collect(1000.0)
+    # the driver hangs after reading ECC 4: that read is thrown away with the timed-out collection
+    gpus[0].update({"ecc.uncorrected.volatile": 4, "pcie_replay.sleep_ms": 800})
+    write_nvml_config(nvml_config, gpus)
+    assert collector.collect(1010.0).error_kind == "timeout"
+    wait_for_workers()
+    del gpus[0]["pcie_replay.sleep_ms"]
+    gpus[0]["ecc.uncorrected.volatile"] = 6
+    write_nvml_config(nvml_config, gpus)
+    assert collector.collect(1020.0).gpus[0].counters["ecc_uncorrected_volatile"] == CounterDelta(6, 6, 20.0)
