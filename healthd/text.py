@@ -21,6 +21,17 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds")
 
 
+def stamp(ts: float | None) -> str:
+    """Epoch seconds -> `2026-12-01T12:43:08Z`: a time a person reads in a reason, a refusal or a
+    log line (UTC, to the second); `-` when unknown."""
+    if ts is None:
+        return "-"
+    try:
+        return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):
+        return f"<time {ts!r} out of range>"
+
+
 def parse_time(value: Any) -> float | None:
     """RFC 3339 text -> epoch seconds; None for anything else (no time zone is not a time)."""
     if not isinstance(value, str) or len(value) > 64:

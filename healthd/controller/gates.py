@@ -29,6 +29,7 @@ from healthd.controller.policy import (
     failing_nodes,
 )
 from healthd.slurm.backend import NodeInfo
+from healthd.text import stamp
 
 OutcomeStatus = Literal["allowed", "waiting-approval", "refused", "recorded"]
 
@@ -314,10 +315,10 @@ def gate_breaker(decision: Decision, ctx: GateContext) -> Refusal | None:
         return None
     b = ctx.breaker
     if b.open:
-        return Refusal("breaker", f"circuit breaker open since {b.opened_at:.0f}: likely cause {b.cause}")
+        return Refusal("breaker", f"circuit breaker open since {stamp(b.opened_at)}: likely cause {b.cause}")
     if b.reset_at is not None and decision.decided_at < b.reset_at:
-        return Refusal("breaker", f"stale: decided at {decision.decided_at:.0f}, before the breaker reset at "
-                                  f"{b.reset_at:.0f}; re-evaluate from current evidence")
+        return Refusal("breaker", f"stale: decided at {stamp(decision.decided_at)}, before the breaker reset at "
+                                  f"{stamp(b.reset_at)}; re-evaluate from current evidence")
     return None
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from healthd.slurm.backend import NodeInfo
+from healthd.text import stamp
 
 NODE_STATE_KINDS = frozenset({"drain", "drain-and-requeue", "reboot-asap"})
 """Action kinds whose write takes a node out of service and so creates a hold."""
@@ -85,5 +86,5 @@ def describe_reason(info: NodeInfo) -> str:
     """`'<reason>' by <user> at <time>` for log lines and refusals (no reason: `no reason`)."""
     if not info.reason:
         return "no reason"
-    when = f" at {info.reason_time:.0f}" if info.reason_time is not None else ""
+    when = f" at {stamp(info.reason_time)}" if info.reason_time is not None else ""
     return f"{info.reason[:80]!r} by {info.reason_user or 'unknown'}{when}"

@@ -34,6 +34,7 @@ from healthd.controller.executor import UNDO_PREFIX, Executor
 from healthd.controller.ledger import Action
 from healthd.controller.ownership import CLOCK_SKEW_S, NODE_STATE_KINDS, Hold, describe_reason, owned, shows_write
 from healthd.slurm.backend import NodeInfo, SlurmError
+from healthd.text import stamp
 
 _log = logging.getLogger("healthd.controller.reconcile")
 
@@ -67,10 +68,10 @@ def judge_gone(hold: Hold, info: NodeInfo, ctld_started_at: float | None) -> tup
     if info.reason:
         return "released", f"now {describe_reason(info)}"
     if hold.kind == "reboot-asap" and info.boot_time is not None and info.boot_time >= hold.since - CLOCK_SKEW_S:
-        return "completed", f"the node booted at {info.boot_time:.0f}, after the reboot request"
+        return "completed", f"the node booted at {stamp(info.boot_time)}, after the reboot request"
     if ctld_started_at is not None and ctld_started_at >= hold.verified_at - CLOCK_SKEW_S / 60:
-        return "lost", (f"slurmctld restarted at {ctld_started_at:.0f}, after the write was last seen "
-                        f"({hold.verified_at:.0f}), and came back without it (state {info.state})")
+        return "lost", (f"slurmctld restarted at {stamp(ctld_started_at)}, after the write was last seen "
+                        f"({stamp(hold.verified_at)}), and came back without it (state {info.state})")
     return "released", f"cleared by someone else (state {info.state}, no reason)"
 
 

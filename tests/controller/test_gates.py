@@ -178,6 +178,9 @@ def test_switch_failure_3_of_4_opens_breaker_with_one_alert_and_drains_nothing()
     assert ctx.breaker.open and ctx.breaker.opened_at == NOW
     assert alert is not None and alert.cause.startswith("switch:leaf1") and alert.nodes == set(names[:3])
     assert all(o.label == "refused-by-breaker" for o in acting(outs))
+    # a person reads when it opened, in UTC, not epoch seconds
+    assert all(o.reason.startswith("circuit breaker open since 2027-01-15T08:00:00Z: likely cause switch:leaf1")
+               for o in acting(outs))
     # the next round keeps it open and raises no second alert
     fleet = ctx.fleet
     again, alert2 = evaluate_breaker(fleet, ctx.settings, NOW + 30, ctx.breaker)
@@ -212,7 +215,9 @@ def test_breaker_reset_does_not_replay_stale_decisions():
     ctx2, alert2 = build_context(fleet, LedgerView(), s, NOW + 601, closed)
     assert not ctx2.breaker.open and alert2 is None  # failures first seen before the reset do not re-trip it
     # decisions made before the reset are never applied...
-    assert all(o.label == "refused-by-breaker" and "stale" in o.reason for o in acting(apply_gates(stale, ctx2)))
+    assert all(o.label == "refused-by-breaker" and o.reason.startswith(
+        "stale: decided at 2027-01-15T08:00:00Z, before the breaker reset at 2027-01-15T08:10:00Z")
+        for o in acting(apply_gates(stale, ctx2)))
     # ...current evidence is re-evaluated: reports still fresh drain node by node within the envelope
     fresh_reports = [dataclasses.replace(r, received_at=NOW + 600) for r in reports]
     fleet2 = FleetView.build(fresh_reports, [info(n) for n in NODES])

@@ -270,3 +270,15 @@ def test_judge_gone(info, kind, ctld, want):
     hold = Hold(node="n", action_id=1, incident_id=None, kind=kind, reason="healthd: x [#1]", reason_time=NOW,
                 reason_user="root", since=NOW, planned_at=NOW, verified_at=NOW + 10)
     assert judge_gone(hold, info, ctld)[0] == want
+
+
+def test_judge_gone_says_when_in_utc():
+    hold = Hold(node="n", action_id=1, incident_id=None, kind="reboot-asap", reason="healthd: x [#1]", reason_time=NOW,
+                reason_user="root", since=NOW, planned_at=NOW, verified_at=NOW + 10)
+    assert judge_gone(hold, NodeInfo("n", "idle", boot_time=NOW + 100), None)[1] == (
+        "the node booted at 2027-01-15T08:01:40Z, after the reboot request")
+    assert judge_gone(hold, NodeInfo("n", "idle"), NOW + 500)[1] == (
+        "slurmctld restarted at 2027-01-15T08:08:20Z, after the write was last seen (2027-01-15T08:00:10Z), "
+        "and came back without it (state idle)")
+    admin = NodeInfo("n", "idle", reason="bad fan", reason_user="alice", reason_time=NOW)
+    assert judge_gone(hold, admin, None)[1] == "now 'bad fan' by alice at 2027-01-15T08:00:00Z"
