@@ -274,6 +274,15 @@ class FleetHarness:
         write_nvml_config(node.nvml_values, gpus)
         ib = root / "sys/class/infiniband"
         make_ndr_node(ib, ports=2)
+        # Each simulated node has its own healthy /proc: the machine's real memory or I/O pressure
+        # (a busy CI box) is the host's news, not four simulated nodes' at once.
+        proc = root / "proc"
+        (proc / "pressure").mkdir(parents=True)
+        (proc / "meminfo").write_text("MemTotal:       2113290240 kB\nMemFree:        1900000000 kB\n"
+                                      "MemAvailable:   2000000000 kB\n")
+        for resource in ("cpu", "memory", "io"):
+            (proc / "pressure" / resource).write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+                                                      "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
         # a boot's first kernel line, so the follower has a journal to follow from the start
         write_journal(node.journal, ["Linux version 6.1.0-28-amd64 (debian-kernel@lists.debian.org)",
                                      "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.127.05"],
@@ -287,6 +296,7 @@ class FleetHarness:
             "nvml": {"expected_gpus": self.gpus_per_node},
             "kernel_log": {"journal_dir": str(node.journal), "kmsg_path": None, "start_at": "head"},
             "infiniband": {"sysfs_root": str(ib), "expected_ports": 2, "expected_rate_gbps": 400},
+            "host": {"proc_root": str(proc)},
             "metrics": {"textfile": str(root / "healthd.prom")},
             "controller": {"url": self.url, "munge_socket": self.munge.socket(name),
                            "heartbeat_s": self.heartbeat_s, "backoff_max_s": 5.0, "timeout_s": 5.0},
