@@ -460,7 +460,7 @@ class NvmlSample:
 class KernelLine:
     """One parsed NVRM line (pure parse of the message text; no I/O)."""
 
-    kind: Literal["xid", "fallen_off_bus", "gpu_identity", "serial"]
+    kind: Literal["xid", "fallen_off_bus", "init_failed", "gpu_identity", "serial"]
     bus_id: str | None
     """Normalised to NVML's form `00000000:3B:00.0`."""
     xid: int | None = None
@@ -472,7 +472,7 @@ class KernelLine:
     """NVLink5 (Xid 144-150) subcode: bits 20-25 of the first hex word."""
     nvlink_unit: str | None = None
     nvlink_severity: str | None = None
-    """'Fatal' | 'Non-fatal' as printed in NVLink5 lines."""
+    """'Fatal' | 'Non-fatal' as printed in NVLink lines (Xid 74 "NVLink: fatal error", NVLink5 144-150)."""
     gpc: int | None = None
     tpc: int | None = None
     sm: int | None = None
@@ -503,7 +503,8 @@ class XidEvent:
     gpc: int | None = None
     tpc: int | None = None
     synthesized: bool = False
-    """True for "GPU has fallen off the bus" lines without an Xid, mapped to 79."""
+    """True for a line without an Xid number read as one: "GPU has fallen off the bus" as 79, a GPU
+    that failed to initialise ("RmInitAdapter failed!") as 143."""
 
     def __post_init__(self) -> None:
         _need("XidEvent", "xid", self.xid, int, "an integer")

@@ -126,8 +126,11 @@ def _sick_ports(k: int):
 def worst_documents(tmp: Path, xid_flood: bool) -> dict[str, Any]:
     """Every NVML, IB, host and filesystem rule tripped on every GPU and HCA of an 8-GPU node, over
     four ticks; with `xid_flood`, every catalog Xid on every GPU in the last tick as well."""
+    # the flood's Xids a second apart with no incident window: each is a finding of its own (one
+    # incident per GPU otherwise), which is what pushes the report over its limits
+    apart = {"classify": {"sympathetic_window_s": 0.0}} if xid_flood else {}
     a = Ticks(tmp, nvml={"expected_gpus": 9}, infiniband={"expected_ports": 9, "expected_rate_gbps": 800.0},
-              host={"filesystems": (FilesystemSpec("/ckpt"), FilesystemSpec("/data"), FilesystemSpec("/scratch"))})
+              host={"filesystems": (FilesystemSpec("/ckpt"), FilesystemSpec("/data"), FilesystemSpec("/scratch"))}, **apart)
     sick_host = host(mem_available_bytes=2**30, dstate_pids=tuple((p, "python3") for p in range(100)),
                      psi={r: {"full_avg10": 90.0, "some_avg10": 90.0} for r in ("memory", "io", "cpu")},
                      filesystems=(fs("/ckpt", mounted=False, writable=None, latency_s=None), fs("/data", writable=False),
@@ -135,7 +138,7 @@ def worst_documents(tmp: Path, xid_flood: bool) -> dict[str, Any]:
     doc: dict[str, Any] = {}
     for k in range(4):
         flood = xid_flood and k == 3
-        events = kernel(*(xid(c, g, a.t, count=3) for g in range(8) for c in CATALOG.xids())) if flood else kernel()
+        events = kernel(*(xid(c, g, a.t - j, count=3) for g in range(8) for j, c in enumerate(CATALOG.xids()))) if flood else kernel()
         doc = a.tick(nv=nvml(*(_sick_gpu(i, k) for i in range(8)), count=8), k=events, i=_sick_ports(k), h=sick_host)
     return doc
 

@@ -40,6 +40,22 @@ NVIDIA_IMMEDIATE = frozenset(
 )
 """NVIDIA's immediate-resolution buckets; `WORKFLOW_<NAME>` values are accepted as well."""
 
+NVIDIA_EQUIVALENT: dict[str, str | None] = {
+    "RESTART_APP": "none",
+    "IGNORE": "none",
+    "RESET_GPU": "reset-gpu-when-idle",
+    "RESTART_BM": "reboot-when-idle",
+    "RESTART_VM": "reboot-when-idle",
+    "UPDATE_SWFW": "reboot-when-idle",
+    "CONTACT_SUPPORT": "inspect-hardware",
+    "CHECK_MECHANICALS": "inspect-hardware",
+    "XID_154": "none",
+}
+"""healthd's action that does what NVIDIA's immediate bucket says (restarting the application needs
+nothing of the node; an update is applied by a reboot). A `WORKFLOW_<NAME>` bucket is a procedure, not
+one action: None. Xid 154's own row records the change and its `recovery_action` rules follow the
+announcement, so its row's equivalent is none."""
+
 _WORKFLOW = re.compile(r"^WORKFLOW_[A-Z0-9_]+$")
 _ROW_FIELDS = {
     "xid": True,
@@ -53,6 +69,7 @@ _ROW_FIELDS = {
     "summary": False,
     "source": True,
     "note": False,
+    "differs": False,
     "repeat": False,
     "sympathetic": False,
     "severity": False,
@@ -91,6 +108,8 @@ class XidEntry:
     summary: str
     source: tuple[str, ...]
     note: str = ""
+    differs: str = ""
+    """Why healthd's action is not the one NVIDIA's immediate bucket names (see `differs_from_nvidia`)."""
     repeat: XidOutcome | None = None
     """The outcome when the Xid repeats on one GPU (and on no other GPU of the node)."""
     sympathetic: bool = False
@@ -109,6 +128,12 @@ class XidEntry:
     @property
     def outcome(self) -> XidOutcome:
         return XidOutcome(self.tier, self.attribution, self.action)
+
+    @property
+    def differs_from_nvidia(self) -> bool:
+        """The row's action is not what NVIDIA's immediate bucket says (a workflow bucket names no
+        single action, so any action differs from it)."""
+        return NVIDIA_EQUIVALENT.get(self.nvidia_immediate) != self.action
 
 
 @functools.lru_cache(maxsize=1024)
@@ -286,6 +311,7 @@ def _parse_row(row: Any, index: int, name: str) -> XidEntry:
         summary=summary,
         source=tuple(u.strip() for u in source_list),
         note=text("note", allow_empty=True) if "note" in row else "",
+        differs=text("differs") if "differs" in row else "",
         repeat=repeat,
         sympathetic=sympathetic,
         severity=severity,

@@ -1,6 +1,9 @@
 """Kernel-log rules: each Xid event is folded into its record (the occurrences the repeat and
-sympathetic rules count, and the current episode), and every live episode is one finding whose
-outcome is the catalog row's after those rules. Lost kernel lines are reported too.
+sympathetic rules count, and the current episode), and every live episode gets the outcome of its
+catalog row after those rules. Episodes on one GPU that follow each other within
+`classify.sympathetic_window_s` are one incident: one finding with the strongest outcome, whose
+evidence lists the others. A GPU that failed to initialise (read as Xid 143) and NVML's missing GPU
+are reported in one place. Lost kernel lines are reported too.
 """
 
 from __future__ import annotations
@@ -12,9 +15,18 @@ from collections.abc import Iterable
 from healthd.agent.classify.catalog import XidOutcome
 from healthd.agent.classify.context import TickContext, dur, fmt, in_range, iso, norm_bus
 from healthd.agent.history import MAX_TEXT, Occurrence, XidRecord
-from healthd.model import NODE, Component, Evidence, XidEvent
+from healthd.model import ACTION_SEVERITY, NODE, Component, Evidence, Finding, XidEvent
 
 KERNEL_LOG = "kernel_log"
+INIT_FAILED_XID = 143
+"""GPU_INIT_ERROR: what the kernel-log collector reports a failed GPU initialisation as."""
+GPU_COUNT_ID = "nvml.gpu_count:node"
+INCIDENT_MEMBERS_MAX = 16
+"""Other Xids whose lines an incident's evidence carries (the rest are counted)."""
+_SYNTHESIZED = {
+    79: "'fallen off the bus' read as Xid 79",
+    INIT_FAILED_XID: "a GPU that failed to initialise read as Xid 143",
+}
 
 _RECOVERY = re.compile(r"\bto\s+(?:0x[0-9a-fA-F]+\s*)?\(([^)]*)\)")
 
@@ -28,6 +40,8 @@ def evaluate(ctx: TickContext) -> None:
                  "kernel log lines may have been lost (the saved journal cursor was vacuumed)",
                  [Evidence("state", f"journal cursor gap; resumed at {k.cursor}", {"cursor": k.cursor})])
 
+    learn_identities(ctx)
+
     def order(e: XidEvent) -> tuple[bool, float]:
         entry = ctx.catalog.lookup(e.xid)  # followers (45, 154) after the Xids they may follow
         return (entry.sympathetic or bool(entry.recovery_action), in_range(e.first_ts, ctx.now))
@@ -35,9 +49,35 @@ def evaluate(ctx: TickContext) -> None:
     for e in sorted(k.events, key=order):
         fold(ctx, e)
     ttl = ctx.settings.classify.finding_ttl_s
+    missing = missing_gpus(ctx)
+    built: list[tuple[XidRecord, Finding]] = []
     for _key, rec in sorted(ctx.xids.items()):
-        if rec.live_episode and rec.last_seen is not None and ctx.now - rec.last_seen <= ttl:
-            xid_finding(ctx, rec)
+        if not rec.live_episode or rec.last_seen is None:
+            continue
+        # A GPU that failed to initialise stays failed while NVML still lacks it, past the ttl.
+        if ctx.now - rec.last_seen <= ttl or (rec.xid == INIT_FAILED_XID and rec.component.bus_id in missing):
+            f, ignored = xid_finding(ctx, rec)
+            if ignored:
+                ctx.suppressed.append(f)
+            else:
+                built.append((rec, f))
+    for f in incidents(ctx, built):
+        ctx.add(f)
+    join_gpu_count(ctx, missing)
+
+
+def learn_identities(ctx: TickContext) -> None:
+    """Remember the UUID and serial the driver printed for a bus id (kept in History with NVML's), so a
+    GPU that later fails to initialise, and so never reaches NVML, is still named by its board."""
+    for raw, (uuid, serial) in sorted(ctx.snap.kernel.identities.items()):
+        bus = norm_bus(raw)
+        if bus is None or (uuid is None and serial is None):
+            continue
+        known = ctx.gpu_ids.get(bus)
+        if known is None:
+            ctx.gpu_ids[bus] = Component(kind="gpu", bus_id=bus, uuid=uuid, serial=serial)
+        elif known.uuid in (None, uuid) and (known.uuid is None or known.serial is None):
+            ctx.gpu_ids[bus] = dataclasses.replace(known, uuid=known.uuid or uuid, serial=known.serial or serial)
 
 
 def component_for_bus(ctx: TickContext, raw: str | None) -> Component:
@@ -130,10 +170,10 @@ def outcome_for(ctx: TickContext, rec: XidRecord) -> tuple[XidOutcome, list[Evid
         if match is not None:
             outcome = match
             suffix = f" ({rec.severity})"
-            notes.append(Evidence("config", f"NVLink5 severity printed '{rec.severity}' (subcode {rec.subcode}): catalog rule T{match.tier} {match.attribution} {match.action}",
+            notes.append(Evidence("config", f"NVLink severity printed '{rec.severity}'{_subcode(rec)}: catalog rule T{match.tier} {match.attribution} {match.action}",
                                   {"severity": rec.severity, "subcode": rec.subcode}))
         else:
-            notes.append(Evidence("config", f"no NVLink5 severity printed (subcode {rec.subcode}): the row's T{outcome.tier} applies",
+            notes.append(Evidence("config", f"no NVLink severity printed{_subcode(rec)}: the row's T{outcome.tier} applies",
                                   {"severity": rec.severity, "subcode": rec.subcode}))
     if entry.recovery_action and rec.detail:
         low = rec.detail.lower()
@@ -195,24 +235,29 @@ def _repeat(
         suffix = f" (repeated {here}x on this GPU{where}: hardware suspect)"
         notes.append(Evidence("history", f"{here} bursts on {gk}{where} within {dur(cs.xid_repeat_window_s)} and on no other GPU "
                               f"(threshold {cs.xid_repeat_count}): the same GPU keeps failing", data))
-    elif others:
+    elif others and ctx.catalog.lookup(rec.xid).attribution == "user":
         suffix = " (also on other GPUs: application fault)"
         notes.append(Evidence("history", f"also seen on {', '.join(others)} within {dur(cs.xid_repeat_window_s)}: "
                               "the application, not this GPU", data))
+    elif others:
+        # Several boards failing alike points at what they share (driver, power, firmware), not one board.
+        suffix = " (also on other GPUs: not this board alone)"
+        notes.append(Evidence("history", f"also seen on {', '.join(others)} within {dur(cs.xid_repeat_window_s)}: "
+                              "something the GPUs share, not this board alone", data))
     else:
         notes.append(Evidence("history", f"{here} burst(s) on {gk}{where} within {dur(cs.xid_repeat_window_s)} "
                               f"(hardware suspect at {cs.xid_repeat_count})", data))
     return outcome, suffix
 
 
-def xid_finding(ctx: TickContext, rec: XidRecord) -> None:
-    """The finding of a live episode (suppressed instead when a site override ignores the Xid)."""
+def xid_finding(ctx: TickContext, rec: XidRecord) -> tuple[Finding, bool]:
+    """The finding of a live episode, and whether a site override ignores the Xid."""
     entry = ctx.catalog.lookup(rec.xid)
     comp = ctx.bus_map.get(rec.component.bus_id or "", rec.component)
     rec = dataclasses.replace(rec, component=comp)
     outcome, notes, suffix = outcome_for(ctx, rec)
     gk = comp.key()
-    synth = " (no Xid number in the line: 'fallen off the bus' read as Xid 79)" if rec.synthesized else ""
+    synth = f" (no Xid number in the line: {_SYNTHESIZED.get(rec.xid, f'read as Xid {rec.xid}')})" if rec.synthesized else ""
     line = Evidence(
         "log_line",
         f"{rec.first_text}{synth} [{rec.count} line(s) {iso(rec.first_seen)} .. {iso(rec.last_seen)}; "
@@ -227,6 +272,7 @@ def xid_finding(ctx: TickContext, rec: XidRecord) -> None:
         "config",
         f"catalog: Xid {rec.xid} {entry.mnemonic}: NVIDIA immediate {entry.nvidia_immediate or '-'}, "
         f"investigatory {entry.nvidia_investigatory or '-'}; healthd T{entry.tier} {entry.attribution} {entry.action}"
+        + (f" (differs from NVIDIA: {entry.differs})" if entry.differs else "")
         + (f" (site override: {', '.join(entry.overridden)})" if entry.overridden else "")
         + ("" if entry.in_catalog else " (not in catalog)"),
         {"mnemonic": entry.mnemonic, "source": list(entry.source), "in_catalog": entry.in_catalog, "overridden": list(entry.overridden)},
@@ -236,10 +282,138 @@ def xid_finding(ctx: TickContext, rec: XidRecord) -> None:
         f"xid {rec.xid} {gk}: {entry.summary}{suffix}", [line, *notes, catalog_ev],
         xid=rec.xid, count=rec.count, first_seen=rec.first_seen, last_seen=rec.last_seen,
     )
-    if entry.ignore:
-        ctx.suppressed.append(f)
+    return f, entry.ignore
+
+
+def strength(f: Finding) -> tuple[int, int]:
+    """Lower is stronger: certainty first, then the remedy."""
+    return (f.tier, -ACTION_SEVERITY.get(f.action, 0))
+
+
+def incidents(ctx: TickContext, built: list[tuple[XidRecord, Finding]]) -> list[Finding]:
+    """Episodes on one GPU that start within the sympathetic window of the one before them (48 then
+    63/64, 62 then 154, 79 and its cascade) are one incident: one finding with the strongest outcome.
+    Its id is the first Xid's, so it stays the same while the incident grows, and its evidence lists
+    the others. Node-level episodes (no bus id) stay apart."""
+    window = ctx.settings.classify.sympathetic_window_s
+    out: list[Finding] = []
+    by_gpu: dict[str, list[tuple[XidRecord, Finding]]] = {}
+    for rec, f in built:
+        if f.component.bus_id is None:
+            out.append(f)
+        else:
+            by_gpu.setdefault(f.component.bus_id, []).append((rec, f))
+    for members in by_gpu.values():
+        members.sort(key=lambda m: (m[1].first_seen or 0.0, m[0].xid))
+        group: list[tuple[XidRecord, Finding]] = []
+        end = 0.0
+        for rec, f in members:
+            start = f.first_seen or 0.0
+            if group and start > end + window:
+                out.append(merge(ctx, group))
+                group = []
+            end = max(end, f.last_seen or start) if group else (f.last_seen or start)
+            group.append((rec, f))
+        if group:
+            out.append(merge(ctx, group))
+    return out
+
+
+def merge(ctx: TickContext, group: list[tuple[XidRecord, Finding]]) -> Finding:
+    """One finding for an incident: the first Xid's id, the strongest member's outcome, summary and
+    evidence, then a line per other member and their log lines."""
+    first = group[0][1]
+    if len(group) == 1:
+        return first
+    strongest = min((f for _, f in group), key=strength)  # a tie keeps the earliest
+    rest = [f for _, f in group if f is not strongest]
+    gk = first.component.key()
+    window = ctx.settings.classify.sympathetic_window_s
+    t0 = first.first_seen or 0.0
+    evidence = list(strongest.evidence)
+    for f in rest:
+        entry = ctx.catalog.lookup(f.xid if f.xid is not None else -1)
+        where = "first on this GPU" if f is first else f"{fmt(max(0.0, (f.first_seen or 0.0) - t0))}s after xid {first.xid}"
+        evidence.append(Evidence(
+            "history",
+            f"same incident: xid {f.xid} ({entry.mnemonic}) on {gk}, {where}: T{f.tier} {f.attribution} {f.action}",
+            {"xid": f.xid, "finding": f.id, "tier": f.tier, "action": f.action, "first_seen": iso(f.first_seen),
+             "window_s": window},
+        ))
+    for f in rest[:INCIDENT_MEMBERS_MAX]:
+        evidence.extend(e for e in f.evidence if e.kind == "log_line")
+    if len(rest) > INCIDENT_MEMBERS_MAX:
+        evidence.append(Evidence("history", f"log lines of {len(rest) - INCIDENT_MEMBERS_MAX} more Xid(s) of this incident not shown",
+                                 {"not_shown": len(rest) - INCIDENT_MEMBERS_MAX}))
+    firsts = [f.first_seen for _, f in group if f.first_seen is not None]
+    lasts = [f.last_seen for _, f in group if f.last_seen is not None]
+    return dataclasses.replace(
+        first,
+        tier=strongest.tier,
+        attribution=strongest.attribution,
+        action=strongest.action,
+        summary=f"{strongest.summary} (one incident with {listed(rest)})",
+        evidence=tuple(evidence),
+        first_seen=min(firsts) if firsts else first.first_seen,
+        last_seen=max(lasts) if lasts else first.last_seen,
+    )
+
+
+def listed(rest: list[Finding], most: int = 4) -> str:
+    """`xid 48, xid 63` or `xid 8, xid 13, xid 14, xid 31 and 45 more`: a summary stays one short line."""
+    names = [f"xid {f.xid}" for f in rest]
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[:most])} and {len(names) - most} more"
+
+
+def missing_gpus(ctx: TickContext) -> set[str]:
+    """Bus ids NVML does not list this tick although it counts fewer GPUs than expected: known from
+    earlier ticks or named by an init-failure line. Empty while NVML sees them all."""
+    if GPU_COUNT_ID not in ctx.findings:
+        return set()
+    return {
+        rec.component.bus_id for rec in ctx.xids.values()
+        if rec.xid == INIT_FAILED_XID and rec.component.bus_id and rec.component.bus_id not in ctx.bus_map
+    }
+
+
+def join_gpu_count(ctx: TickContext, missing: set[str]) -> None:
+    """NVML counting fewer GPUs than expected and the journal naming the GPU that failed to initialise
+    are one fault: the init-failure finding (it names the bus id, and the serial when known) carries
+    NVML's count, and the count finding goes when those failures account for every missing GPU."""
+    count = ctx.findings.get(GPU_COUNT_ID)
+    if count is None or not missing:
+        return
+    failed = [f for f in ctx.findings.values()
+              if f.source == KERNEL_LOG and f.component.bus_id in missing
+              and (f.xid == INIT_FAILED_XID or any(e.data.get("xid") == INIT_FAILED_XID for e in f.evidence if e.data))]
+    if not failed:
+        return
+    numbers = next((e.data for e in count.evidence if e.kind == "nvml_value" and e.data), {})
+    expected, seen = numbers.get("expected"), numbers.get("count")
+    unexplained = (expected - seen - len(failed)) if isinstance(expected, int) and isinstance(seen, int) else 1
+    names = ", ".join(sorted(f.component.bus_id or "" for f in failed))
+    for f in failed:
+        ctx.findings[f.id] = dataclasses.replace(
+            f,
+            summary=f"{f.summary}; NVML sees {seen} of {expected} GPUs",
+            evidence=f.evidence + tuple(count.evidence),
+        )
+    if unexplained <= 0:
+        del ctx.findings[GPU_COUNT_ID]
     else:
-        ctx.add(f)
+        ctx.findings[GPU_COUNT_ID] = dataclasses.replace(
+            count,
+            summary=f"{count.summary}; {names} failed to initialise",
+            evidence=count.evidence + (Evidence(
+                "history", f"failed to initialise (kernel log): {names}; see {', '.join(sorted(f.id for f in failed))}",
+                {"failed": sorted(f.component.bus_id for f in failed), "findings": sorted(f.id for f in failed)}),),
+        )
+
+
+def _subcode(rec: XidRecord) -> str:
+    return f" (subcode {rec.subcode})" if rec.subcode is not None else ""
 
 
 def _bursts(times: Iterable[float], gap: float) -> int:

@@ -101,7 +101,7 @@ class _Acc:
             nvlink_severity=ln.nvlink_severity,
             gpc=ln.gpc,
             tpc=ln.tpc,
-            synthesized=ln.kind == "fallen_off_bus",
+            synthesized=ln.kind != "xid",
         )
 
 
@@ -150,7 +150,7 @@ class _Folder:
                 batch.malformed += 1
             return
         kind = line.kind
-        if kind == "xid" or kind == "fallen_off_bus":
+        if kind == "xid" or kind == "fallen_off_bus" or kind == "init_failed":
             acc = batch.events.get(msg)
             if acc is None:
                 batch.events[msg] = _Acc(line, msg, 1, ts, ts, cursor, cursor)
@@ -249,8 +249,9 @@ class _JournalSource:
     def _open(self):  # -> systemd.journal.Reader
         try:
             from systemd import journal  # optional dependency: only where a journal is read
-        except ImportError as e:  # pragma: no cover - a dependency of the package
-            raise _Unavailable("error", f"systemd-python is not installed ({e}); pip install systemd-python") from None
+        except ImportError as e:  # pragma: no cover - the distribution's python3-systemd or healthd[journal]
+            raise _Unavailable("error", f"the systemd binding is not installed ({e}): install python3-systemd and make "
+                                        "the venv with --system-site-packages, or pip install 'healthd[journal]'") from None
         d = self.journal_dir
         if d is not None:
             try:

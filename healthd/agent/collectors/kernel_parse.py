@@ -10,8 +10,18 @@ Line variants (as the NVIDIA driver prints them; gpud's Xid reader knows the sam
     NVRM: Xid (PCI:0018:01:00): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 (0x004505c6 0x00000000 ...)
     NVRM: GPU 0000:05:00.0: GPU has fallen off the bus.              no Xid text: reported as Xid 79
     NVRM: The NVIDIA GPU 0000:18:00.0 ... fallen off the bus and is not responding to commands.
+    NVRM: Xid (PCI:0003:00:00): 74, pid='<unknown>', name=<unknown>, NVLink: fatal error detected on link 14(0x0, ...)
     NVRM: GPU at PCI:0000:9b:00: GPU-509665ad-...                    bus id -> UUID
     NVRM: GPU Board Serial Number: 1652823054928                     serial of the GPU named just before
+    NVRM: GPU 0000:39:00.0: RmInitAdapter failed! (0x62:0x40:2393)   a GPU that failed to initialise:
+    NVRM: GPU 0000:0a:00.0: rm_init_adapter failed, device minor number 5      no Xid text, reported
+    NVRM: GPU 0000:01:00.0: GPU does not have the necessary power cables connected.   as Xid 143
+    NVRM: RmInitAdapter failed! (0x27:0x38:1193)                     older drivers: no bus id
+    NVRM: rm_init_adapter failed for device bearing minor number 0
+
+Anything before `NVRM:` (a dmesg `[  123.456]` or `[Fri Aug 30 11:43:09 2024]` time, a syslog
+`Aug 12 06:54:37 host kernel:` prefix) is ignored: journal and kmsg messages carry none, and lines
+copied from dmesg or syslog read the same.
 
 The caller counts a message as malformed when `parse_line` returns None and `looks_like_xid` is True.
 """
@@ -22,9 +32,11 @@ import re
 
 from healthd.model import KernelLine, normalize_bus_id
 
-__all__ = ["parse_line", "is_nvrm", "looks_like_xid", "nvlink5_subcode", "XID_MARKER"]
+__all__ = ["parse_line", "is_nvrm", "looks_like_xid", "nvlink5_subcode", "XID_MARKER", "INIT_FAILED_XID"]
 
 XID_MARKER = "NVRM: Xid"
+INIT_FAILED_XID = 143
+"""NVIDIA's GPU_INIT_ERROR: the Xid a failed GPU initialisation is reported as (the driver prints none)."""
 
 # A PCI address as the driver prints it: `0000:3b:00`, `3b:00`, `0000:05:00.0`, optional `PCI:`.
 _ADDR = r"(?:PCI:)?(?P<bus>[0-9A-Fa-f]{1,8}(?::[0-9A-Fa-f]{1,2}){1,2}(?:\.[0-7])?)"
@@ -36,10 +48,21 @@ _NAME_RE = re.compile(r"name=(?P<name>[^,]*?)(?:,\s*|\s*$)")
 _NVL5_RE = re.compile(
     r"(?P<unit>[A-Z][A-Z0-9_]*(?:/[A-Z0-9_]+)*)\s+(?P<sev>[Ff]atal|[Nn]on-?[Ff]atal)\b[^(]*\(\s*(?P<word>0x[0-9A-Fa-f]{1,8})(?![0-9A-Fa-f])"
 )
+# NVLink 1-4 (Xid 74): `NVLink: fatal error detected on link 6(0x10000, ...)`; `nonfatal`/`non-fatal` too.
+_NVL_SEV_RE = re.compile(r"NVLink:\s*(?P<sev>fatal|non-?fatal)\s+error", re.I)
 _GPC_RE = re.compile(r"\(GPC (?P<gpc>\d+), TPC (?P<tpc>\d+)(?:, SM (?P<sm>\d+))?\)")
 _ANY_ADDR_RE = re.compile(r"(?:PCI:)?(?P<bus>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)(?![0-9A-Fa-f])")
 _IDENTITY_RE = re.compile(r"NVRM: GPU at " + _ADDR + r":\s*(?P<uuid>GPU-[0-9A-Fa-f-]{8,64})")
 _SERIAL_RE = re.compile(r"NVRM: GPU Board Serial Number:\s*(?P<serial>[0-9A-Za-z_-]{1,64})")
+# A GPU that did not initialise. The summary lines only: detail lines before them (`RmInitAdapter: Cannot
+# initialize GSP firmware RM`, `... bailing out of RmInitAdapter`) say why and are left to the evidence of
+# the line that follows.
+_INIT_RE = re.compile(
+    r"RmInitAdapter failed|rm_init_adapter(?:\(\d+\))? failed|does not have the necessary power cables connected"
+)
+_GPU_BUS_RE = re.compile(r"NVRM: GPU (?:PCI:)?(?P<bus>(?:[0-9A-Fa-f]{4,8}:)?[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*:")
+"""`NVRM: GPU <bus>:` as the driver starts a per-GPU line; the domain is left out by some drivers
+(`NVRM: GPU 18:00.0: GPU has fallen off the bus.`). Anchored on the prefix, so no time can match."""
 
 _UNKNOWN = ("<unknown>", "'<unknown>'", "")
 
@@ -68,6 +91,8 @@ def parse_line(message: str) -> KernelLine | None:
             return _parse_xid(message)
         if "fallen off the bus" in message:
             return _parse_fallen(message)
+        if _INIT_RE.search(message):
+            return _parse_init_failed(message)
         if "GPU at " in message:
             return _parse_identity(message)
         if "Serial Number" in message:
@@ -111,6 +136,10 @@ def _parse_xid(message: str) -> KernelLine | None:
             unit = vm.group("unit")
             severity = "Fatal" if vm.group("sev").lower() == "fatal" else "Non-fatal"
             subcode = nvlink5_subcode(int(vm.group("word"), 16))
+    elif "NVLink" in text:
+        sv = _NVL_SEV_RE.search(text)
+        if sv is not None:
+            severity = "Fatal" if sv.group("sev").lower() == "fatal" else "Non-fatal"
     gpc = tpc = sm = None
     if "GPC" in text:
         gm = _GPC_RE.search(text)
@@ -138,9 +167,18 @@ def _parse_fallen(message: str) -> KernelLine:
 
     A fail-stop signal is never dropped: without a readable address the line still counts, bus_id None.
     """
-    m = _ANY_ADDR_RE.search(message)
+    m = _GPU_BUS_RE.search(message) or _ANY_ADDR_RE.search(message)
     bus_id = normalize_bus_id(m.group("bus")) if m is not None else None
     return KernelLine(kind="fallen_off_bus", bus_id=bus_id, xid=79, text=message)
+
+
+def _parse_init_failed(message: str) -> KernelLine:
+    """A GPU the driver could not initialise: reported as Xid 143, named by its bus id when the line
+    has one (`NVRM: GPU 0000:39:00.0: ...`); older drivers name only a device minor number, and the
+    line still counts, bus_id None."""
+    m = _GPU_BUS_RE.search(message)
+    bus_id = normalize_bus_id(m.group("bus")) if m is not None else None
+    return KernelLine(kind="init_failed", bus_id=bus_id, xid=INIT_FAILED_XID, text=message)
 
 
 def _parse_identity(message: str) -> KernelLine | None:

@@ -48,7 +48,7 @@ def test_packaged_catalog_covers_the_required_xids_and_every_row_has_a_source():
         (48, 1, "hardware", "drain"),
         (64, 1, "hardware", "inspect-hardware"),
         (140, 1, "hardware", "drain"),
-        (143, 1, "hardware", "inspect-hardware"),
+        (143, 1, "hardware", "reboot-when-idle"),
         (63, 2, "hardware", "reset-gpu-when-idle"),
         (92, 2, "hardware", "reset-gpu-when-idle"),
         (119, 2, "software", "reboot-when-idle"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from healthd.agent.classify.catalog import load_catalog
 from healthd.agent.classify import classify
 from healthd.agent.history import History
@@ -125,18 +127,35 @@ def test_xid94_contained_is_user_unless_repeating():
     assert (f.tier, f.attribution, f.action) == (2, "hardware", "drain")
 
 
-def test_xid45_after_another_xid_on_the_same_gpu_is_sympathetic():
+def test_xid45_after_another_xid_on_the_same_gpu_is_part_of_its_incident():
     res = one(xid(48, 4, NOW), xid(45, 4, NOW + 3, count=12))
-    f = get(res, "xid:gpu4:45")
-    assert (f.tier, f.action, f.attribution, f.count) == (3, "none", "hardware", 12)
-    assert "sympathetic to xid 48" in f.summary
-    assert "follows Xid 48 (ROBUST_CHANNEL_GPU_ECC_DBE) on gpu4 3s earlier" in texts(f)
-    assert get(res, "xid:gpu4:48").tier == 1
+    assert "xid:gpu4:45" not in ids(res)
+    f = get(res, "xid:gpu4:48")
+    assert (f.tier, f.action, f.attribution) == (1, "drain", "hardware")
+    assert f.summary == "xid 48 gpu4: double-bit ECC error (one incident with xid 45)"
+    assert "same incident: xid 45 (ROBUST_CHANNEL_PREEMPTIVE_REMOVAL) on gpu4, 3s after xid 48: T3 hardware none" in texts(f)
+    assert [e.data["xid"] for e in f.evidence if e.kind == "log_line"] == [48, 45]
+
+
+def test_xid45_sympathetic_outcome_is_its_primarys_attribution():
+    # without the incident rule (outside the window of a strong Xid) the 45's own outcome is kept
+    from healthd.agent.classify import xid as rules
+    from healthd.agent.classify.context import TickContext
+    ctx = TickContext(snap(NOW + 5, nv=GPUS, k=kernel()), History(), load_catalog(), settings())
+    for e in (xid(48, 4, NOW), xid(45, 4, NOW + 3, count=12)):
+        rules.fold(ctx, e)
+    rec = ctx.xids[f"{GPUS.gpus[4].bus_id}:45"]
+    outcome, notes, suffix = rules.outcome_for(ctx, rec)
+    assert (outcome.tier, outcome.attribution, outcome.action) == (3, "hardware", "none")
+    assert suffix == " (sympathetic to xid 48)"
+    assert "follows Xid 48 (ROBUST_CHANNEL_GPU_ECC_DBE) on gpu4 3s earlier" in " ".join(n.text for n in notes)
 
 
 def test_xid45_primary_may_come_from_an_earlier_tick():
     res = run(snap(NOW, nv=GPUS, k=kernel(xid(79, 4, NOW))), snap(NOW + 60, nv=GPUS, k=kernel(xid(45, 4, NOW + 50))))
-    assert "sympathetic to xid 79" in get(res[-1], "xid:gpu4:45").summary
+    f = get(res[-1], "xid:gpu4:79")
+    assert (f.tier, f.action) == (1, "drain-and-requeue") and "one incident with xid 45" in f.summary
+    assert "xid:gpu4:45" not in ids(res[-1])
 
 
 def test_xid45_solo_or_late_or_other_gpu_is_t3_user():
@@ -162,7 +181,7 @@ def test_nvlink5_by_printed_severity():
     assert (fatal.tier, fatal.attribution, fatal.action) == (1, "fabric", "drain") and "(Fatal)" in fatal.summary
     assert "severity printed 'Fatal' (subcode 4)" in texts(fatal)
     assert (benign.tier, benign.action) == (3, "none")
-    assert (bare.tier, bare.action) == (2, "reset-gpu-when-idle") and "no NVLink5 severity printed" in texts(bare)
+    assert (bare.tier, bare.action) == (2, "reset-gpu-when-idle") and "no NVLink severity printed" in texts(bare)
 
 
 def test_nvlink5_fatal_anywhere_in_the_episode_wins():
@@ -172,16 +191,31 @@ def test_nvlink5_fatal_anywhere_in_the_episode_wins():
     assert get(res[-1], "xid:gpu0:149").tier == 1
 
 
-def test_xid154_requests_the_action_it_names_attributed_like_its_primary():
+def test_xid154_requests_the_action_it_names_at_t1_attributed_like_its_primary():
     text = "NVRM: Xid (PCI:0000:18:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)"
     res = one(xid(119, 0, NOW), xid(154, 0, NOW + 1, text=text))
-    f = get(res, "xid:gpu0:154")
-    assert (f.tier, f.action, f.attribution) == (2, "reboot-when-idle", "software")
-    assert "(Node Reboot Required)" in f.summary and "follows Xid 119" in texts(f)
+    # one incident: the id is the first Xid's, the outcome the announcement's
+    assert "xid:gpu0:154" not in ids(res)
+    f = get(res, "xid:gpu0:119")
+    assert (f.tier, f.action, f.attribution) == (1, "reboot-when-idle", "software")
+    assert "(Node Reboot Required)" in f.summary and "follows Xid 119" in texts(f) and "one incident with xid 119" in f.summary
     reset = get(one(xid(154, 1, NOW, text="NVRM: Xid (PCI:0000:2a:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")), "xid:gpu1:154")
-    assert (reset.tier, reset.action, reset.attribution) == (2, "reset-gpu-when-idle", "unknown")
+    assert (reset.tier, reset.action, reset.attribution) == (1, "reset-gpu-when-idle", "unknown")
     none = get(one(xid(154, 1, NOW, text="NVRM: Xid (PCI:0000:2a:00): 154, GPU recovery action changed from 0x2 (Node Reboot Required) to 0x0 (None)")), "xid:gpu1:154")
     assert (none.tier, none.action) == (3, "none")
+
+
+@pytest.mark.parametrize("announced,action", [
+    ("0x0 (None) to 0x1 (GPU Reset Required)", "reset-gpu-when-idle"),
+    ("0x0 (None) to 0x2 (Node Reboot Required)", "reboot-when-idle"),
+    ("0x0 (None) to 0x4 (Drain and Reset)", "reset-gpu-when-idle"),
+    ("0x4 (Drain and Reset) to 0x1 (GPU Reset Required)", "reset-gpu-when-idle"),
+    ("0x0 (None) to 0x3 (Drain P2P)", "reset-gpu-when-idle"),
+])
+def test_every_recovery_action_the_driver_names_is_t1(announced, action):
+    f = get(one(xid(154, 1, NOW, text=f"NVRM: Xid (PCI:0000:2a:00): 154, GPU recovery action changed from {announced}")), "xid:gpu1:154")
+    assert (f.tier, f.action) == (1, action)
+    assert f.id in {r["finding"] for r in one(xid(154, 1, NOW, text=f"NVRM: Xid (PCI:0000:2a:00): 154, GPU recovery action changed from {announced}")).would_do}
 
 
 def test_burst_accumulates_across_ticks_and_persists_until_ttl():

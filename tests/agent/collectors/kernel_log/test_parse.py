@@ -29,7 +29,8 @@ CASES: list[tuple[str, KernelLine]] = [
     ),
     (
         "NVRM: Xid (PCI:0000:b9:00): 71, pid=<unknown>, name=<unknown>, NVLink: fatal error detected on link 6(0x0)",
-        KernelLine(kind="xid", bus_id="00000000:B9:00.0", xid=71, text="NVLink: fatal error detected on link 6(0x0)"),
+        KernelLine(kind="xid", bus_id="00000000:B9:00.0", xid=71, text="NVLink: fatal error detected on link 6(0x0)",
+                   nvlink_severity="Fatal"),
     ),
     (
         "NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.",
@@ -109,6 +110,12 @@ CASES: list[tuple[str, KernelLine]] = [
                    "has\nNVRM: fallen off the bus and is not responding to commands."),
     ),
     (
+        # Some drivers leave out the PCI domain (gpud's normalisation test).
+        "NVRM: GPU 18:00.0: GPU has fallen off the bus.",
+        KernelLine(kind="fallen_off_bus", bus_id="00000000:18:00.0", xid=79,
+                   text="NVRM: GPU 18:00.0: GPU has fallen off the bus."),
+    ),
+    (
         # A fail-stop line whose address cannot be read still counts, on an unknown GPU.
         "NVRM: fallen off the bus and is not responding to commands.",
         KernelLine(kind="fallen_off_bus", bus_id=None, xid=79,
@@ -130,6 +137,49 @@ CASES: list[tuple[str, KernelLine]] = [
         KernelLine(kind="xid", bus_id="00000000:3B:00.0", xid=48,
                    text="An uncorrectable double bit error (DBE) has been detected"),
     ),
+    (
+        # NVLink 1-4: the severity is in the text ("fatal error detected on link N").
+        "NVRM: Xid (PCI:0003:00:00): 74, pid='<unknown>', name=<unknown>, NVLink: fatal error detected on link "
+        "14(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
+        KernelLine(kind="xid", bus_id="00000003:00:00.0", xid=74,
+                   text="NVLink: fatal error detected on link 14(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
+                   nvlink_severity="Fatal"),
+    ),
+    (
+        "NVRM: Xid (PCI:0000:07:00): 74, NVLink: nonfatal error detected on link 2(0x0, 0x0, 0x0)",
+        KernelLine(kind="xid", bus_id="00000000:07:00.0", xid=74,
+                   text="NVLink: nonfatal error detected on link 2(0x0, 0x0, 0x0)", nvlink_severity="Non-fatal"),
+    ),
+    (
+        # A GPU that failed to initialise: no Xid number, read as 143 on the bus the line names.
+        "NVRM: GPU 0000:39:00.0: RmInitAdapter failed! (0x62:0x40:2393)",
+        KernelLine(kind="init_failed", bus_id="00000000:39:00.0", xid=143,
+                   text="NVRM: GPU 0000:39:00.0: RmInitAdapter failed! (0x62:0x40:2393)"),
+    ),
+    (
+        "NVRM: GPU 0000:0a:00.0: rm_init_adapter failed, device minor number 5",
+        KernelLine(kind="init_failed", bus_id="00000000:0A:00.0", xid=143,
+                   text="NVRM: GPU 0000:0a:00.0: rm_init_adapter failed, device minor number 5"),
+    ),
+    (
+        "NVRM: GPU 0000:3b:00.0: GPU does not have the necessary power cables connected.",
+        KernelLine(kind="init_failed", bus_id="00000000:3B:00.0", xid=143,
+                   text="NVRM: GPU 0000:3b:00.0: GPU does not have the necessary power cables connected."),
+    ),
+    (
+        # Older drivers name no bus: still a failed GPU, on an unknown bus.
+        "NVRM: RmInitAdapter failed! (0x27:0x38:1193)",
+        KernelLine(kind="init_failed", bus_id=None, xid=143, text="NVRM: RmInitAdapter failed! (0x27:0x38:1193)"),
+    ),
+    (
+        "NVRM: rm_init_adapter failed for device bearing minor number 0",
+        KernelLine(kind="init_failed", bus_id=None, xid=143,
+                   text="NVRM: rm_init_adapter failed for device bearing minor number 0"),
+    ),
+    (
+        "NVRM: rm_init_adapter(0) failed",
+        KernelLine(kind="init_failed", bus_id=None, xid=143, text="NVRM: rm_init_adapter(0) failed"),
+    ),
 ]
 
 
@@ -145,6 +195,9 @@ NOT_OURS = [
     "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  535.161.08",
     "NVRM: GPU4 GSP RPC buffer contains function 103 (GSP_RM_ALLOC) and data 0x2081 0x4.",
     "NVRM: GPU Board Serial Number: ",
+    # why an init failed: the summary line that follows is the one counted
+    "NVRM: RmInitAdapter: Cannot initialize GSP firmware RM",
+    "NVRM: RmInitAdapter: osInitNvMapping failed, bailing out of RmInitAdapter",
 ]
 
 
@@ -235,3 +288,64 @@ def test_generated_xid_line_round_trips(domain, bus, dev, pci_prefix, upper, xid
     assert line.bus_id == normalize_bus_id(f"{domain:x}:{bus:x}:{dev:x}") == f"{domain:08X}:{bus:02X}:{dev:02X}.0"
     assert line.pid == pid
     assert line.process == name
+
+
+_PREFIXES = st.sampled_from([
+    "",
+    "[  885.242168] ",
+    "[111111111.111] ",
+    "[Fri Aug 30 11:43:09 2024] ",
+    "Dec  2 11:49:53 worker4 kernel: [  885.242168] ",
+    "kernel: ",
+    "2026-09-08T01:00:00+0000 n1 kernel: ",
+])
+
+
+@settings(max_examples=300, deadline=None)
+@given(prefix=_PREFIXES, case=st.sampled_from(CASES))
+def test_a_dmesg_or_syslog_prefix_changes_nothing_but_the_text(prefix: str, case: tuple[str, KernelLine]) -> None:
+    message, expected = case
+    line = parse_line(prefix + message)
+    assert line is not None
+    assert (line.kind, line.xid, line.bus_id, line.pid, line.process, line.nvlink_severity, line.subcode) == (
+        expected.kind, expected.xid, expected.bus_id, expected.pid, expected.process, expected.nvlink_severity,
+        expected.subcode)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    prefix=_PREFIXES,
+    domain=st.integers(0, 0xFFFF),
+    bus=st.integers(0, 0xFF),
+    dev=st.integers(0, 0x1F),
+    fn=st.integers(0, 7),
+    form=st.sampled_from([
+        "RmInitAdapter failed! (0x{a:x}:0x{b:x}:{c})",
+        "rm_init_adapter failed, device minor number {c}",
+        "GPU does not have the necessary power cables connected.",
+    ]),
+    a=st.integers(0, 0xFF),
+    b=st.integers(0, 0xFFFF),
+    c=st.integers(0, 9999),
+)
+def test_generated_init_failure_names_its_bus(prefix, domain, bus, dev, fn, form, a, b, c) -> None:
+    message = f"{prefix}NVRM: GPU {domain:04x}:{bus:02x}:{dev:02x}.{fn}: " + form.format(a=a, b=b, c=c)
+    line = parse_line(message)
+    assert line is not None and line.kind == "init_failed" and line.xid == 143, message
+    assert line.bus_id == f"{domain:08X}:{bus:02X}:{dev:02X}.{fn}"
+    assert not looks_like_xid(message)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    xid=st.sampled_from([71, 74]),
+    word=st.sampled_from(["fatal", "Fatal", "nonfatal", "non-fatal", "Non-fatal"]),
+    link=st.integers(0, 17),
+    regs=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=7),
+)
+def test_generated_nvlink_severity_is_read_from_the_text(xid, word, link, regs) -> None:
+    message = (f"NVRM: Xid (PCI:0000:07:00): {xid}, pid='<unknown>', name=<unknown>, NVLink: {word} error detected "
+               f"on link {link}({', '.join(hex(r) for r in regs)})")
+    line = parse_line(message)
+    assert line is not None and line.xid == xid
+    assert line.nvlink_severity == ("Fatal" if word.lower() == "fatal" else "Non-fatal")
