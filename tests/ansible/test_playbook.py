@@ -1,14 +1,18 @@
 """ansible/site.yml for real: ansible-lint, --syntax-check, a rollout into throwaway prefixes on localhost
-(a head node and two agents, each its own healthd_prefix), `scontrol reconfigure` against a real local
-Slurm cluster, idempotence, --check --diff, a canary that stops the rollout, upgrade and rollback.
+(a head node and two agents, each its own healthd_prefix), the managed slurm.conf block and `scontrol
+reconfigure` against a real local Slurm cluster, idempotence, --check --diff, a canary that stops the rollout,
+upgrade and rollback; a site Prolog= the manage mode refuses, bad variables refused before any change; and a
+rollout with the distribution's python3-systemd onto a root with no compiler on PATH, in print mode.
 
-The wheels are built once per module: healthd 0.1.0 from this tree with its dependencies (a wheelhouse the
-role installs from with --no-index), and a 0.1.1 built from a copy with only the version changed. The systemd
-units are the tree's own (systemd/).
+The wheels are built once per module: healthd 0.1.0 from this tree with its dependencies and its `journal`
+extra (a wheelhouse the role installs from with --no-index), and a 0.1.1 built from a copy with only the version
+changed. The systemd units are the tree's own (systemd/).
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -72,7 +76,7 @@ def wheels(work: Path) -> dict[str, Path]:
     """version -> healthd wheel; every dependency sits in the same wheelhouse (work/wheels)."""
     house = work / "wheels"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "-q", str(REPO), "-w", str(house)], check=True, timeout=300)
+    subprocess.run([*pip, "wheel", "-q", f"{REPO}[journal]", "-w", str(house)], check=True, timeout=300)
     src = work / "src-next"
     src.mkdir()
     shutil.copy(REPO / "pyproject.toml", src)
@@ -112,15 +116,20 @@ def cluster(work: Path) -> Iterator[SlurmCluster]:
 
 
 def write_inventory(work: Path, name: str, *, wheel: Path, version: str, slurm_conf: Path, units: Path,
-                    host_vars: dict[str, dict] | None = None) -> tuple[Path, dict[str, Path]]:
-    """Inventory `name`: head (controller), node01 and node02 (agents), each with its own prefix."""
+                    host_vars: dict[str, dict] | None = None, common_vars: dict | None = None,
+                    agents: tuple[str, ...] = ("node01", "node02")) -> tuple[Path, dict[str, Path]]:
+    """Inventory `name`: head (controller) and the agents (node01, node02), each with its own prefix. The
+    venvs use this interpreter and the wheelhouse's systemd-python wheel, and the slurm.conf block is managed,
+    unless `common_vars` says otherwise (a None value leaves the variable to the role's default)."""
     base = work / name
-    prefixes = {h: base / h for h in ("head", "node01", "node02")}
+    prefixes = {h: base / h for h in ("head", *agents)}
     hook_dir = prefixes["node01"] / "etc" / "slurm"  # one slurm.conf for all: one set of paths in it
     common = {
         "ansible_connection": "local",
         "ansible_python_interpreter": sys.executable,
         "healthd_python": sys.executable,
+        "healthd_systemd_python": "wheel",  # this interpreter is not the one Debian's python3-systemd is built for
+        "healthd_slurm_conf_mode": "manage",
         "healthd_version": version,
         "healthd_wheel": str(wheel),
         "healthd_pip_extra_args": ["--no-index", "--find-links", str(work / "wheels")],
@@ -131,13 +140,15 @@ def write_inventory(work: Path, name: str, *, wheel: Path, version: str, slurm_c
             "HealthCheckProgram": f"{hook_dir}/healthd-healthcheck",
             "HealthCheckInterval": 0,
             "HealthCheckNodeState": "ANY",
-            "Prolog": f"{hook_dir}/healthd-prolog",
-            "Epilog": f"{hook_dir}/healthd-epilog",
+            "Prolog": f"{hook_dir}/prolog.d/*",
+            "Epilog": f"{hook_dir}/epilog.d/*",
         },
         "healthd_config": {"log_level": "warning", "interval_s": 15,
                            "host": {"filesystems": [{"path": "/dev/shm", "role": "scratch"}]}},
         "healthd_controller_config": {"listen": "127.0.0.1:19841", "policy": {"mode": "observe"}},
+        **(common_vars or {}),
     }
+    common = {k: v for k, v in common.items() if v is not None}
     hv = host_vars or {}
 
     def host(h: str) -> dict:
@@ -148,7 +159,7 @@ def write_inventory(work: Path, name: str, *, wheel: Path, version: str, slurm_c
             "vars": common,
             "children": {
                 "healthd_controllers": {"hosts": {"head": host("head")}},
-                "healthd_agents": {"hosts": {"node01": host("node01"), "node02": host("node02")}},
+                "healthd_agents": {"hosts": {a: host(a) for a in agents}},
             },
         }
     }
@@ -159,7 +170,7 @@ def write_inventory(work: Path, name: str, *, wheel: Path, version: str, slurm_c
 
 def playbook(env: dict[str, str], inventory: Path, *args: str, timeout: float = 240,
              slurm_conf: Path | None = None) -> subprocess.CompletedProcess[str]:
-    run_env = dict(env)
+    run_env = dict(env)  # a fixture's env stays as it is
     if slurm_conf is not None:
         run_env["SLURM_CONF"] = str(slurm_conf)
     return subprocess.run([_tool("ansible-playbook"), "-i", str(inventory), str(SITE), *args], env=run_env,
@@ -257,8 +268,11 @@ def test_rollout_installs_venvs_configs_units_and_hooks(deployed, units_dir: Pat
         source = re.sub(rf"(?m)^{key}=.*$", f"{key}={value}", source)
     assert wrapper == source
     assert os.access(hooks / "healthd-hook", os.X_OK)
-    for name in ("healthcheck", "prolog", "epilog"):
-        assert os.readlink(hooks / f"healthd-{name}") == "healthd-hook"
+    # HealthCheckProgram next to the wrapper; prolog and epilog as entries of the prolog.d / epilog.d globs
+    assert os.readlink(hooks / "healthd-healthcheck") == "healthd-hook"
+    assert os.readlink(hooks / "prolog.d" / "healthd-prolog") == str(hooks / "healthd-hook")
+    assert os.readlink(hooks / "epilog.d" / "healthd-epilog") == str(hooks / "healthd-hook")
+    assert not (hooks / "healthd-prolog").exists() and not (hooks / "healthd-epilog").exists()
     assert not (prefixes["head"] / "etc" / "slurm").exists()  # the head only gets the slurm.conf block
     # the probed filesystem is writable for the hardened unit (ProtectSystem=strict)
     dropin = (p / "etc/systemd/system/healthd.service.d/site-paths.conf").read_text()
@@ -267,6 +281,13 @@ def test_rollout_installs_venvs_configs_units_and_hooks(deployed, units_dir: Pat
     ran = subprocess.run([str(hooks / "healthd-healthcheck")], env={"SLURMD_NODENAME": "node01"},
                          capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0, ran
+    # what slurmd runs for Prolog=<hooks>/prolog.d/*: the wrapper, as healthd-prolog, records the job's binding
+    matches = glob.glob(f"{hooks}/prolog.d/*")
+    assert matches == [str(hooks / "prolog.d" / "healthd-prolog")], matches
+    job = {"SLURMD_NODENAME": "node01", "SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "root", "SLURM_JOB_UID": "0",
+           "SLURM_JOB_GPUS": "0"}
+    ran = subprocess.run(matches, env=job, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and (p / "run" / "healthd" / "jobs" / "4242.json").is_file(), ran
 
 
 def test_slurm_conf_block_and_one_reconfigure(deployed, cluster: SlurmCluster) -> None:
@@ -276,14 +297,15 @@ def test_slurm_conf_block_and_one_reconfigure(deployed, cluster: SlurmCluster) -
         f"HealthCheckProgram={hooks}/healthd-healthcheck",
         "HealthCheckInterval=0",
         "HealthCheckNodeState=ANY",
-        f"Prolog={hooks}/healthd-prolog",
-        f"Epilog={hooks}/healthd-epilog",
+        f"Prolog={hooks}/prolog.d/*",
+        f"Epilog={hooks}/epilog.d/*",
     ]
     assert result.stdout.count("TASK [slurm_hooks : Reconfigure Slurm") == 1
     assert re.search(r"changed: \[head\]", result.stdout.split("TASK [slurm_hooks : Reconfigure Slurm")[1])
     config = cluster.run(["scontrol", "show", "config"], check=True).stdout
     assert re.search(rf"^HealthCheckProgram\s*=\s*{re.escape(str(hooks))}/healthd-healthcheck$", config, re.M), config
-    assert re.search(rf"^Prolog\s*=\s*{re.escape(str(hooks))}/healthd-prolog$", config, re.M)
+    assert re.search(rf"^Prolog\s*=\s*{re.escape(str(hooks))}/prolog\.d/\*$", config, re.M), config
+    assert re.search(rf"^Epilog\s*=\s*{re.escape(str(hooks))}/epilog\.d/\*$", config, re.M), config
 
 
 def test_second_run_changes_nothing(deployed, ansible_env, cluster: SlurmCluster) -> None:
@@ -329,7 +351,8 @@ def test_failing_canary_stops_the_rollout(ansible_env, work, wheels, units_dir) 
     counts = recap(result, {"node01"})
     assert counts["node01"]["failed"] == 1, _ok(result)
     assert "FAILED" in result.stdout and "0 of 4 InfiniBand ports present" in result.stdout
-    assert "node02" not in counts or counts["node02"]["ok"] == 0, _ok(result)
+    assert "node02" not in counts or counts["node02"]["changed"] == 0, _ok(result)
+    assert "[node02]" not in result.stdout.split("PLAY [Agents")[1], _ok(result)  # only the first play's checks ran there
     assert not prefixes["node02"].exists()
     assert "Reconfigure Slurm" not in result.stdout
     assert (prefixes["node01"] / "opt/healthd/current/bin/healthd").exists()  # the canary itself was changed
@@ -372,3 +395,179 @@ def test_upgrade_then_rollback_switches_without_reinstalling(deployed, ansible_e
     install = rollback.stdout.split("TASK [healthd : Install healthd into venv-")
     assert len(install) > 1 and all("changed:" not in part.split("TASK [")[0] for part in install[1:]), _ok(rollback)
     assert sorted(p.name for p in opt.glob("venv-*")) == [f"venv-{BASE_VERSION}", f"venv-{NEXT_VERSION}"]
+
+
+# ----------------------------------------------------------------------------- slurm.conf: manage and print
+
+
+def _conflicts_filter():
+    path = ANSIBLE / "roles" / "slurm_hooks" / "filter_plugins" / "slurm_conf.py"
+    spec = importlib.util.spec_from_file_location("healthd_slurm_conf_filter", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.slurm_conf_conflicts
+
+
+def test_conflicts_filter_reads_slurm_conf_as_slurm_does() -> None:
+    conflicts = _conflicts_filter()
+    settings = {"Prolog": "/etc/slurm/prolog.d/*", "PrologFlags": "Alloc", "HealthCheckInterval": 60}
+    text = """ClusterName=x
+prolog=/etc/slurm/prolog.d/*            # the same value, other case: no conflict
+#Epilog=/old/epilog
+PrologFlags=Contain  HealthCheckInterval=300
+# BEGIN healthd managed block (whatever)
+Prolog=/somewhere/else
+# END healthd managed block (whatever)
+HealthCheckInterval="60"
+"""
+    assert conflicts(text, settings) == ["PrologFlags=Contain", "HealthCheckInterval=300"]
+    assert conflicts("", settings) == []
+
+
+def test_manage_mode_refuses_a_site_prolog_and_changes_nothing(ansible_env, work, wheels, units_dir) -> None:
+    """slurm.conf already names the site's own Prolog: the role stops in its first play with one line saying so,
+    rather than add a second Prolog= that would silently replace it; no host is touched."""
+    conf = work / "siteprolog-slurm.conf"
+    text = "ClusterName=x\nPrologFlags=Alloc\nProlog=/etc/slurm/site-prolog.sh\n"
+    conf.write_text(text)
+    inv, prefixes = write_inventory(work, "siteprolog", wheel=wheels[BASE_VERSION], version=BASE_VERSION,
+                                    slurm_conf=conf, units=units_dir)
+    result = playbook(ansible_env, inv, slurm_conf=conf)
+    assert result.returncode != 0, _ok(result)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("[ERROR]")]
+    assert errors and "already sets Prolog=/etc/slurm/site-prolog.sh outside the healthd block" in errors[0], _ok(result)
+    assert "PrologFlags" not in errors[0]  # the same value as healthd's: no conflict
+    assert "healthd_slurm_conf_mode: print" in errors[0]
+    assert conf.read_text() == text
+    assert not any(p.exists() for p in prefixes.values())
+    assert "PLAY [Controller" not in result.stdout
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"healthd_slurm_conf_mode": "edit"}, "healthd_slurm_conf_mode"),
+    ({"healthd_systemd_python": "pip"}, "healthd_systemd_python"),
+    ({"healthd_slurm_manage_conf": True}, "healthd_slurm_manage_conf"),
+    ({"healthd_manage_services": "no"}, "booleans"),
+])
+def test_bad_variable_fails_in_one_line_and_changes_nothing(ansible_env, work, wheels, units_dir, extra: dict,
+                                                            named: str) -> None:
+    conf = work / f"bad-{named}-slurm.conf"
+    conf.write_text("ClusterName=x\n")
+    inv, prefixes = write_inventory(work, f"bad-{named}", wheel=wheels[BASE_VERSION], version=BASE_VERSION,
+                                    slurm_conf=conf, units=units_dir)
+    result = subprocess.run([_tool("ansible-playbook"), "-i", str(inv), str(SITE), "-e", yaml.safe_dump(extra,
+                            default_flow_style=True).strip()], env=ansible_env, capture_output=True, text=True,
+                            timeout=240, cwd=ANSIBLE)
+    assert result.returncode != 0, _ok(result)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("[ERROR]")]
+    assert len(set(errors)) == 1 and f"healthd: {named}:" in errors[0], _ok(result)  # one line, the same per host
+    assert conf.read_text() == "ClusterName=x\n"
+    assert not any(p.exists() for p in prefixes.values())
+    assert "PLAY [Controller" not in result.stdout
+
+
+# ----------------------------------------------------------------------------- no compiler on the nodes
+
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+COMPILERS = re.compile(r"^(.+-)?(gcc|g\+\+|c\+\+|cc|c89|c99|cpp|clang|clang\+\+|tcc|ld|ld\..+|as|pkg-config|pkgconf)"
+                       r"(-[0-9.]+)?$|^(.+-)?gcc")
+
+
+def _no_compiler_path(work: Path) -> str:
+    """A PATH like a minimal node image: every command of the usual directories, as symlinks in one directory,
+    except compilers, linkers and pkg-config."""
+    farm = work / "nocc-bin"
+    farm.mkdir(exist_ok=True)
+    for d in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        if not os.path.isdir(d):
+            continue
+        for entry in sorted(os.listdir(d)):
+            src = os.path.join(d, entry)
+            if COMPILERS.match(entry) or (farm / entry).exists() or (farm / entry).is_symlink():
+                continue
+            if os.path.isfile(src) and os.access(src, os.X_OK):
+                (farm / entry).symlink_to(src)
+    return f"{VENV_BIN}:{farm}"
+
+
+@pytest.fixture(scope="module")
+def nocc(ansible_env, work, wheels, units_dir):
+    """Head and one agent with the distribution's Python and python3-systemd (healthd_systemd_python: distro, the
+    role installs the OS packages), from a wheelhouse WITHOUT a systemd-python wheel, with no compiler on PATH,
+    and the default healthd_slurm_conf_mode (print)."""
+    if not SYSTEM_PYTHON.exists() or not Path("/etc/debian_version").exists():
+        pytest.skip("needs Debian's /usr/bin/python3")
+    version = subprocess.run([str(SYSTEM_PYTHON), "-c", "import sys; print(sys.version_info >= (3, 11))"],
+                             capture_output=True, text=True, timeout=30)
+    if version.stdout.strip() != "True":
+        pytest.skip("/usr/bin/python3 is older than 3.11")
+    house = work / "nocc-wheels"
+    house.mkdir()
+    for whl in (work / "wheels").glob("*.whl"):
+        if not whl.name.startswith("systemd_python-"):
+            shutil.copy(whl, house)
+    path = _no_compiler_path(work)
+    env = dict(ansible_env, PATH=path)
+    conf = work / "nocc-slurm.conf"
+    conf.write_text("ClusterName=x\nProlog=/etc/slurm/site-prolog.sh\n")
+    common = {"healthd_python": str(SYSTEM_PYTHON), "healthd_pip_extra_args": ["--no-index", "--find-links", str(house)]}
+    for key in ("healthd_systemd_python", "healthd_slurm_conf_mode"):  # the role's defaults
+        common[key] = None
+    inv, prefixes = write_inventory(work, "nocc", wheel=wheels[BASE_VERSION], version=BASE_VERSION, slurm_conf=conf,
+                                    units=units_dir, common_vars=common, agents=("node01",))
+    result = playbook(env, inv, timeout=480, slurm_conf=conf)
+    return env, conf, prefixes, result
+
+
+def test_the_no_compiler_path_has_no_compiler(nocc) -> None:
+    env, _, _, _ = nocc
+    for tool in ("gcc", "cc", "c++", "g++", "cpp", "ld", "as", "pkg-config", "x86_64-linux-gnu-gcc", "clang"):
+        assert shutil.which(tool, path=env["PATH"]) is None, tool
+    cc = subprocess.run([str(SYSTEM_PYTHON), "-c", "import sysconfig; print(sysconfig.get_config_var('CC'))"],
+                        capture_output=True, text=True, timeout=30, check=True).stdout.split()[0]
+    assert shutil.which(cc, path=env["PATH"]) is None, cc  # the compiler a source build would run
+    assert all(shutil.which(t, path=env["PATH"]) for t in ("sh", "sleep", "apt-get", "dpkg-query"))
+
+
+@pytest.mark.timeout(600)  # the fixture's rollout (OS packages, two venvs) is allowed 480 s
+def test_rollout_without_a_compiler_uses_the_distributions_systemd_binding(nocc) -> None:
+    env, _, prefixes, result = nocc
+    assert result.returncode == 0, _ok(result)
+    assert all(r["failed"] == 0 for r in recap(result, {"head", "node01"}).values()), _ok(result)
+    for pkg in ("python3-venv", "python3-systemd", "munge", "libmunge2"):  # the role's OS packages
+        status = subprocess.run(["dpkg-query", "-W", "-f", "${Status}", pkg], capture_output=True, text=True,
+                                timeout=30)
+        assert status.stdout == "install ok installed", (pkg, status)
+    for prefix in prefixes.values():
+        venv = prefix / "opt" / "healthd" / "current"
+        assert (venv / "pyvenv.cfg").read_text().count("include-system-site-packages = true") == 1
+        assert not list((venv / "lib").glob("python3*/site-packages/systemd*"))  # nothing built or installed
+        where = subprocess.run([str(venv / "bin" / "python"), "-c",
+                                "import systemd.journal, yaml; print(systemd.journal.__file__); print(yaml.__file__)"],
+                               env=env, capture_output=True, text=True, timeout=30)
+        journal, yml = where.stdout.split()
+        assert journal.startswith("/usr/lib/python3/dist-packages/systemd/"), where
+        assert yml.startswith(str(venv)) or yml.startswith(str(venv.resolve())), where  # the rest: the venv's own
+        version = subprocess.run([str(venv / "bin" / "healthd"), "--version"], env=env, capture_output=True,
+                                 text=True, timeout=30)
+        assert version.stdout.split() == ["healthd", BASE_VERSION], version
+    node = prefixes["node01"]
+    once = subprocess.run([str(node / "opt/healthd/current/bin/healthd"), "--dry-run", "--once", "--config",
+                           str(node / "etc/healthd/healthd.yaml")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert once.returncode <= 1, once
+
+
+def test_print_mode_leaves_slurm_conf_alone_and_prints_the_lines(nocc) -> None:
+    _, conf, prefixes, result = nocc
+    assert result.returncode == 0, _ok(result)
+    assert conf.read_text() == "ClusterName=x\nProlog=/etc/slurm/site-prolog.sh\n"
+    hooks = prefixes["node01"] / "etc" / "slurm"
+    printed = result.stdout.split("slurm.conf lines to add")[1].split("PLAY RECAP")[0]
+    for line in (f"HealthCheckProgram={hooks}/healthd-healthcheck", f"Prolog={hooks}/prolog.d/*",
+                 f"Epilog={hooks}/epilog.d/*"):
+        assert f'"{line}"' in printed, printed
+    assert "It already sets Prolog=/etc/slurm/site-prolog.sh" in printed, printed
+    assert "changed: [head]" not in result.stdout.split("TASK [slurm_hooks : Reconfigure Slurm")[1]
+    assert os.readlink(hooks / "prolog.d" / "healthd-prolog") == str(hooks / "healthd-hook")
