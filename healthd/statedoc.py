@@ -3,6 +3,9 @@ dry-run renderer and the reporter go through these functions. The controller rec
 document over HTTP, checks it field by field (healthd.report_schema) and turns its findings back
 into values with healthd.model.Finding.from_json.
 
+`judge` says whether a document is usable right now (fresh, this node's, from a live agent): the
+Slurm hooks' gate and `healthd state` ask it the same question.
+
 The document is JSON written atomically by the agent (healthd.persist); its findings are objects
 with `id`, `tier`, `attribution`, `action`, `summary` and a `component` (`kind` gpu/port/node/
 filesystem, with `index` for a GPU). The accessors below take the document as parsed JSON and never
@@ -11,7 +14,9 @@ trust a field's type: a finding whose tier is not an integer has no tier. Standa
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from healthd import trusted
 from healthd.text import clean, parse_time
@@ -106,3 +111,74 @@ def component_label(c: dict[str, Any]) -> str:
     if kind == "filesystem":
         return f"fs {c.get('device')}"
     return "node"
+
+
+# --------------------------------------------------------------------------- is it usable now
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class Judgement:
+    known: bool
+    """True only for a fresh document from a live agent on this node."""
+    reason: str
+    """Why the agent is unknown, or a one-line summary of what it says."""
+    doc: dict[str, Any] | None = None
+    age_s: float | None = None
+
+    @property
+    def findings(self) -> list[dict[str, Any]]:
+        if not self.known or self.doc is None:
+            return []
+        return [f for f in self.doc.get("findings", []) if isinstance(f, dict)]
+
+
+def judge(
+    doc: dict[str, Any] | None,
+    now: float,
+    settings: Any,
+    *,
+    node: str | None = None,
+    error: str = "",
+    pid_alive: Callable[[int], bool] = pid_alive,
+) -> Judgement:
+    """Is the agent's state document usable right now? Pure given `pid_alive`. `node` (default
+    settings.node_name) is the node the hook runs for; `error` says why `doc` is None."""
+    stale_after_s = settings.hooks.stale_after_s
+    node = node or settings.node_name
+
+    def unknown(why: str) -> Judgement:
+        return Judgement(False, f"agent unknown: {why}", doc)
+
+    if doc is None:
+        return unknown(error or "no state document")
+    t = generated_at(doc)
+    if t is None:
+        return unknown(f"generated_at {clean(repr(doc.get('generated_at')), 60)} is not an RFC 3339 time")
+    age = now - t
+    if age > stale_after_s:
+        return unknown(f"state is {age:.0f}s old (hooks.stale_after_s {stale_after_s:g}): the agent is stopped or stuck")
+    if age < -stale_after_s:
+        return unknown(f"state is dated {-age:.0f}s in the future: the clock moved")
+    if doc.get("node") != node:
+        return unknown(f"state file is for node {clean(repr(doc.get('node')), 80)}, not {node}")
+    pid = agent_pid(doc)
+    if pid is None:
+        return unknown("state has no agent pid")
+    if not pid_alive(pid):
+        return unknown(f"agent pid {pid} is not running")
+    listed = findings(doc)
+    if listed is None:
+        return unknown("state has no findings list")
+    verdict = doc.get("verdict")
+    return Judgement(True, f"agent alive (pid {pid}, verdict {clean(verdict, 20)}, {len(listed)} finding(s), "
+                           f"state {max(age, 0.0):.1f}s old)", doc, age)

@@ -4,9 +4,10 @@
 # Install ONE copy and give it the three hook names (symlinks or copies; the name picks the hook):
 #   install -m 0755 healthd-hook-wrapper.sh /etc/slurm/healthd-hook
 #   ln -sf healthd-hook /etc/slurm/healthd-healthcheck
-#   ln -sf healthd-hook /etc/slurm/healthd-prolog
-#   ln -sf healthd-hook /etc/slurm/healthd-epilog
-# then point slurm.conf at them (slurm.conf.snippet in this directory).
+#   ln -sf ../healthd-hook /etc/slurm/prolog.d/healthd-prolog     # next to the site's own prologs
+#   ln -sf ../healthd-hook /etc/slurm/epilog.d/healthd-epilog     # ... and epilogs
+# then point slurm.conf at them (slurm.conf.snippet in this directory: Prolog=/etc/slurm/prolog.d/*,
+# Epilog=/etc/slurm/epilog.d/*).
 #
 # Why a wrapper at all: slurmd runs these programs with no arguments, and runs HealthCheckProgram with
 # SLURMD_NODENAME as its ONLY environment variable (no PATH, no SLURM_CONF). The hooks take everything

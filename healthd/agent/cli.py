@@ -1,12 +1,15 @@
 """`healthd` command line.
 
-    healthd --dry-run --once [--format table|json]   what this node has and would do; touches nothing
+    healthd --dry-run --once [--format table|json|nagios]   what this node has and would do; touches nothing
     healthd --dry-run                                 the same, continuously (prints on every change)
     healthd run [--once]                              the daemon (systemd starts this)
+    healthd state [--format table|json|nagios]        what the RUNNING agent last published: reads its state
+                                                      file the way the Slurm hooks do; no hardware, no writes
     healthd check-config                              validate the config file and exit
     healthd validate [--dcgm-level N]                 reintegration check: dcgmi diag + one agent pass
 
-Exit codes follow Nagios: 0 healthy, 1 degraded, 2 failed, 3 could not check.
+Exit codes follow Nagios: 0 healthy, 1 degraded, 2 failed, 3 could not check. `--format nagios`
+prints exactly one plugin line with perfdata (healthd.agent.render.render_nagios).
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 from healthd import __version__, sdnotify
+from healthd import config as config_mod
 from healthd.agent import daemon as agent_mod
 from healthd.agent import validate
 from healthd.agent.classify.catalog import CatalogError
-from healthd.agent.render import render_text
+from healthd.agent.render import render_nagios, render_text
 from healthd.config import ConfigError
+from healthd.statedoc import judge, load_state
 
 EXIT_UNKNOWN = 3
 
@@ -36,13 +42,16 @@ def setup_logging(level: str, daemon: bool) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="healthd", description="GPU node health agent for Slurm clusters.")
-    p.add_argument("command", nargs="?", choices=["run", "check-config", "validate"],
+    p.add_argument("command", nargs="?", choices=["run", "check-config", "validate", "state"],
                    help="run: the daemon; check-config: validate the config and exit; validate: the reintegration "
-                        "check the controller runs through srun (exit 0 pass, 1 fail)")
+                        "check the controller runs through srun (exit 0 pass, 1 fail); state: report what the "
+                        "running agent last published (its state file, judged as the Slurm hooks judge it: "
+                        "missing, stale or from a dead agent is unknown, exit 3), reading no hardware")
     p.add_argument("--config", "-c", help="config file (default /etc/healthd/healthd.yaml)")
     p.add_argument("--dry-run", action="store_true", help="read everything, write nothing, print what it would do")
     p.add_argument("--once", action="store_true", help="one pass, then exit with the verdict's Nagios code")
-    p.add_argument("--format", choices=["table", "json"], default="table", help="dry-run output format")
+    p.add_argument("--format", choices=["table", "json", "nagios"], default="table",
+                   help="output of --once / --dry-run / state; nagios: one Nagios/Icinga plugin line with perfdata")
     p.add_argument("--dcgm-level", type=int, default=2, choices=[0, 1, 2, 3, 4],
                    help="validate: dcgmi diag run level (0: no DCGM step)")
     p.add_argument("--timeout", type=float, default=1800.0, help="validate: hard limit for the DCGM step, seconds")
@@ -59,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         setup_logging(args.log_level or "warning", False)
         return validate.run(args.config, args.dcgm_level, args.timeout)
+    if args.command == "state":
+        setup_logging(args.log_level or "warning", False)
+        return state(args.config, args.format)
+    nagios = args.format == "nagios"
     daemon = args.command == "run" and not args.dry_run
     setup_logging(args.log_level or "warning" if not daemon else args.log_level or "info", daemon)
 
@@ -67,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CatalogError) as e:
         logging.getLogger("healthd").error("%s", e)
         print(f"healthd: cannot check: {e}", file=sys.stderr)
+        if nagios and args.command != "check-config":
+            print(render_nagios(None, f"cannot check: {e}")[0], flush=True)
         return EXIT_UNKNOWN
     if args.command == "check-config":
         agent.sources.close()
@@ -82,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             doc = a.document()
             if args.format == "json":
                 print(json.dumps(doc, indent=2), flush=True)
+            elif nagios:
+                print(render_nagios(doc)[0], flush=True)
             else:
                 print(render_text(doc), flush=True)
 
@@ -89,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             agent.tick_all()
             emit(agent)
+        except Exception as e:
+            if not nagios:
+                raise
+            # a plugin answers with a line and a code, never a traceback (exit 1 would read WARNING)
+            logging.getLogger("healthd").exception("the check failed")
+            print(render_nagios(None, f"the check failed: {type(e).__name__}: {e}")[0], flush=True)
+            return EXIT_UNKNOWN
         finally:
             agent.sources.close()
         return agent_mod.EXIT_CODES[agent.result.verdict]
@@ -103,6 +127,40 @@ def main(argv: list[str] | None = None) -> int:
         emit(a)
 
     return agent_mod.run_loop(agent, args.config, on_tick)
+
+
+def state(config: str | None, fmt: str) -> int:
+    """`healthd state`: the running agent's last state file, judged the way the Slurm hooks judge it
+    (healthd.statedoc.judge: missing, unparsable, not root's, for another node, older than
+    hooks.stale_after_s or from an agent whose pid is gone is unknown). Reads that one file and the
+    config; touches no hardware and writes nothing, so it is quick enough for NHC and NRPE."""
+    try:
+        settings = config_mod.load(config)
+    except ConfigError as e:
+        print(f"healthd: cannot check: {e}", file=sys.stderr)
+        if fmt == "nagios":
+            print(render_nagios(None, f"cannot check: {e}")[0])
+        elif fmt == "json":
+            print(json.dumps({"known": False, "reason": f"cannot check: {e}", "verdict": "unknown", "state": None}))
+        return EXIT_UNKNOWN
+    doc, error = load_state(settings.state_file)
+    j = judge(doc, time.time(), settings, error=error)
+    verdict = j.doc.get("verdict") if j.known and j.doc is not None else "unknown"
+    code = agent_mod.EXIT_CODES.get(verdict, EXIT_UNKNOWN) if isinstance(verdict, str) else EXIT_UNKNOWN
+    if fmt == "nagios":
+        line, code = render_nagios(j.doc, "" if j.known else j.reason)
+        print(line)
+        return code
+    if fmt == "json":
+        print(json.dumps({"known": j.known, "reason": j.reason, "verdict": verdict, "state": j.doc}, indent=2))
+        return code
+    print(f"healthd state {settings.state_file}: {j.reason}")
+    if j.known and j.doc is not None:
+        try:
+            print(render_text(j.doc), end="")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            print(f"(the document cannot be shown as a table: {type(e).__name__} {e}; see --format json)")
+    return code
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from healthd.statedoc import component_label
-from healthd.text import table
+from healthd.text import clean, table
 
 
 def render_text(doc: dict[str, Any]) -> str:
@@ -58,3 +58,80 @@ def render_text(doc: dict[str, Any]) -> str:
     for w in would:
         out.append("  " + "  ".join(f"{k}={v}" for k, v in w.items()))
     return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- Nagios / Icinga
+
+NAGIOS_STATUS = {"healthy": (0, "OK"), "degraded": (1, "WARNING"), "failed": (2, "CRITICAL"), "unknown": (3, "UNKNOWN")}
+"""healthd's verdict -> (plugin exit code, service state), as the plugin guidelines number them."""
+NAGIOS_TEXT_MAX = 600
+"""The text part of the line is cut to this many characters (NRPE passes at most 1 KiB of a check's output)."""
+NAGIOS_SUMMARIES = 3
+"""At most this many finding summaries are named in the line; the rest are counted."""
+
+
+def nagios_text(value: Any, limit: int = 200) -> str:
+    """One piece of plugin output: printable ASCII, no `|` (it would start the perfdata), no newline
+    (a second line is long output), at most `limit` characters."""
+    return clean(str(value).replace("|", "/"), limit)
+
+
+def _tier(f: Any) -> int | None:
+    t = f.get("tier") if isinstance(f, dict) else None
+    return t if isinstance(t, int) and not isinstance(t, bool) else None
+
+
+def render_nagios(doc: dict[str, Any] | None, problem: str = "") -> tuple[str, int]:
+    """(one Nagios/Icinga plugin line, its exit code) for an agent document.
+
+    `HEALTHD CRITICAL - node01: 2 T1 findings: xid 79 gpu3: ...; ... | findings=3;;; t1=2;;; t2=1;;; t3=0;;; gpus=8;;;`
+
+    The verdict gives the state: failed CRITICAL (2), degraded WARNING (1), healthy OK (0); `problem`
+    (the agent's state could not be used), no document or any other verdict is UNKNOWN (3), without
+    perfdata when there is no document. The text names the findings of the worst tier present (their
+    summaries, most severe first) and is built from `nagios_text` pieces only, so nothing a finding
+    says can add a line or a perfdata field. Never raises on a malformed document: UNKNOWN instead."""
+    try:
+        return _render_nagios(doc, problem)
+    except Exception as e:  # noqa: BLE001 - a plugin must always answer with a line and a code
+        return f"HEALTHD UNKNOWN - cannot read the agent's document: {nagios_text(type(e).__name__ + ': ' + str(e))}", 3
+
+
+def _render_nagios(doc: dict[str, Any] | None, problem: str) -> tuple[str, int]:
+    if not isinstance(doc, dict) or problem:
+        why = problem or "no agent document"
+        perf = _nagios_perfdata(doc) if isinstance(doc, dict) else ""
+        return f"HEALTHD UNKNOWN - {nagios_text(why, NAGIOS_TEXT_MAX)}{perf}", 3
+    verdict = doc.get("verdict")
+    code, state = NAGIOS_STATUS.get(verdict, NAGIOS_STATUS["unknown"]) if isinstance(verdict, str) else NAGIOS_STATUS["unknown"]
+    node = nagios_text(doc.get("node") or "?", 64)
+    raw = doc.get("findings")
+    findings = [f for f in raw if isinstance(f, dict)] if isinstance(raw, list) else []
+    if verdict == "unknown":
+        text = f"{node}: unknown, no source could be read"
+    elif not isinstance(verdict, str) or verdict not in NAGIOS_STATUS:
+        text = f"{node}: verdict {nagios_text(repr(verdict), 40)}"
+    elif not findings:
+        text = f"{node}: {verdict}, no findings"
+    else:
+        worst = min((t for t in map(_tier, findings) if t is not None), default=None)
+        named = [f for f in findings if _tier(f) == worst] if worst is not None else findings
+        named.sort(key=lambda f: str(f.get("id")))
+        label = f"T{worst} finding" if worst is not None else "finding"
+        head = f"{node}: {verdict}, " if verdict == "healthy" else f"{node}: "
+        parts = [nagios_text(f.get("summary") or f.get("id") or "unnamed finding", 120) for f in named[:NAGIOS_SUMMARIES]]
+        more = f"; and {len(named) - NAGIOS_SUMMARIES} more" if len(named) > NAGIOS_SUMMARIES else ""
+        text = f"{head}{len(named)} {label}{'' if len(named) == 1 else 's'}: {'; '.join(parts)}{more}"
+    return f"HEALTHD {state} - {nagios_text(text, NAGIOS_TEXT_MAX)}{_nagios_perfdata(doc)}", code
+
+
+def _nagios_perfdata(doc: dict[str, Any]) -> str:
+    raw = doc.get("findings")
+    if not isinstance(raw, list):
+        return ""
+    tiers = [_tier(f) for f in raw if isinstance(f, dict)]
+    gpus = doc.get("gpus")
+    fields = [f"findings={len(tiers)};;;", *(f"t{t}={tiers.count(t)};;;" for t in (1, 2, 3))]
+    if isinstance(gpus, list):
+        fields.append(f"gpus={len(gpus)};;;")
+    return " | " + " ".join(fields)

@@ -3,6 +3,10 @@
 Reads open the ledger read-only (`file:...?mode=ro`); changes go to the controller's admin socket,
 so only the controller writes. Tables by default, `--json` for scripts.
 
+Nodes are Slurm hostlists wherever healthctl takes them (`gpu[001-004]`, `node[01,03-05]`), and node
+lists are printed folded and in natural order (node2 before node10): ClusterShell's NodeSet, without
+its group resolver. A bad hostlist is a usage error (exit 2) before anything is asked or changed.
+
 Exit codes: 0 ok, 1 refused by the controller, 2 usage, 3 cannot reach the ledger or the controller (or it was
 busy or timed the request out: worth trying again);
 every failure is one line on stderr.
@@ -13,20 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sqlite3
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 
 from healthd.config import ConfigError
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES, REMEDIATION_KINDS, Incident, Ledger, LedgerError
 from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
-from healthd.text import table
+from healthd.text import stamp, table
 
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
 DEFAULT_SOCKET = "/run/healthd/controller.sock"  # ... and its `admin_socket` default
@@ -52,13 +58,99 @@ def open_readonly(path: str) -> Ledger:
 
 
 # --------------------------------------------------------------------------------------------------
+# hostlists
+
+MAX_HOSTLIST_NODES = 100_000
+"""A hostlist naming more nodes than this is refused (`node[1-999999999]` is a typo, not a fleet)."""
+_HOSTLIST_CHARS = re.compile(r"[A-Za-z0-9._,\[\]-]+")
+_PLAIN_NODE = re.compile(r"[A-Za-z0-9._-]+")
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple[Any, ...]:
+    """node2 < node10 < node10a; equal numbers with different padding (node1, node01) by their text."""
+    parts = _DIGITS.split(name)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name
+
+
+def natural_sorted(names: Any) -> list[str]:
+    return sorted(set(names), key=natural_key)
+
+
+def parse_hostlist(text: str) -> list[str]:
+    """A Slurm hostlist (`gpu[001-004]`, `node[01,03-05]`, `a,b`) -> its node names, naturally sorted.
+    Raises ValueError with a one-line reason. Only the hostlist syntax is taken: no ClusterShell
+    group (`@rack1`) and no set operator (`!`, `&`, `^`), which Slurm would not understand either."""
+    spec = text.strip()
+    if not spec:
+        raise ValueError("empty hostlist")
+    if not _HOSTLIST_CHARS.fullmatch(spec):
+        bad = sorted({c for c in spec if not _HOSTLIST_CHARS.fullmatch(c)})
+        raise ValueError(f"bad hostlist {text!r}: character(s) {''.join(bad)!r} not allowed "
+                         "(a hostlist is names, ranges in [...] and commas, e.g. gpu[001-004],node07)")
+    count = _hostlist_size(spec)
+    if count > MAX_HOSTLIST_NODES:
+        raise ValueError(f"bad hostlist {text!r}: {count} nodes (at most {MAX_HOSTLIST_NODES})")
+    try:
+        names = list(NodeSet(spec, resolver=RESOLVER_NOGROUP))
+    except NodeSetException as exc:
+        raise ValueError(f"bad hostlist {text!r}: {' '.join(str(exc).split())}") from None
+    if not names or not all(_PLAIN_NODE.fullmatch(n) for n in names):
+        raise ValueError(f"bad hostlist {text!r}: it names no node")
+    return natural_sorted(names)
+
+
+_BRACKET = re.compile(r"\[([^\[\]]*)\]")
+
+
+def _hostlist_size(spec: str) -> int:
+    """How many names `spec` expands to, counted before anything is expanded (NodeSet would build a
+    `node[1-999999999]` in memory). An upper bound: a repeated name counts twice; malformed pieces
+    count 1 and are left to NodeSet to refuse."""
+    total, depth, start = 0, 0, 0
+    pieces = []
+    for i, c in enumerate(spec + ","):
+        depth += c == "["
+        depth -= c == "]"
+        if c == "," and depth == 0:
+            pieces.append(spec[start:i])
+            start = i + 1
+    for piece in pieces:
+        size = 1
+        for group in _BRACKET.findall(piece):
+            n = 0
+            for part in group.split(","):
+                lo, _, hi = part.partition("-")
+                n += int(hi) - int(lo) + 1 if lo.isdigit() and hi.isdigit() and int(hi) >= int(lo) else 1
+            size *= max(n, 1)
+        total += size
+    return total
+
+
+def _hostlist_arg(text: str) -> list[str]:
+    try:
+        return parse_hostlist(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def fold(names: Any) -> str:
+    """Node names as one folded Slurm hostlist (`gpu[001-004],node07`); names a hostlist cannot
+    carry (ledger data is not trusted to be tidy) are listed after it, one by one, in natural order."""
+    names = natural_sorted(names)
+    plain = [n for n in names if _PLAIN_NODE.fullmatch(n)]
+    other = [n for n in names if not _PLAIN_NODE.fullmatch(n)]
+    parts = []
+    if plain:
+        try:
+            parts.append(str(NodeSet.fromlist(plain, resolver=RESOLVER_NOGROUP)))
+        except NodeSetException:
+            parts += plain
+    return ",".join(parts + other)
+
+
+# --------------------------------------------------------------------------------------------------
 # formatting
-
-
-def ts(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return datetime.fromtimestamp(value, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def dur(value: float | None) -> str:
@@ -118,24 +210,24 @@ def cmd_status(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
         "actions_last_hour": last_hour, "budget_per_hour": args.budget,
         "waiting_approvals": [d.id for d in waiting],
         "open_incidents": [i.id for i in open_incidents],
-        "healthd_drained_nodes": sorted(drains),
+        "healthd_drained_nodes": natural_sorted(drains),
         "pending_actions": [a.id for a in led.pending_actions()],
     }
     lines = [f"mode:            {mode or 'unknown (no decision recorded yet)'}"]
     if b.open:
-        lines.append(f"breaker:         OPEN since {ts(b.opened_at)}: {b.cause} (nodes: {', '.join(b.nodes) or '-'})")
+        lines.append(f"breaker:         OPEN since {stamp(b.opened_at)}: {b.cause} (nodes: {fold(b.nodes) or '-'})")
         lines.append("                 no automatic action until `healthctl breaker reset --why ...`")
     else:
-        lines.append("breaker:         closed" + (f" (last reset {ts(b.reset_at)} by {b.reset_by}: {b.why})" if b.reset_at else ""))
+        lines.append("breaker:         closed" + (f" (last reset {stamp(b.reset_at)} by {b.reset_by}: {b.why})" if b.reset_at else ""))
     lines.append(f"actions (1h):    {last_hour}" + (f" of {args.budget}" if args.budget is not None else " (budget unknown; --budget N)"))
     lines.append(f"open incidents:  {len(open_incidents)}")
-    lines.append(f"drained by healthd: {', '.join(sorted(drains)) or 'none'}")
+    lines.append(f"drained by healthd: {fold(drains) or 'none'}")
     if doc["pending_actions"]:
         lines.append(f"planned, not yet applied: actions {', '.join(map(str, doc['pending_actions']))}")
     lines.append(f"waiting approval: {len(waiting)}")
     if waiting:
         lines += ["", *(table(["decision", "node", "kind", "tier", "decided", "reason"],
-                               [[d.id, d.node, d.kind, tier(d.tier), ts(d.decided_at), d.reason] for d in waiting]))]
+                               [[d.id, d.node, d.kind, tier(d.tier), stamp(d.decided_at), d.reason] for d in waiting]))]
     return doc, lines
 
 
@@ -154,8 +246,11 @@ def cmd_nodes(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
     for f in led.findings():
         nodes.setdefault(f.node, {"node": f.node, "incidents": 0, "open_incidents": [], "last_incident_at": None,
                                   "gpu_serials": set()})
+    wanted = set(args.hostlist) if getattr(args, "hostlist", None) else None
+    if wanted is not None:
+        nodes = {n: e for n, e in nodes.items() if n in wanted}
     rows = []
-    for n in sorted(nodes):
+    for n in natural_sorted(nodes):
         e = nodes[n]
         e["gpu_serials"] = sorted(e["gpu_serials"])
         e["healthd_drained"] = n in drains
@@ -163,18 +258,21 @@ def cmd_nodes(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
         acts = led.actions(node=n)
         e["last_action"] = None if not acts else {"id": acts[-1].id, "kind": acts[-1].kind, "status": acts[-1].status}
         rows.append([n, "drained by healthd" if n in drains else "-", e["incidents"],
-                     ",".join(map(str, e["open_incidents"])) or "-", ts(e["last_incident_at"]),
+                     ",".join(map(str, e["open_incidents"])) or "-", stamp(e["last_incident_at"]),
                      "-" if not acts else f"#{acts[-1].id} {acts[-1].kind} {acts[-1].status}"])
-    lines = table(["node", "healthd", "incidents", "open", "last incident", "last action"], rows) if rows else ["no nodes in the ledger"]
-    return [nodes[n] for n in sorted(nodes)], lines
+    empty = f"none of {fold(wanted)} in the ledger" if wanted is not None else "no nodes in the ledger"
+    lines = table(["node", "healthd", "incidents", "open", "last incident", "last action"], rows) if rows else [empty]
+    return [nodes[n] for n in natural_sorted(nodes)], lines
 
 
 def cmd_incidents(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
     incs = led.incidents()
     if args.open:
         incs = [i for i in incs if i.status not in CLOSED_INCIDENT_STATUSES]
+    if args.nodes:
+        incs = [i for i in incs if set(i.nodes) & set(args.nodes)]
     rows = [[i.id, i.status, i.signature, tier(i.tier), i.attribution,
-             ",".join(i.nodes) or "-", ",".join(i.gpu_serials) or "-", ts(i.first_evidence_at),
+             fold(i.nodes) or "-", ",".join(i.gpu_serials) or "-", stamp(i.first_evidence_at),
              dur(i.detection_latency), dur(i.recovery_time)] for i in incs]
     lines = table(["id", "status", "signature", "tier", "attribution", "nodes", "gpu serials", "first evidence",
                     "detect", "recovery"], rows) if rows else ["no incidents" + (" open" if args.open else "")]
@@ -239,12 +337,12 @@ def cmd_show(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
     g_nodes, g_gpus = inc.isolation_granularity
     out = [f"Incident {inc.id}: {inc.signature}  [{inc.status}]",
            f"  what:  {tier(inc.tier)}, attribution {inc.attribution}",
-           f"  where: node {', '.join(inc.nodes) or '-'}; GPU serial {', '.join(inc.gpu_serials) or '-'}"
+           f"  where: node {fold(inc.nodes) or '-'}; GPU serial {', '.join(inc.gpu_serials) or '-'}"
            + (f"; jobs {', '.join(inc.jobs)}" if inc.jobs else ""),
            "", "Timeline"]
     for label, at in (("first evidence", inc.first_evidence_at), ("detected", inc.detected_at), ("decided", inc.decided_at),
                       ("action applied", inc.action_applied_at), ("back in service", inc.back_in_service_at)):
-        out.append(f"  {label:<16} {ts(at)}")
+        out.append(f"  {label:<16} {stamp(at)}")
     out += [f"  detection latency:     {dur(inc.detection_latency)}   (first evidence -> detected)",
             f"  isolation granularity: {g_nodes} node{'s' if g_nodes != 1 else ''}, {g_gpus} GPU{'s' if g_gpus != 1 else ''}",
             f"  recovery time:         {dur(inc.recovery_time)}" + ("" if inc.recovery_time is not None else "   (not back in service yet)"),
@@ -268,25 +366,25 @@ def cmd_show(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
     for d in decisions:
         verdict = approvals[d.id]
         state = d.outcome if d.outcome != "refused" else f"REFUSED by {d.refused_gate}: {d.refused_reason}"
-        out.append(f"  #{d.id} {ts(d.decided_at)} {d.kind} {d.node} ({tier(d.tier)}, {d.mode} mode): {state}")
+        out.append(f"  #{d.id} {stamp(d.decided_at)} {d.kind} {d.node} ({tier(d.tier)}, {d.mode} mode): {state}")
         out.append(f"      reason: {d.reason}")
         if verdict is not None:
-            out.append(f"      {verdict.verdict}d by {verdict.operator} at {ts(verdict.at)}" + (f": {verdict.why}" if verdict.why else ""))
+            out.append(f"      {verdict.verdict}d by {verdict.operator} at {stamp(verdict.at)}" + (f": {verdict.why}" if verdict.why else ""))
     out += ["", "Actions"]
     if not actions:
         out.append("  none")
     for a in actions:
         when = {"applied": a.applied_at, "failed": a.failed_at, "undone": a.undone_at}.get(a.status, a.planned_at)
-        out.append(f"  #{a.id} {a.kind} {a.node}: {a.status} at {ts(when)}" + (f" ({a.outcome})" if a.outcome else ""))
+        out.append(f"  #{a.id} {a.kind} {a.node}: {a.status} at {stamp(when)}" + (f" ({a.outcome})" if a.outcome else ""))
         out.append(f"      $ {' '.join(_shell_quote(x) for x in a.argv)}")
     out += ["", "Reintegration"]
     if not reints:
         out.append("  none")
     for r in reints:
         who = f" by {r.operator}" + (f" ({r.why})" if r.why else "") if r.operator else ""
-        out.append(f"  #{r.id} {r.node}: {r.state}; {r.trigger}{who} at {ts(r.requested_at)}"
+        out.append(f"  #{r.id} {r.node}: {r.state}; {r.trigger}{who} at {stamp(r.requested_at)}"
                    + (f"; reservation {r.reservation}" if r.reservation else "")
-                   + (f"; probation until {ts(r.probation_until)}" if r.state == "probation" else ""))
+                   + (f"; probation until {stamp(r.probation_until)}" if r.state == "probation" else ""))
         for res in r.results if isinstance(r.results, list) else []:
             out.append(f"      {'PASS' if res.get('rc') == 0 else 'FAIL'} rc={res.get('rc')} {res.get('seconds', 0):.1f}s "
                        f"$ {' '.join(_shell_quote(str(x)) for x in res.get('argv', []))}")
@@ -315,10 +413,10 @@ def cmd_report(led: Ledger, args: argparse.Namespace) -> tuple[Any, list[str]]:
            "repeat_offenders": {"nodes": [_js(o) for o in by_node], "gpus": [_js(o) for o in by_gpu]},
            "false_positive_rate": {"approved": fp.approved, "rejected": fp.rejected, "rate": fp.rate},
            "mtbf": [_js(m) for m in mtbf], "latency": {k: _js(v) for k, v in pct.items()}}
-    out = [f"Report over the last {args.days:g} days ({ts(since)} .. {ts(now)})", "", "Repeat offenders by node"]
-    out += ["  " + r for r in table(["node", "incidents", "last"], [[o.key, o.incidents, ts(o.last_at)] for o in by_node])] if by_node else ["  none"]
+    out = [f"Report over the last {args.days:g} days ({stamp(since)} .. {stamp(now)})", "", "Repeat offenders by node"]
+    out += ["  " + r for r in table(["node", "incidents", "last"], [[o.key, o.incidents, stamp(o.last_at)] for o in by_node])] if by_node else ["  none"]
     out += ["", "Repeat offenders by GPU serial"]
-    out += ["  " + r for r in table(["gpu serial", "incidents", "last"], [[o.key, o.incidents, ts(o.last_at)] for o in by_gpu])] if by_gpu else ["  none"]
+    out += ["  " + r for r in table(["gpu serial", "incidents", "last"], [[o.key, o.incidents, stamp(o.last_at)] for o in by_gpu])] if by_gpu else ["  none"]
     rate = "n/a (nothing judged)" if fp.rate is None else f"{fp.rate * 100:.1f}%"
     out += ["", f"False-positive rate of observe-mode proposals: {rate}  ({fp.rejected} rejected, {fp.approved} approved)"]
     out += ["", "MTBF per node"]
@@ -351,12 +449,13 @@ CHANGE_COMMANDS: tuple[tuple[str, str, Any, bool, str], ...] = (
     ("approve", "id", int, False, "approve a waiting decision"),
     ("reject", "id", int, True, "reject a waiting decision"),
     ("undo", "id", int, True, "reverse an applied healthd action"),
-    ("repaired", "node", str, False, "mark a healthd-drained node repaired: it enters reintegration"),
+    ("repaired", "node", _hostlist_arg, False, "mark healthd-drained nodes (a Slurm hostlist) repaired: they enter reintegration"),
     ("close", "incident", int, True, "close an incident by hand (its evidence episode no longer counts)"),
-    ("release", "node", str, True, "hand a node healthd holds over to you (Slurm unchanged; never resumed)"),
+    ("release", "node", _hostlist_arg, True, "hand nodes healthd holds (a Slurm hostlist) over to you (Slurm unchanged; never resumed)"),
 )
 """The changes healthctl asks the controller for: command, its argument and type, whether --why is
-required (every reversal and hand-over says why; an approval or a repair may), help."""
+required (every reversal and hand-over says why; an approval or a repair may), help. A `node`
+argument is a Slurm hostlist: one request per node, in natural order."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -370,9 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     s = sub.add_parser("status", help="fleet summary")
     s.add_argument("--budget", type=int, default=None, help="the controller's max actions per hour, to show against")
-    sub.add_parser("nodes", help="nodes the ledger knows")
+    s = sub.add_parser("nodes", help="nodes the ledger knows")
+    s.add_argument("hostlist", nargs="?", type=_hostlist_arg, default=None,
+                   help="only these nodes (a Slurm hostlist: gpu[001-004],node07)")
     s = sub.add_parser("incidents", help="incidents")
     s.add_argument("--open", action="store_true", help="only those not closed")
+    s.add_argument("--nodes", type=_hostlist_arg, default=None, metavar="HOSTLIST",
+                   help="only incidents on these nodes (a Slurm hostlist)")
     s = sub.add_parser("show", help="one incident's evidence bundle")
     s.add_argument("incident", type=int)
     s = sub.add_parser("report", help="repeat offenders, false positives, MTBF, latencies")
@@ -388,17 +491,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _change_request(args: argparse.Namespace) -> dict[str, Any]:
+def _change_requests(args: argparse.Namespace) -> list[tuple[str | None, dict[str, Any]]]:
+    """(node or None, admin request) for each request the command makes: a hostlist makes one per node."""
+    if args.cmd in ("repaired", "release"):
+        return [(node, _change_request(args, node)) for node in args.node]
+    return [(None, _change_request(args))]
+
+
+def _change_request(args: argparse.Namespace, node: str | None = None) -> dict[str, Any]:
     if args.cmd in ("approve", "reject"):
         return {"cmd": args.cmd, "args": {"decision_id": args.id, "why": args.why}}
     if args.cmd == "undo":
         return {"cmd": "undo", "args": {"action_id": args.id, "why": args.why}}
     if args.cmd == "repaired":
-        return {"cmd": "repaired", "args": {"node": args.node, "why": args.why}}
+        return {"cmd": "repaired", "args": {"node": node, "why": args.why}}
     if args.cmd == "close":
         return {"cmd": "close", "args": {"incident_id": args.incident, "why": args.why}}
     if args.cmd == "release":
-        return {"cmd": "release", "args": {"node": args.node, "why": args.why}}
+        return {"cmd": "release", "args": {"node": node, "why": args.why}}
     return {"cmd": "breaker-reset", "args": {"why": args.why}}
 
 
@@ -428,7 +538,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print("\n".join(lines))
             return EXIT_OK
-        reply = call_admin(args.socket, _change_request(args))
+        requests = _change_requests(args)
+        if len(requests) > 1:
+            return _change_many(args, requests)
+        reply = call_admin(args.socket, requests[0][1])
     except Unreachable as exc:
         return _fail(EXIT_UNREACHABLE, str(exc))
     except AdminUnreachable as exc:
@@ -444,6 +557,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.json:
         print(reply.get("message", "ok"))
     return EXIT_OK
+
+
+def _change_many(args: argparse.Namespace, requests: list[tuple[str | None, dict[str, Any]]]) -> int:
+    """One request per node, in order. Each answer is one line (`node: message`, or the refusal on
+    stderr); the exit code is the worst: 3 when the controller could not be reached or was busy (the
+    nodes not sent are named), else 1 when any node was refused, else 0."""
+    results: list[dict[str, Any]] = []
+    worst = EXIT_OK
+    for i, (node, request) in enumerate(requests):
+        try:
+            reply = call_admin(args.socket, request)
+        except AdminUnreachable as exc:
+            rest = [n for n, _ in requests[i:] if n]
+            if args.json:
+                print(json.dumps(results, indent=2, sort_keys=True))
+            return _fail(EXIT_UNREACHABLE, f"{exc} (not sent for {fold(rest)})")
+        results.append({"node": node, "reply": reply})
+        message = str(reply.get("message") or reply.get("error") or ("ok" if reply.get("ok") else "refused"))
+        message = message.splitlines()[0] if message else message
+        if reply.get("ok"):
+            if not args.json:
+                print(f"{node}: {message}")
+            continue
+        if reply.get("error") in ("busy", "timeout"):
+            worst = EXIT_UNREACHABLE
+        elif worst == EXIT_OK:
+            worst = EXIT_REFUSED
+        sys.stderr.write(f"healthctl: {node}: {message}\n")
+    if args.json:
+        print(json.dumps(results, indent=2, sort_keys=True))
+    return worst
 
 
 if __name__ == "__main__":

@@ -24,8 +24,7 @@ from typing import Any, Callable
 from healthd import trusted as files
 from healthd.reason import MAX_REASON_BYTES, build_reason, is_healthd_reason, reason_bytes
 from healthd.text import clean
-from healthd import statedoc
-from healthd.statedoc import load_state
+from healthd.statedoc import Judgement, judge, load_state, pid_alive  # noqa: F401 - the hooks' names for them
 from healthd.trusted import SMALL_MAX_BYTES, TRUSTED_UID, TooLarge, Untrusted, read_bounded  # noqa: F401 - re-exported
 
 WATCHDOG_GRACE_S = 1.0
@@ -220,74 +219,6 @@ def write_json(path: str, doc: Any, mode: int = 0o644, *, root: str | None = Non
 # --------------------------------------------------------------------------- the agent's state
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@dataclass(frozen=True)
-class Judgement:
-    known: bool
-    """True only for a fresh document from a live agent on this node."""
-    reason: str
-    """Why the agent is unknown, or a one-line summary of what it says."""
-    doc: dict[str, Any] | None = None
-    age_s: float | None = None
-
-    @property
-    def findings(self) -> list[dict[str, Any]]:
-        if not self.known or self.doc is None:
-            return []
-        return [f for f in self.doc.get("findings", []) if isinstance(f, dict)]
-
-
-def judge(
-    doc: dict[str, Any] | None,
-    now: float,
-    settings: Any,
-    *,
-    node: str | None = None,
-    error: str = "",
-    pid_alive: Callable[[int], bool] = pid_alive,
-) -> Judgement:
-    """Is the agent's state document usable right now? Pure given `pid_alive`. `node` (default
-    settings.node_name) is the node the hook runs for; `error` says why `doc` is None."""
-    stale_after_s = settings.hooks.stale_after_s
-    node = node or settings.node_name
-
-    def unknown(why: str) -> Judgement:
-        return Judgement(False, f"agent unknown: {why}", doc)
-
-    if doc is None:
-        return unknown(error or "no state document")
-    t = statedoc.generated_at(doc)
-    if t is None:
-        return unknown(f"generated_at {clean(repr(doc.get('generated_at')), 60)} is not an RFC 3339 time")
-    age = now - t
-    if age > stale_after_s:
-        return unknown(f"state is {age:.0f}s old (hooks.stale_after_s {stale_after_s:g}): the agent is stopped or stuck")
-    if age < -stale_after_s:
-        return unknown(f"state is dated {-age:.0f}s in the future: the clock moved")
-    if doc.get("node") != node:
-        return unknown(f"state file is for node {clean(repr(doc.get('node')), 80)}, not {node}")
-    pid = statedoc.agent_pid(doc)
-    if pid is None:
-        return unknown("state has no agent pid")
-    if not pid_alive(pid):
-        return unknown(f"agent pid {pid} is not running")
-    findings = statedoc.findings(doc)
-    if findings is None:
-        return unknown("state has no findings list")
-    verdict = doc.get("verdict")
-    return Judgement(True, f"agent alive (pid {pid}, verdict {clean(verdict, 20)}, {len(findings)} finding(s), "
-                           f"state {max(age, 0.0):.1f}s old)", doc, age)
-
-
 # --------------------------------------------------------------------------- findings in a document
 
 
@@ -312,9 +243,9 @@ def slurm_error() -> type[Exception]:
 
 
 def take_node(ctx: "Context", reason: str) -> bool:
-    """Make sure the node is drained before a hook exits non-zero, so that Slurm keeps a reason a
-    person can read instead of writing 'Prolog error' / 'Epilog error' (Slurm keeps an existing drain
-    reason). Re-reads the node first: a reason someone else wrote is never overwritten, and the first
+    """Make sure the node is drained with a reason a person can read: before the prolog exits
+    non-zero (Slurm keeps an existing drain reason instead of writing 'Prolog error'), and for the
+    epilog's T1 finding, so the next job does not land here. Re-reads the node first: a reason someone else wrote is never overwritten, and the first
     'healthd:' reason wins. Returns True when the node is drained now (by anyone); False when it is
     not and could not be (Slurm unreachable or refusing, or a foreign reason on an undrained node)."""
     log, node = ctx.log, ctx.node

@@ -12,12 +12,13 @@
    controller's to resolve, and a reboot's next state RESUME would undo it) or carries a reason
    healthd did not write.
 
-Exit codes: 0, except 1 when the fresh agent state has a current T1 hardware finding, gating is
-`local` and the node is confirmed drained with a healthd reason (or someone else's). The non-zero
-exit is deliberate: it is Slurm's own way to keep the node from taking the next job in the window
-before the controller acts, and since the node is already drained Slurm keeps healthd's reason
-instead of writing "Epilog error". The job itself stays COMPLETED. With gating `off` the epilog only
-logs "would fail the epilog". Every doubtful case exits 0 with a log line -- a state file that is not
+4. A current T1 hardware finding in a fresh agent state, with gating `local`: the node is drained
+   with a healthd reason (or found drained by someone else, whose reason stays) before the next job
+   can land. With gating `controller` or `off` the epilog only logs "would drain the node".
+
+Exit code: always 0. The drain is what keeps the next job off the node; a non-zero exit would add
+nothing to it and would end Slurm's run of an `Epilog=<dir>/*` glob, skipping the site's epilogs
+that sort after healthd's. Every doubtful case exits 0 with a log line -- a state file that is not
 trusted (not root's, writable by group or others, a link) among them: then nothing is charged,
 requested or drained. Every file is read and written without following a link at any level below
 the run directory (healthd.trusted); one that cannot be is logged and skipped.
@@ -47,7 +48,7 @@ from healthd.text import clean, iso
 from healthd.trusted import TRUSTED_UID, TrustedDir, split_path
 
 HOOK = "healthd-epilog"
-OK, DRAIN = 0, 1
+OK = 0
 WHEN_IDLE = ("reboot-when-idle", "reset-gpu-when-idle")
 REQUESTS_DIR = "requests"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
@@ -97,13 +98,13 @@ def epilog(ctx: Context) -> int:
         return OK
     reason = healthd_reason(summary(t1[0]), f"[job {job}]" if job else "")
     if h.gating != "local":
-        log.warning(f"would fail the epilog (drain the node): {reason} (hooks.gating {h.gating}: "
+        log.warning(f"would drain the node: {reason} (hooks.gating {h.gating}: "
                     f"{'the controller decides' if h.gating == 'controller' else 'report only'})")
         return OK
     if take_node(ctx, reason):
-        log.error(f"epilog exits 1 (node drained): {reason}")
-        return DRAIN
-    log.warning(f"epilog exits 0 although {summary(t1[0])}: the node could not be drained first")
+        log.error(f"node drained for a T1 hardware finding: {reason}")
+    else:
+        log.warning(f"the node could not be drained although {summary(t1[0])}")
     return OK
 
 

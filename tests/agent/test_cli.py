@@ -8,19 +8,13 @@ import json
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.support.agent_node import HEALTHD, Node
-from tests.support.fake_nvml import build_fake_nvml, write_nvml_config
+from tests.support.fake_nvml import write_nvml_config
 from tests.support.ib_tree import set_state
 from tests.support.polling import read_text, scrape, wait_for
-
-
-@pytest.fixture(scope="session")
-def fake_nvml_dir(tmp_path_factory) -> Path:
-    return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
 
 
 @pytest.fixture
@@ -259,3 +253,113 @@ def test_validate_passes_a_healthy_node_and_fails_one_with_a_t1_finding(node, tm
     assert p.returncode == 1 and "FAIL healthd check: failed: xid 79" in p.stdout, p.stdout
     assert "dcgmi" not in p.stdout
     assert not node.state_dir.exists()  # validation writes nothing on the node
+
+
+# ----------------------------------------------------------------------------- --format nagios, `healthd state`
+
+
+def _nagios(node: Node, *args: str, with_nvml: bool = True) -> tuple[int, str, str]:
+    p = subprocess.run([HEALTHD, *args, "--format", "nagios", "--config", str(node.config)],
+                       capture_output=True, text=True, env=node.env(with_nvml), timeout=60)
+    return p.returncode, p.stdout, p.stderr
+
+
+def _one_plugin_line(out: str) -> tuple[str, str]:
+    """The plugin output is exactly one line with exactly one `|`: (text, perfdata)."""
+    assert out.endswith("\n") and out.count("\n") == 1, repr(out)
+    assert out.count("|") == 1, repr(out)
+    text, perf = out.rstrip("\n").split(" | ")
+    return text, perf
+
+
+def test_once_format_nagios_prints_one_plugin_line_with_perfdata_per_verdict(node):
+    rc, out, err = _nagios(node, "--dry-run", "--once")
+    assert rc == 0, err
+    assert _one_plugin_line(out) == ("HEALTHD OK - node01: healthy, no findings",
+                                     "findings=0;;; t1=0;;; t2=0;;; t3=0;;; gpus=8;;;")
+
+    node.gpus[5]["remapped_rows.pending"] = 1
+    write_nvml_config(node.nvml_values, node.gpus)
+    rc, out, err = _nagios(node, "--dry-run", "--once")
+    assert rc == 1, err
+    assert _one_plugin_line(out) == ("HEALTHD WARNING - node01: 1 T2 finding: gpu5: row remapping pending (reset the GPU to apply)",
+                                     "findings=1;;; t1=0;;; t2=1;;; t3=0;;; gpus=8;;;")
+
+    bus3 = node.gpus[3]["bus_id"][4:].lower().rsplit(".", 1)[0]
+    node.xid(bus3, 79, "pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+    node.xid("0000:18:00", 31, "pid=1, name=python3, Ch 00000010, intr 10000000. MMU Fault: ENGINE GRAPHICS")
+    # a finding whose text comes from outside: a filesystem path with a `|` and a newline in it
+    node.write_config(host={"filesystems": [{"path": "/nonexistent/ck|pt\nHEALTHD OK - fine", "role": "checkpoint"}]})
+    # `healthd --once` (not a dry run): one real pass, the state file written, the same single line
+    rc, out, err = _nagios(node, "--once")
+    assert rc == 2, err
+    text, perf = _one_plugin_line(out)
+    assert text.startswith("HEALTHD CRITICAL - node01: 2 T1 findings: "), text
+    assert "checkpoint filesystem /nonexistent/ck/pt?HEALTHD OK - fine is not mounted" in text, text
+    assert "xid 79 gpu3: fell off the bus" in text and "xid 31" not in text  # the worst tier is named
+    assert perf == "findings=4;;; t1=2;;; t2=1;;; t3=1;;; gpus=8;;;"
+    assert node.state()["verdict"] == "failed"
+
+
+def test_once_format_nagios_unknown_on_a_bad_config_is_still_one_line(node):
+    node.config.write_text("nvml: {expected_gpus: eight}\n")
+    rc, out, err = _nagios(node, "--dry-run", "--once")
+    assert rc == 3
+    assert out.count("\n") == 1 and "|" not in out, repr(out)
+    assert out.startswith("HEALTHD UNKNOWN - cannot check: ") and "nvml.expected_gpus" in out, out
+
+
+def test_state_reports_the_running_agent_and_unknown_when_it_is_gone(node):
+    """`healthd state` reads only the state file (no NVML library in its environment here)."""
+    rc, out, _ = _nagios(node, "state", with_nvml=False)
+    assert rc == 3 and out.startswith("HEALTHD UNKNOWN - agent unknown: state file ") and "is missing" in out, out
+    assert "|" not in out  # no document, no perfdata
+
+    proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=node.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(node.state, lambda d: d["verdict"] == "healthy" and d["agent"]["pid"] == proc.pid)
+        rc, out, err = _nagios(node, "state", with_nvml=False)
+        assert rc == 0, err
+        assert _one_plugin_line(out)[0] == "HEALTHD OK - node01: healthy, no findings"
+        p = subprocess.run([HEALTHD, "state", "--format", "json", "--config", str(node.config)],
+                           capture_output=True, text=True, env=node.env(False), timeout=60)
+        doc = json.loads(p.stdout)
+        assert p.returncode == 0 and doc["known"] is True and doc["verdict"] == "healthy", p.stdout
+        assert doc["state"]["agent"]["pid"] == proc.pid
+
+        bus = node.gpus[2]["bus_id"][4:].lower().rsplit(".", 1)[0]
+        node.xid(bus, 79, "pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+        wait_for(node.state, lambda d: d["verdict"] == "failed")
+        rc, out, _ = _nagios(node, "state", with_nvml=False)
+        assert rc == 2 and _one_plugin_line(out)[0] == "HEALTHD CRITICAL - node01: 1 T1 finding: xid 79 gpu2: fell off the bus"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=15)
+    # the agent is gone, its last document stays: unknown (as the hooks judge it), with its perfdata
+    rc, out, _ = _nagios(node, "state", with_nvml=False)
+    text, perf = _one_plugin_line(out)
+    assert rc == 3 and text == f"HEALTHD UNKNOWN - agent unknown: agent pid {proc.pid} is not running", out
+    assert perf == "findings=1;;; t1=1;;; t2=0;;; t3=0;;; gpus=8;;;"
+    p = subprocess.run([HEALTHD, "state", "--config", str(node.config)], capture_output=True, text=True,
+                       env=node.env(False), timeout=60)
+    assert p.returncode == 3 and f"agent unknown: agent pid {proc.pid} is not running" in p.stdout
+
+
+def test_render_nagios_never_lets_a_document_break_the_line():
+    from healthd.agent.render import render_nagios
+
+    hostile = {"node": "n|1\nx", "verdict": "failed", "gpus": [{}, {}],
+               "findings": [{"tier": 1, "id": "a", "summary": "bad | thing\r\nHEALTHD OK - all fine | t1=0"},
+                            {"tier": "1", "id": "b"}, "not a finding", {"tier": True, "summary": "x" * 5000}]}
+    line, code = render_nagios(hostile)
+    assert code == 2 and "\n" not in line and "\r" not in line and line.count("|") == 1, line
+    assert line.startswith("HEALTHD CRITICAL - n/1?x: 1 T1 finding: bad / thing??HEALTHD OK - all fine / t1=0 | ")
+    assert line.endswith(" | findings=3;;; t1=1;;; t2=0;;; t3=0;;; gpus=2;;;") and len(line) < 800
+    many = {"node": "n", "verdict": "degraded", "findings": [{"tier": 2, "id": f"f{i}", "summary": f"s{i}"} for i in range(5)]}
+    assert render_nagios(many) == ("HEALTHD WARNING - n: 5 T2 findings: s0; s1; s2; and 2 more | "
+                                   "findings=5;;; t1=0;;; t2=5;;; t3=0;;;", 1)
+    assert render_nagios({"node": "n", "verdict": ["x"], "findings": None})[1] == 3
+    assert render_nagios({"node": "n", "verdict": "unknown", "findings": []}) == (
+        "HEALTHD UNKNOWN - n: unknown, no source could be read | findings=0;;; t1=0;;; t2=0;;; t3=0;;;", 3)
+    assert render_nagios(None, "agent unknown: x | y\nz") == ("HEALTHD UNKNOWN - agent unknown: x / y?z", 3)

@@ -19,7 +19,7 @@ from healthd.controller.admin import serve_admin_socket
 from healthd.controller.ledger import Ledger
 from tests.support.tmpdirs import shared_tmpdir
 
-T0 = 1_700_000_000.0  # 2023-11-14 22:13:20Z
+T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
 NOW = T0 + 100
 DAY = 86400.0
 SERIAL = "1650923012345"
@@ -165,10 +165,10 @@ def test_show(world, capsys):
     assert "detection latency:     1.5s" in out
     assert "isolation granularity: 1 node, 1 GPU" in out
     assert "recovery time:         -   (not back in service yet)" in out
-    assert "first evidence   2023-11-14 22:13:20Z" in out
+    assert "first evidence   2023-11-14T22:13:20Z" in out
     assert XID_LINE in out
     assert "REFUSED by rate-limit: 10 node-removing actions in the last hour (max 10)" in out
-    assert f"#{ids['action']} drain node02: applied at 2023-11-14 22:13:25Z (scontrol rc=0)" in out
+    assert f"#{ids['action']} drain node02: applied at 2023-11-14T22:13:25Z (scontrol rc=0)" in out
     assert "$ scontrol update NodeName=node02 State=DRAIN 'Reason=healthd: GPU fell off the bus (Xid 79) [#2]'" in out
     assert f"`healthctl repaired node02`; if healthd was wrong, `healthctl undo {ids['action']} --why ...`" in out
     code, out, _ = run(capsys, "--ledger", str(path), "--json", "show", str(ids["incident"]))
@@ -292,3 +292,107 @@ def test_any_local_user_may_read(world):
         )
     assert code.returncode == 0, code.stderr
     assert json.loads(code.stdout)["actions"][0]["argv"] == DRAIN_ARGV
+
+
+# ----------------------------------------------------------------------------- Slurm hostlists
+
+
+def test_parse_hostlist_expands_slurm_hostlists_in_natural_order():
+    assert healthctl.parse_hostlist("gpu[001-004]") == ["gpu001", "gpu002", "gpu003", "gpu004"]
+    assert healthctl.parse_hostlist("node[01,03-05]") == ["node01", "node03", "node04", "node05"]
+    assert healthctl.parse_hostlist(" node10,node2,node[1-2] ") == ["node1", "node2", "node10"]
+    assert healthctl.parse_hostlist("rack[1-2]-gpu[1-2]") == ["rack1-gpu1", "rack1-gpu2", "rack2-gpu1", "rack2-gpu2"]
+    assert healthctl.parse_hostlist("login.cluster") == ["login.cluster"]
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("gpu[001-", "missing bracket"),
+    ("gpu[3-1]", "invalid values in range"),
+    ("gpu[a-b]", "bad range"),
+    ("node]", "illegal closing bracket"),
+    ("a,,b", "missing nodeset operand"),
+    ("", "empty hostlist"),
+    ("@rack1", "character(s) '@' not allowed"),
+    ("node[1-3]!node2", "character(s) '!' not allowed"),
+    ("node1;reboot", "character(s) ';' not allowed"),
+    ("node 1", "character(s) ' ' not allowed"),
+    ("node[1-999999999]", "999999999 nodes (at most 100000)"),
+])
+def test_bad_hostlists_are_refused_with_one_line(spec, says):
+    with pytest.raises(ValueError) as exc:
+        healthctl.parse_hostlist(spec)
+    assert says in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_fold_prints_node_lists_folded_and_naturally_sorted():
+    assert healthctl.fold(["node10", "node2", "node3", "node1"]) == "node[1-3,10]"
+    assert healthctl.fold(["gpu004", "gpu001", "gpu002", "gpu003", "login1"]) == "gpu[001-004],login1"
+    assert healthctl.fold([]) == ""
+    # a name a hostlist cannot carry is listed as it is, after the folded ones
+    assert healthctl.fold(["node2", "odd[name", "node1"]) == "node[1-2],odd[name"
+    assert healthctl.natural_sorted(["node10", "node9", "node1", "node10"]) == ["node1", "node9", "node10"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["repaired", "node[02-"],
+    ["release", "node[3-1]", "--why", "x"],
+    ["nodes", "@all"],
+    ["incidents", "--nodes", "node[1-2"],
+])
+def test_a_bad_hostlist_is_a_usage_error_and_asks_nothing(argv, capsys, tmp_path):
+    # the socket and ledger do not exist: exit 2 (not 3) shows nothing was opened or sent
+    code, out, err = run(capsys, "--socket", str(tmp_path / "none.sock"), "--ledger", str(tmp_path / "none.db"), *argv)
+    assert code == 2 and out == "", err
+    assert err.startswith("healthctl: argument ") and "bad hostlist" in err and err.count("\n") == 1, err
+
+
+def _drain(led: Ledger, node: str, at: float) -> None:
+    inc = led.open_incident("xid:79", attribution="hardware", tier="1", nodes=[node], gpu_serials=[f"S-{node}"],
+                            first_evidence_at=at, detected_at=at, at=at)
+    d = led.record_decision(node=node, kind="drain", tier="1", mode="auto", reason=f"healthd: xid 79 [#{inc.id}]",
+                            outcome="allowed", incident_id=inc.id, at=at)
+    act = led.plan_action(decision_id=d.id, idempotency_key=f"drain:{node}:{inc.id}", node=node, partition="gpu",
+                          kind="drain", argv=["scontrol", "update", f"NodeName={node}", "State=DRAIN"], at=at)
+    led.mark_applied(act.id, "scontrol rc=0", at=at)
+
+
+def test_hostlists_in_reads_and_changes(tmp_path: Path, capsys):
+    with shared_tmpdir("healthctl-hl-") as sockdir, Ledger(tmp_path / "ledger.db") as led:
+        populate(led)
+        for node in ("node10", "node09"):
+            _drain(led, node, T0 + 10)
+        path = str(tmp_path / "ledger.db")
+        code, out, _ = run(capsys, "--ledger", path, "--now", str(NOW), "status")
+        assert code == 0 and "drained by healthd: node[02,09-10]" in out
+        doc = json.loads(run(capsys, "--ledger", path, "--now", str(NOW), "--json", "status")[1])
+        assert doc["healthd_drained_nodes"] == ["node02", "node09", "node10"]
+
+        code, out, _ = run(capsys, "--ledger", path, "nodes")
+        assert [line.split()[0] for line in out.splitlines()[1:]] == ["node01", "node02", "node03", "node09", "node10"]
+        code, out, _ = run(capsys, "--ledger", path, "nodes", "node[09-10,99]")
+        assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == ["node09", "node10"]
+        code, out, _ = run(capsys, "--ledger", path, "--json", "nodes", "node[09-10]")
+        assert [n["node"] for n in json.loads(out)] == ["node09", "node10"]
+        code, out, _ = run(capsys, "--ledger", path, "nodes", "node[98-99]")
+        assert code == 0 and out.strip() == "none of node[98-99] in the ledger"
+        code, out, _ = run(capsys, "--ledger", path, "--json", "incidents", "--nodes", "node[03,09]")
+        assert sorted(n for i in json.loads(out) for n in i["nodes"]) == ["node03", "node09"]
+
+        with serve_admin_socket(str(sockdir / "admin.sock"), led) as srv:
+            code, out, err = run(capsys, "--socket", srv.path, "--json", "release", "node[09-10]", "--why", "vendor RMA")
+            assert code == 0 and err == ""
+            assert [r["node"] for r in json.loads(out)] == ["node09", "node10"]
+            assert all(r["reply"]["ok"] for r in json.loads(out))
+            code, out, err = run(capsys, "--socket", srv.path, "repaired", "node[10-11],node02", "--why", "GPUs swapped")
+            # one request per node, in natural order: node02 is healthd's and enters reintegration; node10
+            # was just released and node11 never was healthd's: both refused, each in one line
+            assert code == 1
+            assert out.startswith("node02: node02 enters reintegration") and out.count("\n") == 1, out
+            assert err.splitlines() == ["healthctl: node10: node10 is not drained by healthd; healthd never resumes a drain it did not make",
+                                        "healthctl: node11: node11 is not drained by healthd; healthd never resumes a drain it did not make"], err
+            assert [n for n in ("node02", "node10", "node11") if led.active_reintegration(n)] == ["node02"]
+        code, out, _ = run(capsys, "--ledger", path, "--now", str(NOW), "status")
+        assert "drained by healthd: node02" in out
+    # the controller gone: exit 3, and the nodes not asked are named
+    code, _, err = run(capsys, "--socket", str(sockdir / "admin.sock"), "repaired", "node[01-03]")
+    assert code == 3 and err.count("\n") == 1 and "(not sent for node[01-03])" in err, err

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from healthd import trusted as files
-from healthd.hooks.common import judge
+from healthd.statedoc import judge
 from healthd.statedoc import load_state
 from healthd.trusted import TrustedDir, Untrusted, split_path
 from healthd.hooks.prolog import gate

@@ -252,13 +252,15 @@ def test_epilog_asks_no_reboot_over_a_foreign_reason_or_with_gating_off(node):
     assert rc == 0 and node.writes() == [] and "someone else's reason" in err
 
 
-def test_epilog_exits_1_on_a_t1_hardware_finding_only_with_gating_local(node):
+def test_epilog_drains_on_a_t1_hardware_finding_only_with_gating_local_and_exits_0(node):
     node.write_state(state_doc(findings=[T1_GPU1]))
     rc, err, _ = node.run("healthd-epilog", node.epilog_env(job="35"))
-    assert rc == 0 and "would fail the epilog (drain the node): healthd: xid 79 gpu1: fell off the bus [job 35]" in err
+    assert rc == 0 and "would drain the node: healthd: xid 79 gpu1: fell off the bus [job 35]" in err
+    assert node.writes() == []
     node.write_config(gating="local")
     rc, err, _ = node.run("healthd-epilog", node.epilog_env(job="36"))
-    assert rc == 1, err
+    # exit 0: the drain keeps the next job off; a non-zero exit would skip the site's epilogs after ours
+    assert rc == 0 and "node drained for a T1 hardware finding: healthd: xid 79 gpu1" in err, err
     assert node.slurm_node()["reason"] == "healthd: xid 79 gpu1: fell off the bus [job 36]"
     assert all(w[0] == "update" for w in node.writes())  # no reboot request over a T1 drain
 

@@ -30,8 +30,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,7 +45,7 @@ from tests.support.fake_nvml import build_fake_nvml, healthy_node, write_nvml_co
 from tests.support.ib_tree import make_ndr_node
 from tests.support.journal import write_journal
 from tests.support.polling import poll
-from tests.support.slurm_cluster import SlurmCluster, SlurmClusterError
+from tests.support.slurm_cluster import SlurmCluster, SlurmClusterError, ensure_installed
 
 T = TypeVar("T")
 
@@ -305,12 +307,23 @@ class HealthdNode:
 
 
 class HooksCluster:
-    def __init__(self, root: Path, venv_bin: Path):
+    """hook_dirs=True: the layout next to a site's own prologs and epilogs (slurm/slurm.conf.snippet):
+    slurm.conf says `Prolog=<root>/prolog.d/*` and `Epilog=<root>/epilog.d/*`, and the wrapper is
+    linked in as prolog.d/healthd-prolog and epilog.d/healthd-epilog (HealthCheckProgram stays
+    bin/healthd-healthcheck). A test adds the site's scripts with `site_script`."""
+
+    def __init__(self, root: Path, venv_bin: Path, *, hook_dirs: bool = False):
         self.root = Path(root)
         self.venv_bin = Path(venv_bin)
         self.bin = self.root / "bin"
         self.release_dir = self.root / "release"
+        self.hook_dirs = hook_dirs
+        self.prolog_d = self.root / "prolog.d"
+        self.epilog_d = self.root / "epilog.d"
         self.hooks = {key: str(self.bin / name) for key, name in HOOK_NAMES.items()}
+        if hook_dirs:
+            self.hooks["Prolog"] = f"{self.prolog_d}/*"
+            self.hooks["Epilog"] = f"{self.epilog_d}/*"
         self.cluster = SlurmCluster(self.root / "slurm", hooks=self.hooks, health_check_interval=HEALTH_CHECK_INTERVAL,
                                     extra_conf=EXTRA_CONF)
         self.nvml_dir = self.root / "nvml"
@@ -353,6 +366,45 @@ class HooksCluster:
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to("healthd-hook")
+        if self.hook_dirs:
+            # as installed next to a site's scripts: /etc/slurm/prolog.d/healthd-prolog -> ../healthd-hook
+            for d, name in ((self.prolog_d, HOOK_NAMES["Prolog"]), (self.epilog_d, HOOK_NAMES["Epilog"])):
+                d.mkdir(exist_ok=True)
+                d.chmod(0o755)
+                link = d / name
+                if link.is_symlink() or link.exists():
+                    link.unlink()
+                link.symlink_to(f"../{self.bin.name}/healthd-hook")
+
+    def site_script(self, directory: Path, name: str, body: str = "") -> Path:
+        """A site's own prolog or epilog in prolog.d / epilog.d: appends one line
+        `<name> <SLURM_SCRIPT_CONTEXT> <job> <node> <none|open|done>` to <root>/site-marks.log (the
+        last field: the state of healthd's binding of the job at that moment), then runs `body`."""
+        path = directory / name
+        jobs = f"{self.root}/nodes/$SLURMD_NODENAME/run/healthd/jobs"
+        path.write_text(
+            "#!/bin/sh\n"
+            "# the 5th field says where healthd's binding of the job was: not yet written (before healthd's\n"
+            "# prolog), open (after it), done (after healthd's epilog)\n"
+            f'b=none; [ -e "{jobs}/$SLURM_JOB_ID.json" ] && b=open; [ -e "{jobs}/done/$SLURM_JOB_ID.json" ] && b=done\n'
+            f'echo "{name} $SLURM_SCRIPT_CONTEXT $SLURM_JOB_ID $SLURMD_NODENAME $b" >>{self.site_marks_path}\n'
+            f"{body}\n"
+        )
+        path.chmod(0o755)
+        return path
+
+    @property
+    def site_marks_path(self) -> Path:
+        return self.root / "site-marks.log"
+
+    def site_marks(self, job: str | None = None) -> list[tuple[str, ...]]:
+        """(script, context, job, node, binding) per line of site-marks.log, in the order they ran."""
+        try:
+            lines = self.site_marks_path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        out = [tuple((line.split() + [""] * 5)[:5]) for line in lines if line.strip()]
+        return [m for m in out if job is None or m[2] == job]
 
     def stop(self) -> None:
         errors = []
@@ -498,3 +550,33 @@ class HooksCluster:
         parts.append("--- slurmctld (tail)\n" + "\n".join(self.ctld_log().splitlines()[-20:]))
         parts += [n.diagnostics() for n in self.nodes.values()]
         return "\n".join(parts)
+
+
+@contextmanager
+def running_cluster(request: Any, label: str, venv_bin: Path,
+                    prepare: Callable[["HooksCluster"], None] | None = None, **kw: Any) -> Iterator["HooksCluster"]:
+    """A started HooksCluster (`prepare` runs before the start) in its own directory under /tmp, NOT
+    under pytest's basetemp: every pytest session that starts on this machine chmods
+    /tmp/pytest-of-root back to 0700, which locks slurmctld (SlurmUser=slurm) out of the munge socket
+    in the middle of a run ("Munge encode failed: ... Permission denied"). Removed at the end unless
+    a test failed (then its path is printed, logs and all)."""
+    for name in ("healthd", *HOOK_NAMES.values()):
+        assert (venv_bin / name).is_file(), f"{venv_bin / name} missing: `make deps` installs the console scripts"
+    ensure_installed()
+    failed_before = request.session.testsfailed
+    root = Path(tempfile.mkdtemp(prefix=f"healthd-{label}-", dir="/tmp"))
+    root.chmod(0o755)
+    cluster = HooksCluster(root, venv_bin, **kw)
+    try:
+        with hard_limit(120, "starting 4 agents and the cluster"):
+            if prepare is not None:
+                prepare(cluster)
+            cluster.start()
+        yield cluster
+    finally:
+        with hard_limit(60, "stopping the agents and the cluster"):
+            cluster.stop()
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"\n{label}: kept {root} (logs: slurm/log/, nodes/*/hooks.log, nodes/*/agent.log)")

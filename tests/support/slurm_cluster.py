@@ -160,6 +160,11 @@ def version_specific_config(version: tuple[int, int]) -> tuple[list[str], str | 
     return slurm_conf, cgroup_conf
 
 
+def is_glob(path: str) -> bool:
+    """A hook path that is a glob(7) pattern (`Prolog=/etc/slurm/prolog.d/*`): slurmd runs every match."""
+    return any(c in str(path) for c in "*?[")
+
+
 def _node_names(count: int) -> list[str]:
     return [f"node{i:02d}" for i in range(1, count + 1)]
 
@@ -234,6 +239,8 @@ class SlurmCluster:
     hooks: slurm.conf key -> absolute path of an executable, for the keys in HOOK_KEYS; a key left
         out is not configured. health_check_interval: HealthCheckInterval when a HealthCheckProgram is
         given (0: only when slurmd starts).
+        A hook path may also be a glob (`<dir>/prolog.d/*`, for Prolog and Epilog): it is written as
+        is and slurmd runs every match (see is_glob); only its directory has to exist.
     extra_conf: slurm.conf lines; `Key=Value` for a generated key replaces its value, others are added.
     port_base: slurmctld's port; node k listens on port_base+k. None: the first free block, picked by
         up() under a machine-wide lock (until then port_base is a provisional value). slurm_user: SlurmUser (drains made by
@@ -530,6 +537,11 @@ class SlurmCluster:
                     "whose parents are searchable (e.g. under /tmp)"
                 )
         for key, path in self.hooks.items():
+            if is_glob(path):
+                # Prolog=/etc/slurm/prolog.d/* style: slurmd runs every match; the directory must exist
+                if not Path(path).parent.is_dir():
+                    raise SlurmClusterError(f"hooks[{key!r}] = {path}: {Path(path).parent} is not a directory")
+                continue
             if not os.access(path, os.X_OK):
                 raise SlurmClusterError(f"hooks[{key!r}] = {path}: not an executable file")
         busy = [p for p in (self.ctld_port, *(self.node_port(n) for n in self.nodes)) if not _port_free(p)]

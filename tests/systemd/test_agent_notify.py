@@ -12,15 +12,10 @@ import time
 import pytest
 
 from tests.support.agent_node import HEALTHD, Node
-from tests.support.fake_nvml import build_fake_nvml, write_nvml_config
+from tests.support.fake_nvml import write_nvml_config
 from tests.support.sdnotify import watchdog_silence
 
 PERIOD_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def fake_nvml_dir(tmp_path_factory):
-    return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
 
 
 @pytest.fixture

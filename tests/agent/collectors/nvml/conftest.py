@@ -19,14 +19,9 @@ import pynvml
 import pytest
 
 from healthd.agent.collectors.nvml import NvmlCollector
-from tests.support.fake_nvml import LIBRARY_NAME, build_fake_nvml
+from tests.support.fake_nvml import LIBRARY_NAME
 
 REPO = Path(__file__).resolve().parents[4]
-
-
-@pytest.fixture(scope="session")
-def fake_nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
 
 
 @pytest.fixture(scope="session")
