@@ -8,12 +8,20 @@ PYTHON ?= python3
 # slurm-wlm/munge: the local Slurm cluster of tests/slurm (tests/support/slurm_cluster.py, make slurm-up)
 # prometheus: promtool, for `promtool check metrics` on real scrapes and `promtool test rules` (tests/observability)
 APT_PACKAGES := gcc pkg-config libsystemd-dev systemd-journal-remote systemd python3-venv python3-dev slurm-wlm munge prometheus
+# systemd-container/debootstrap: the units under a real systemd, PID 1 of a systemd-nspawn container
+# (tests/systemd/test_units_real_systemd.py) booted from a cached root file system (make nspawn-rootfs);
+# iproute2: ss, for the controller's listen backlog there
+APT_PACKAGES += systemd-container debootstrap iproute2
+# python3-apt: Ansible's apt module (tests/ansible) runs under /usr/bin/python3; python3-systemd: the
+# distribution's journal binding that the compiler-free rollout test's venvs see (--system-site-packages)
+APT_PACKAGES += python3-apt python3-systemd
 STAMP_APT := $(VENV)/.apt-stamp
 STAMP_PIP := $(VENV)/.pip-stamp
 # state directory of the local test cluster started by `make slurm-up`
 SLURM_ROOT ?= /tmp/healthd-slurm
 
 .PHONY: all deps test demo demo-node bench clean lint slurm-up slurm-down
+.PHONY: nspawn-rootfs
 
 all: test
 
@@ -36,11 +44,17 @@ $(STAMP_PIP): $(STAMP_APT) pyproject.toml
 
 deps: $(STAMP_PIP)
 
-test: deps lint
+test: deps lint nspawn-rootfs
 	$(PY) -m pytest -q
 
 lint: deps
 	$(PY) -m ruff check healthd tests bench demo
+
+# the container root file system for tests/systemd (debootstrap minbase of this machine's Debian
+# release, ~200 MB, about a minute): built once under build/nspawn/, keyed by a hash of what it
+# installs, a no-op while that is unchanged
+nspawn-rootfs: deps
+	$(PY) -m tests.systemd.nspawn build
 
 # the fault drill: 4-node Slurm + an agent per node + healthd-controller in auto (demo/fault_drill.py)
 demo: deps

@@ -68,6 +68,7 @@ LINGER_S = 2.0
 WRITE_BUFFER_HIGH = 256 * 1024  # a client that pipelines without reading answers: stop reading it
 REFUSALS_PER_ACCEPT = 256  # refused in one accept() call at most, so a flood cannot hold the loop
 DEFAULT_MAX_CONNECTIONS = 4096
+LISTEN_BACKLOG = 1024
 DEFAULT_MAX_CONNECTIONS_PER_PEER = 32
 LOG_INTERVAL_S = 10.0
 """At most one log line per reason (refusal, timeout, malformed request) per this many seconds."""
@@ -557,7 +558,7 @@ class ControllerHTTPServer:
         self.max_connections = max_connections
         self.max_connections_per_peer = max_connections_per_peer
         # backlog 1024 (http.server's was 5): a fleet's reports arrive in bursts after a round
-        self.socket = _listen(host, int(port), backlog=1024)
+        self.socket = _listen(host, int(port), backlog=LISTEN_BACKLOG)
         self.socket.admit = self._admit
         self.server_address = self.socket.getsockname()
         self.nofile = check_nofile(nofile_needed(max_connections))
@@ -610,7 +611,8 @@ class ControllerHTTPServer:
                 self._stop.set()
         self._pool = concurrent.futures.ThreadPoolExecutor(self._request_threads, thread_name_prefix="healthd-controller-request")
         loop.set_exception_handler(self._loop_exception)
-        server = await loop.create_server(lambda: _Connection(self), sock=self.socket)
+        # create_server listen()s again with its own backlog (100 unless given): pass ours
+        server = await loop.create_server(lambda: _Connection(self), sock=self.socket, backlog=LISTEN_BACKLOG)
         self._started.set()
         self._flusher = loop.call_later(self._rlog.interval_s, self._flush_log)
         try:

@@ -68,6 +68,8 @@ def test_agent_unit_keeps_what_the_agent_needs():
     for dev in ("char-nvidia-frontend", "/dev/nvidiactl", "char-nvidia-uvm", "/dev/kmsg"):
         assert dev in allowed
     assert "-/var/lib/node_exporter/textfile" in d["ReadWritePaths"]
+    # ProtectSystem=strict alone leaves /home and /root writable (test_units_real_systemd proves both)
+    assert d["ProtectHome"] == ["read-only"]
     # these would break the agent: /dev/kmsg, other processes' /proc, /dev/nvidia*
     assert "ProtectKernelLogs" not in d and "ProtectProc" not in d and "PrivateDevices" not in d
     assert directives("healthd-controller.service")["CapabilityBoundingSet"] == [""]
