@@ -138,6 +138,7 @@ class FleetHarness:
 
     policy: the controller config's `policy` mapping (mode, breaker_*, max_actions_per_hour, ...).
     extra_config: further top-level controller config keys (e.g. `reintegration`).
+    agent_config: further top-level keys of every agent's config (e.g. `classify`).
     round_s: the controller's round period (its hidden --interval flag).
     agent_interval_s / heartbeat_s: the agents' collector period and report heartbeat.
     requeue_delay_s / sched_interval_s: Slurm's AuthInfo cred_expire (how long a requeued job waits
@@ -146,13 +147,15 @@ class FleetHarness:
     """
 
     def __init__(self, nodes: int = 4, gpus_per_node: int = 4, *, policy: Mapping[str, Any] | None = None,
-                 extra_config: Mapping[str, Any] | None = None, round_s: float = 0.5,
+                 extra_config: Mapping[str, Any] | None = None, agent_config: Mapping[str, Any] | None = None,
+                 round_s: float = 0.5,
                  agent_interval_s: float = 5.0, heartbeat_s: float = 5.0, requeue_delay_s: int = 10,
                  sched_interval_s: int = 2, log: Callable[[str], None] | None = None):
         self.node_count = nodes
         self.gpus_per_node = gpus_per_node
         self.policy = dict(policy or {"mode": "auto"})
         self.extra_config = dict(extra_config or {})
+        self.agent_config = dict(agent_config or {})
         self.round_s = round_s
         self.agent_interval_s = agent_interval_s
         self.heartbeat_s = heartbeat_s
@@ -300,6 +303,7 @@ class FleetHarness:
             "metrics": {"textfile": str(root / "healthd.prom")},
             "controller": {"url": self.url, "munge_socket": self.munge.socket(name),
                            "heartbeat_s": self.heartbeat_s, "backoff_max_s": 5.0, "timeout_s": 5.0},
+            **self.agent_config,
         }
         node.config.write_text(json.dumps(doc, indent=2) + "\n")  # JSON is YAML
         return node

@@ -175,14 +175,14 @@ def container_python(root: Path) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-HOME_PATHS = ("/home", "/root", "/run/user")  # what ProtectHome= hides
+HIDDEN_PATHS = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")  # what ProtectHome= and PrivateTmp= hide
 
 
 def container_path(path: str | Path, alias: str) -> str:
-    """Where a host directory is bound in the container: at its own path, unless ProtectHome= would
-    hide it from a unit (a checkout under /root or /home), then at `alias`."""
+    """Where a host directory is bound in the container: at its own path, unless the units' sandbox
+    would hide it from them (a checkout under /root, /home or /tmp), then at `alias`."""
     path = str(path)
-    return alias if any(path == h or path.startswith(h + "/") for h in HOME_PATHS) else path
+    return alias if any(path == h or path.startswith(h + "/") for h in HIDDEN_PATHS) else path
 
 
 def venv_binds() -> list[tuple[str, str]]:
