@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 _UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+_DIGITS = re.compile(r"(\d+)")
 
 
 def clean(value: Any, limit: int = 200) -> str:
@@ -30,6 +31,13 @@ def stamp(ts: float | None) -> str:
         return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     except (OverflowError, OSError, ValueError):
         return f"<time {ts!r} out of range>"
+
+
+def natural_key(name: str) -> tuple[Any, ...]:
+    """Sort key for names with numbers in them: node2 < node10 < node10a, mlx5_2 < mlx5_10; equal
+    numbers with different padding (node1, node01) by their text."""
+    parts = _DIGITS.split(name)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name
 
 
 def parse_time(value: Any) -> float | None:

@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from healthd.text import clean, iso, parse_time, stamp
+from healthd.text import clean, iso, natural_key, parse_time, stamp
 
 
 def test_stamp_is_utc_iso_to_the_second():
@@ -30,3 +30,8 @@ def test_iso_and_parse_time_round_trip():
 
 def test_clean_is_one_printable_line():
     assert clean("a\nb\x00c" + "x" * 300, 10) == "a?b?cxx..."
+
+
+def test_natural_key_orders_numbers_by_value():
+    names = ["node10", "node2", "mlx5_10", "mlx5_2", "node01", "node1", "node10a", "a"]
+    assert sorted(names, key=natural_key) == ["a", "mlx5_2", "mlx5_10", "node01", "node1", "node2", "node10", "node10a"]

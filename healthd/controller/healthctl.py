@@ -32,7 +32,7 @@ from healthd.config import ConfigError
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES, REMEDIATION_KINDS, Incident, Ledger, LedgerError
 from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
-from healthd.text import stamp, table
+from healthd.text import natural_key, stamp, table
 
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
 DEFAULT_SOCKET = "/run/healthd/controller.sock"  # ... and its `admin_socket` default
@@ -64,15 +64,6 @@ MAX_HOSTLIST_NODES = 100_000
 """A hostlist naming more nodes than this is refused (`node[1-999999999]` is a typo, not a fleet)."""
 _HOSTLIST_CHARS = re.compile(r"[A-Za-z0-9._,\[\]-]+")
 _PLAIN_NODE = re.compile(r"[A-Za-z0-9._-]+")
-_DIGITS = re.compile(r"(\d+)")
-
-
-def natural_key(name: str) -> tuple[Any, ...]:
-    """node2 < node10 < node10a; equal numbers with different padding (node1, node01) by their text."""
-    parts = _DIGITS.split(name)
-    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name
-
-
 def natural_sorted(names: Any) -> list[str]:
     return sorted(set(names), key=natural_key)
 

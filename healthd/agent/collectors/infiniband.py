@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from healthd.agent.collectors.counters import Baseline, counter_delta
 from healthd.model import CounterDelta, InfinibandSample, PortSample
 from healthd.persist import read_boot_id
+from healthd.text import natural_key
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +117,6 @@ def _read(path: str) -> str:
     return data.decode("utf-8")
 
 
-def _natural_key(name: str) -> list[tuple[int, int | str]]:
-    """mlx5_2 before mlx5_10; port 2 before port 10."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part]
-
-
 class InfinibandCollector:
     """Reads every port of every HCA under `sysfs_root` once per collect()."""
 
@@ -166,7 +162,7 @@ class InfinibandCollector:
 
         root = self.sysfs_root
         try:
-            devices = sorted(os.listdir(root), key=_natural_key)
+            devices = sorted(os.listdir(root), key=natural_key)
         except FileNotFoundError:
             return InfinibandSample(status="no_data", detail=f"no InfiniBand HCA ({root} absent)", boot_id=boot_id, time=now)
         except OSError as exc:
@@ -181,7 +177,7 @@ class InfinibandCollector:
         for dev in devices:
             ports_dir = f"{root}/{dev}/ports"
             try:
-                names = sorted(os.listdir(ports_dir), key=_natural_key)
+                names = sorted(os.listdir(ports_dir), key=natural_key)
             except FileNotFoundError:
                 continue
             except OSError as exc:
