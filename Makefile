@@ -48,7 +48,7 @@ test: deps lint nspawn-rootfs
 	$(PY) -m pytest -q
 
 lint: deps
-	$(PY) -m ruff check healthd tests bench demo
+	$(PY) -m ruff check healthd healthd_inband.py tests bench demo
 
 # the container root file system for tests/systemd (debootstrap minbase of this machine's Debian
 # release, ~200 MB, about a minute): built once under build/nspawn/, keyed by a hash of what it
@@ -68,6 +68,7 @@ bench: deps
 	$(PY) bench/agent_tick.py
 	$(PY) bench/kernel_lines.py
 	$(PY) bench/hooks.py
+	$(PY) bench/inband_client.py
 	$(PY) bench/controller_path.py
 	$(PY) bench/xid_to_drain.py
 
