@@ -39,7 +39,7 @@ $(STAMP_PIP): $(STAMP_APT) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# compat: a plain .pth path entry; the default editable finder adds ~12 ms to every interpreter start (the hooks)
-	$(PIP) install -q -e '.[test]' --config-settings editable_mode=compat
+	$(PIP) install -q -e '.[test,inband]' --config-settings editable_mode=compat
 	@touch $@
 
 deps: $(STAMP_PIP)
@@ -69,6 +69,8 @@ bench: deps
 	$(PY) bench/kernel_lines.py
 	$(PY) bench/hooks.py
 	$(PY) bench/inband_client.py
+	$(PY) bench/inband_detect.py
+	$(PY) bench/inband_job.py
 	$(PY) bench/controller_path.py
 	$(PY) bench/xid_to_drain.py
 

@@ -40,10 +40,15 @@ ENV_CAPACITY = "HEALTHD_INBAND_CAPACITY"
 
 MAGIC = b"HDINBAND"
 VERSION = 1
-HEADER = struct.Struct("<8sHHHHIiiiiiQQ32s32xQ")
+HEADER = struct.Struct("<8sHHHHIiiiiiQQ32sIIQ16xQ")
 """magic, version, header size, record size, flags, capacity, pid, rank, local rank, world size,
-device, start wall ns, start monotonic ns, job id (ASCII, NUL-padded), 32 reserved bytes, head (the
-last published sequence number). 128 bytes, little-endian."""
+device, start wall ns, start monotonic ns, job id (ASCII, NUL-padded), phase, reserved, phase start
+(monotonic ns), 16 reserved bytes, head (the last published sequence number). 128 bytes,
+little-endian."""
+PHASE_OFFSET = 88
+PHASE = struct.Struct("<IIQ")
+"""What the rank is doing now, and since when: what tells a hung rank from the ranks waiting for it
+(they are inside a collective, it is not). Written on entering and leaving a block, never read back."""
 HEAD_OFFSET = 120
 HEAD = struct.Struct("<Q")
 RECORD_SIZE = 64
@@ -56,6 +61,8 @@ BODY_OFFSET = 8
 TAIL_OFFSET = 56
 
 STEP, WAIT, CKPT_BEGIN, CKPT_END, DURABLE, RESTORED = 1, 2, 3, 4, 5, 6
+PHASE_COMPUTE, PHASE_WAIT, PHASE_CHECKPOINT = 1, 2, 3
+"""Header phases (0: not yet known)."""
 KINDS = {STEP: "step", WAIT: "wait", CKPT_BEGIN: "checkpoint_begin", CKPT_END: "checkpoint_end",
          DURABLE: "durable", RESTORED: "restored"}
 FLAG_ERROR = 1
@@ -172,7 +179,7 @@ class _Ring:
             self.start_mono_ns = time.monotonic_ns()
             HEADER.pack_into(self.mm, 0, MAGIC, VERSION, HEADER.size, RECORD_SIZE, 0, self.capacity, os.getpid(),
                              self.rank, self.local_rank, self.world_size, self.device, self.start_wall_ns,
-                             self.start_mono_ns, job, 0)
+                             self.start_mono_ns, job, PHASE_COMPUTE, 0, self.start_mono_ns, 0)
             # A new process of the same rank replaces the ring in one rename: a reader sees the old
             # ring or the new one, never a half-written header.
             os.rename(tmp, self.path)
@@ -190,6 +197,7 @@ class _Ring:
         self.lock = threading.Lock()
         self.pack_seq = SEQ.pack_into
         self.pack_body = BODY.pack
+        self.pack_phase = PHASE.pack_into
 
     def record(self, kind: int, step_no: int, dur_ns: int, wait_ns: int, flags: int = 0,
                mono: int | None = None) -> None:
@@ -221,8 +229,21 @@ class _Ring:
         n = _as_int(n)
         self.record(STEP, n, mono - last if last else 0, waited, 0, mono)
         self.step_no = n
+        if self.in_wait:  # a DDP step's all-reduce is done; a wait() block already said compute
+            self.in_wait = False
+            self.pack_phase(self.mm, PHASE_OFFSET, PHASE_COMPUTE, 0, mono)
 
     step_no = -1
+
+    in_wait = False
+    """A DDP bucket was handed to the all-reduce in this step (the phase word says wait)."""
+
+    def enter_wait(self, mono: int) -> None:
+        # From the DDP hook: the first bucket of a step marks the wait; backward goes on, but a rank
+        # that stops from here on is stopped inside the all-reduce's reach, like its peers.
+        if not self.in_wait:
+            self.in_wait = True
+            self.pack_phase(self.mm, PHASE_OFFSET, PHASE_WAIT, 0, mono)
 
     def add_wait(self, ns: int) -> None:
         # From the DDP hook's callback thread, without the lock: a race with step() can drop one
@@ -264,11 +285,13 @@ class _Timed:
         self.ring, self.kind, self.n = ring, kind, n
 
     def __enter__(self) -> None:
+        ring = self.ring
+        self.t0 = t0 = time.monotonic_ns()
         if self.kind == CKPT_END:
-            self.t0 = time.monotonic_ns()
-            self.ring.record(CKPT_BEGIN, self.n, 0, 0, 0, self.t0)
+            ring.record(CKPT_BEGIN, self.n, 0, 0, 0, t0)
+            ring.pack_phase(ring.mm, PHASE_OFFSET, PHASE_CHECKPOINT, 0, t0)
         else:
-            self.t0 = time.monotonic_ns()
+            ring.pack_phase(ring.mm, PHASE_OFFSET, PHASE_WAIT, 0, t0)
         return None
 
     def __exit__(self, exc_type: Any, *_exc: Any) -> None:
@@ -282,6 +305,7 @@ class _Timed:
                 ring.record(WAIT, ring.step_no, dur, ring.wait_ns, flags, mono)
             else:
                 ring.record(CKPT_END, self.n, dur, 0, flags, mono)
+            ring.pack_phase(ring.mm, PHASE_OFFSET, PHASE_COMPUTE, 0, mono)
         except Exception:  # noqa: BLE001 - never raise into the training script
             pass
         return None
@@ -308,8 +332,11 @@ def torch_ddp_hook(model: Any, hook: Any = None, state: Any = None) -> Any:
     inner = hook if hook is not None else default_hooks.allreduce_hook
     monotonic_ns = time.monotonic_ns
 
-    def timed(hook_state: Any, bucket: Any) -> Any:
+    # No annotations: DDP checks a hook's annotations and, under `from __future__ import annotations`,
+    # would find the string "Any" where it wants dist.GradBucket, and refuse the hook.
+    def timed(hook_state, bucket):
         t0 = monotonic_ns()
+        ring.enter_wait(t0)
         fut = inner(hook_state, bucket)
 
         def done(f: Any) -> Any:

@@ -34,6 +34,20 @@ node produces:
   256. Every string must be encodable as UTF-8 (a lone surrogate cannot be written to the ledger).
 * evidence data (the fields beside `kind` and `text`) and unknown extra fields: JSON values at most
   4 levels deep and 1,024 values per item, object keys up to 128 characters.
+* the in-band section (`inband`, training progress per job: healthd.progress's values as the agent
+  reads them from the jobs' step records): `MAX_INBAND_JOBS` (64) jobs, `MAX_INBAND_RANKS` (1,024) ranks
+  per job entry (and as many stragglers, behind ranks and phases), `MAX_INBAND_WINDOWS` (16) windows
+  per rank (the agent keeps `history_windows`, 8 by default), `MAX_INBAND_WAITS` (256) per-step waits
+  per window (sent only for jobs under 16 ranks; one per step of a window, 50 by default),
+  `MAX_INBAND_CORROBORATION` (8) corroborating lines per rank (summary length) and
+  `MAX_INBAND_ERRORS` (32) error lines per job (text length). Ranks are below `MAX_WORLD_SIZE`
+  (2^24), a world size -1 (unknown) or up to it, a GPU index -1 (unknown) to `MAX_GPU_INDEX`;
+  durations and ages are non-negative and at most `MAX_INBAND_SECONDS`; a wait is such a duration or
+  -1 (not recorded); a rank, a window of a rank and a job appear once. Much of it is what a job
+  writes in its own step records, so the agent's fit leaves out a job entry that does not pass on
+  its own rather than the whole section. An honest node (8 GPUs, a few
+  jobs of at most 64 ranks each) sends well under 100 KB of it; when a report would not fit
+  `MAX_DOCUMENT_BYTES`, the agent leaves the in-band section out before any finding (`fit_report`).
 * the document's size: `MAX_DOCUMENT_BYTES`, the envelope's byte cap (envelope.DEFAULT_MAX_BYTES) less
   room for the envelope itself, so that a document the agent fits to it always travels. The check
   here adds up a lower bound of the canonical JSON length while it walks; the envelope's cap (413,
@@ -64,6 +78,7 @@ from typing import Any, get_args
 
 from healthd.envelope import DEFAULT_MAX_BYTES, MAX_CREDENTIAL_CHARS, NODE_NAME
 from healthd.model import ACTION_SEVERITY, ACTIONS, ATTRIBUTIONS, TIERS, TS_MAX, VERDICTS, ComponentKind, Source, Status
+from healthd.progress import Phase
 from healthd.reason import MAX_REASON_BYTES
 
 # --------------------------------------------------------------------------- the vocabularies
@@ -74,9 +89,12 @@ COMPONENT_KINDS: tuple[str, ...] = get_args(ComponentKind)
 SOURCE_STATUSES: tuple[str, ...] = get_args(Status)
 GPU_STATES: tuple[str, ...] = ("ok", "lost")
 """healthd.agent.daemon's `gpus[].state`."""
-EVIDENCE_KINDS: tuple[str, ...] = ("log_line", "counter", "nvml_value", "probe", "state", "history", "config")
+EVIDENCE_KINDS: tuple[str, ...] = ("log_line", "counter", "nvml_value", "probe", "state", "history", "config", "inband")
 """The kinds the agent writes today; any short lowercase word is accepted (see the module doc)."""
 REQUEST_KIND = "drain-request"
+PHASES: tuple[str, ...] = get_args(Phase)
+"""healthd.progress's phases of a rank (`inband.jobs[].ranks[].phase`, a hang's `phases`)."""
+STRAGGLER_TESTS: tuple[str, ...] = ("magnitude", "rank-order")
 
 # --------------------------------------------------------------------------- the limits
 
@@ -114,6 +132,16 @@ envelope.MAX_CREDENTIAL_CHARS), the node name and the envelope's own keys."""
 MAX_DOCUMENT_BYTES = DEFAULT_MAX_BYTES - ENVELOPE_RESERVE_BYTES
 """The canonical JSON of a document may be at most this long (the agent fits its reports to it)."""
 MAX_ERROR_CHARS = 300
+MAX_INBAND_JOBS = 64
+MAX_INBAND_RANKS = 1024
+MAX_INBAND_WINDOWS = 16
+MAX_INBAND_WAITS = 256
+MAX_INBAND_CORROBORATION = 8
+MAX_INBAND_ERRORS = 32
+MAX_WORLD_SIZE = 2**24
+MAX_INBAND_SECONDS = 1e9
+"""Any in-band duration or age (about 31 years): more is a broken clock or garbage."""
+MAX_EFFECT = 1e6
 
 assert ENVELOPE_RESERVE_BYTES > MAX_CREDENTIAL_CHARS + 64 + 128
 
@@ -471,6 +499,92 @@ class _Check:
         for i, name in enumerate(self.items(v, path, MAX_NO_DATA, "names")):
             self.text(name, f"{path}[{i}]", MAX_SHORT_CHARS)
 
+    # -- the in-band section (healthd.progress values, per job) ----------------------------------------
+
+    def waits(self, v: Any, path: str) -> None:
+        if v is None:
+            self.size += 4
+            return
+        for i, w in enumerate(self.items(v, path, MAX_INBAND_WAITS, "waits")):
+            # -1: a step the rank did not record (healthd.progress.RankWindow.waits)
+            if (type(w) is not float and type(w) is not int) or not (0 <= w <= MAX_INBAND_SECONDS or w == -1):
+                raise self.fail(f"{path}[{i}]", f"expected a number 0-{MAX_INBAND_SECONDS:g} or -1, found {_show(w)}")
+            self.size += 1
+
+    def inband_windows(self, v: Any, path: str) -> None:
+        seen: dict[int, int] = {}
+        for i, w in enumerate(self.items(v, path, MAX_INBAND_WINDOWS, "windows")):
+            here = f"{path}[{i}]"
+            number = self.fields(w, here, _INBAND_WINDOW, _INBAND_WINDOW_REQUIRED)["window"]
+            if number in seen:
+                raise self.fail(f"{here}.window", f"duplicates {path}[{seen[number]}].window {number}")
+            seen[number] = i
+
+    def window_numbers(self, v: Any, path: str) -> None:
+        for i, w in enumerate(self.items(v, path, MAX_INBAND_WINDOWS, "windows")):
+            self.integer(w, f"{path}[{i}]", 0, MAX_COUNT)
+
+    def rank_numbers(self, v: Any, path: str) -> None:
+        for i, r in enumerate(self.items(v, path, MAX_INBAND_RANKS, "ranks")):
+            self.integer(r, f"{path}[{i}]", 0, MAX_WORLD_SIZE - 1)
+
+    def short_texts(self, v: Any, path: str, limit: int, chars: int) -> None:
+        for i, t in enumerate(self.items(v, path, limit, "strings")):
+            self.text(t, f"{path}[{i}]", chars)
+
+    def corroboration(self, v: Any, path: str) -> None:
+        self.short_texts(v, path, MAX_INBAND_CORROBORATION, MAX_SUMMARY_CHARS)
+
+    def inband_errors(self, v: Any, path: str) -> None:
+        self.short_texts(v, path, MAX_INBAND_ERRORS, MAX_TEXT_CHARS)
+
+    def phases(self, v: Any, path: str) -> None:
+        doc = self.obj(v, path)
+        if len(doc) > MAX_INBAND_RANKS:
+            raise self.fail(path, f"{len(doc)} ranks, over the limit of {MAX_INBAND_RANKS}")
+        for k, phase in doc.items():
+            if not isinstance(k, str) or not k.isdigit() or not k.isascii() or len(k) > 8 \
+                    or int(k) >= MAX_WORLD_SIZE:
+                raise self.fail(path, f"key {_show(k)} is not a rank number")
+            self.size += len(k) + 3
+            self.choice(phase, _at(path, k), PHASES)
+
+    def hang(self, v: Any, path: str) -> None:
+        if v is None:
+            self.size += 4
+            return
+        self.fields(v, path, _INBAND_HANG, _INBAND_HANG_REQUIRED)
+
+    def inband_ranks(self, v: Any, path: str) -> None:
+        seen: dict[int, int] = {}
+        for i, r in enumerate(self.items(v, path, MAX_INBAND_RANKS, "ranks")):
+            here = f"{path}[{i}]"
+            number = self.fields(r, here, _INBAND_RANK, _INBAND_RANK_REQUIRED)["rank"]
+            if number in seen:
+                raise self.fail(f"{here}.rank", f"duplicates {path}[{seen[number]}].rank {number}")
+            seen[number] = i
+
+    def inband_stragglers(self, v: Any, path: str) -> None:
+        for i, s in enumerate(self.items(v, path, MAX_INBAND_RANKS, "stragglers")):
+            self.fields(s, f"{path}[{i}]", _INBAND_STRAGGLER, _INBAND_STRAGGLER_REQUIRED)
+
+    def job_id(self, v: Any, path: str) -> None:
+        if v is None:
+            raise self.fail(path, "expected a Slurm job id (digits), found null")
+        self.job(v, path)
+
+    def inband_jobs(self, v: Any, path: str) -> None:
+        seen: dict[str, int] = {}
+        for i, j in enumerate(self.items(v, path, MAX_INBAND_JOBS, "jobs")):
+            here = f"{path}[{i}]"
+            job = self.fields(j, here, _INBAND_JOB, _INBAND_JOB_REQUIRED)["job"]
+            if job in seen:
+                raise self.fail(f"{here}.job", f"duplicates {path}[{seen[job]}].job {_show(job)}")
+            seen[job] = i
+
+    def inband(self, v: Any, path: str) -> None:
+        self.fields(v, path, _INBAND, ("jobs",))
+
     def node(self, v: Any, path: str) -> None:
         if not isinstance(v, str) or not NODE_NAME.fullmatch(v):
             raise self.fail(path, f"expected a node name (hostname), found {_show(v)}")
@@ -577,6 +691,72 @@ _WOULD_DO: dict[str, Any] = {
     "tier": _int(min(TIERS), max(TIERS)),
 }
 
+_INBAND_WINDOW: dict[str, Any] = {
+    "window": _int(0, MAX_COUNT),
+    "steps": _int(0, MAX_COUNT),
+    "compute_s": _num(0.0, MAX_INBAND_SECONDS),
+    "step_s": _num(0.0, MAX_INBAND_SECONDS),
+    "wait_s": _num(0.0, MAX_INBAND_SECONDS),
+    "waits": _call(_Check.waits),
+}
+_INBAND_WINDOW_REQUIRED = ("window", "steps", "compute_s", "step_s", "wait_s")
+
+_INBAND_RANK: dict[str, Any] = {
+    "rank": _int(0, MAX_WORLD_SIZE - 1),
+    "local_rank": _int(0, MAX_WORLD_SIZE - 1, nullable=True),
+    "gpu": _int(-1, MAX_GPU_INDEX, nullable=True),
+    "pid": _int(0, MAX_PID, nullable=True),
+    "last_step": _int(-1, MAX_COUNT),
+    "last_step_age_s": _num(0.0, MAX_INBAND_SECONDS),
+    "phase": _choice(PHASES),
+    "phase_age_s": _num(0.0, MAX_INBAND_SECONDS),
+    "step_median_s": _num(0.0, MAX_INBAND_SECONDS, nullable=True),
+    "longest_save_s": _num(0.0, MAX_INBAND_SECONDS),
+    "restored": _int(-1, MAX_COUNT, nullable=True),
+    "durable": _int(-1, MAX_COUNT, nullable=True),
+    "lost": _int(0, MAX_COUNT),
+    "torn": _int(0, MAX_COUNT),
+    "rail": _text(MAX_NAME_CHARS, nullable=True),
+    "corroboration": _call(_Check.corroboration),
+    "windows": _call(_Check.inband_windows),
+}
+_INBAND_RANK_REQUIRED = ("rank", "last_step", "last_step_age_s", "phase")
+
+_INBAND_STRAGGLER: dict[str, Any] = {
+    "rank": _int(0, MAX_WORLD_SIZE - 1),
+    "test": _choice(STRAGGLER_TESTS),
+    "windows": _call(_Check.window_numbers),
+    "effect": _num(-1.0, MAX_EFFECT),
+    "threshold": _num(0.0, MAX_EFFECT),
+    "last_in": _int(0, MAX_COUNT),
+    "of_steps": _int(0, MAX_COUNT),
+    "p_value": _num(0.0, 1.0, nullable=True),
+}
+_INBAND_STRAGGLER_REQUIRED = ("rank", "test", "windows", "effect", "threshold")
+
+_INBAND_HANG: dict[str, Any] = {
+    "step": _int(-1, MAX_COUNT),
+    "stalled_s": _num(0.0, MAX_INBAND_SECONDS),
+    "bound_s": _num(0.0, MAX_INBAND_SECONDS),
+    "behind": _call(_Check.rank_numbers),
+    "phases": _call(_Check.phases),
+}
+_INBAND_HANG_REQUIRED = ("step", "stalled_s", "bound_s", "behind")
+
+_INBAND_JOB: dict[str, Any] = {
+    "job": _call(_Check.job_id),
+    "world_size": _int(-1, MAX_WORLD_SIZE),
+    "ranks_here": _int(0, MAX_WORLD_SIZE),
+    "step_median_s": _num(0.0, MAX_INBAND_SECONDS, nullable=True),
+    "ranks": _call(_Check.inband_ranks),
+    "stragglers": _call(_Check.inband_stragglers),
+    "hang": _call(_Check.hang),
+    "errors": _call(_Check.inband_errors),
+}
+_INBAND_JOB_REQUIRED = ("job", "ranks")
+
+_INBAND: dict[str, Any] = {"jobs": _call(_Check.inband_jobs)}
+
 _REPORT: dict[str, Any] = {
     "node": _call(_Check.node),
     "verdict": _choice(VERDICTS),
@@ -589,6 +769,7 @@ _REPORT: dict[str, Any] = {
     "findings": _call(_Check.findings),
     "would_do": _call(_Check.would_do),
     "findings_dropped": _int(0, MAX_DROPPED),
+    "inband": _call(_Check.inband),
 }
 REPORT_REQUIRED: tuple[str, ...] = ("node", "verdict", "findings")
 OPTIONAL_SECTIONS: tuple[str, ...] = tuple(k for k in _REPORT if k not in REPORT_REQUIRED)
@@ -734,6 +915,22 @@ def fit_report(doc: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
         return doc, f"cannot be fitted: {type(exc).__name__}"
 
 
+def _fit_inband(section: Any) -> tuple[dict[str, Any], int] | None:
+    """The in-band jobs that pass on their own (one job's garbage costs that job only), and how many
+    were left out; None when none is left."""
+    jobs = section.get("jobs") if isinstance(section, dict) else None
+    if not isinstance(jobs, (list, tuple)):
+        return None
+    kept: list[Any] = []
+    seen: set[str] = set()
+    for job in jobs:
+        if len(kept) < MAX_INBAND_JOBS and _fits(_Check().fields, job, "job", _INBAND_JOB, _INBAND_JOB_REQUIRED) \
+                and job["job"] not in seen:
+            seen.add(job["job"])
+            kept.append(job)
+    return ({"jobs": kept}, len(jobs) - len(kept)) if kept else None
+
+
 def _refit(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
     notes: list[str] = []
     out: dict[str, Any] = {}
@@ -743,6 +940,9 @@ def _refit(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
             continue
         if k in REPORT_REQUIRED or (k in _REPORT and _fits(_Check().fields, {k: v}, "", {k: _REPORT[k]}, ())):
             out[k] = v
+        elif k == "inband" and (kept := _fit_inband(v)) is not None:
+            out[k], left_out = kept
+            notes.append(f"{left_out} in-band job(s) that do not fit")
         elif k not in _REPORT and extras < MAX_EXTRA_KEYS and _fits(_Check().extra, k, v, "", 0):
             out[k] = v
             extras += 1
@@ -782,6 +982,12 @@ def _refit(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
     result = assemble(ranked)
     size = canonical_size(result)
+    if size > MAX_DOCUMENT_BYTES and "inband" in out:
+        # the controller decides on findings: training progress goes before any finding does
+        del out["inband"]
+        notes.append("field inband (over the size limit)")
+        result = assemble(ranked)
+        size = canonical_size(result)
     too_big = 0
     if size > MAX_DOCUMENT_BYTES:
         # leave out the weakest findings until it fits: one canonical size per finding, then a prefix

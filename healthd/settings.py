@@ -195,6 +195,58 @@ class HookSettings:
 
 
 @dataclass(frozen=True)
+class DetectorSettings:
+    """The in-band detector's thresholds (healthd.progress): node config `inband.detector`, and the
+    controller's `inband` section for the job-wide comparison."""
+
+    window_steps: int = 25
+    """Steps per window; windows are aligned by step number across ranks."""
+    min_effect: float = 0.05
+    """The smallest slowdown flagged: 0.05 is a rank whose compute is 5 % above the job's median."""
+    mad_k: float = 4.0
+    """How many robust standard deviations (1.4826 x MAD across ranks) a slow rank must exceed."""
+    consecutive: int = 2
+    """Slow windows in a row before the magnitude test flags a rank."""
+    min_ranks_spread: int = 16
+    """Below this many ranks the spread is pooled over the recent windows of all ranks, and the
+    rank-order test runs too."""
+    rank_order_p: float = 1e-4
+    """The rank-order test's significance: a rank last this improbably often under no straggler."""
+    rank_order_consecutive: int = 3
+    """Windows in a row the rank-order test must flag before it counts (few ranks on few cores are
+    biased: one rank is often last for scheduling reasons alone)."""
+    history_windows: int = 8
+    """Complete windows kept per rank (and sent in reports)."""
+    hang_factor: float = 10.0
+    """A hang is no new step for this many median step times..."""
+    hang_min_s: float = 60.0
+    """...and at least this long."""
+    phase_factor: float = 5.0
+    """During a save, the bound is this many times the longest save the job has made so far, when
+    that is longer than the bound above."""
+    first_save_s: float = 1800.0
+    """During the job's first save (no save seen yet to learn from), the bound is at least this."""
+
+
+@dataclass(frozen=True)
+class InbandSettings:
+    """In-band signals: the training job's own step records (healthd_inband), read by the agent."""
+
+    enabled: bool = True
+    """The prolog creates a directory per job (`<hooks.run_dir>/inband/<job>`, the job user's, 0700),
+    the TaskProlog exports it as HEALTHD_INBAND_DIR, the epilog archives it, the agent reads it.
+    false: none of this (a job's calls stay no-ops)."""
+    keep_jobs: int = 16
+    """Ended jobs' in-band directories kept in `<hooks.run_dir>/inband/done` (the oldest go first)."""
+    max_ranks: int = 64
+    """Rings read per job on this node; a directory holding more is read up to this many."""
+    pci_devices: str = "/sys/bus/pci/devices"
+    """Where the PCI devices are listed: a GPU's network rail is the HCA (infiniband.sysfs_root)
+    behind the same PCIe switch, found by comparing their paths in the PCIe tree."""
+    detector: DetectorSettings = field(default_factory=DetectorSettings)
+
+
+@dataclass(frozen=True)
 class ControllerClientSettings:
     """The agent's side of the controller transport: signed reports pushed over HTTP."""
 
@@ -231,3 +283,4 @@ class Settings:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     hooks: HookSettings = field(default_factory=HookSettings)
     controller: ControllerClientSettings = field(default_factory=ControllerClientSettings)
+    inband: InbandSettings = field(default_factory=InbandSettings)

@@ -34,7 +34,9 @@ from healthd.agent.reporter import Reporter
 from healthd.agent.classify.catalog import Catalog, load_catalog
 from healthd.agent.classify import Classification, classify
 from healthd.agent.history import History, HistoryError
-from healthd.agent.hookfiles import HookFiles
+from healthd.agent.hookfiles import HookFiles, merge
+from healthd.agent import inband_jobs
+from healthd.agent.inband_jobs import InbandJobs, JobView
 from healthd.agent.instructions import apply_clears, carry_episodes, clear_scope, merge_clears, parse_clear
 from healthd.model import (
     GpuSample,
@@ -259,6 +261,12 @@ class Agent:
         self.snapshot: Snapshot | None = None
         self.hook_files = HookFiles()
         """Quick-check results and job bindings the Slurm hooks leave in hooks.run_dir (read only)."""
+        self.inband = InbandJobs(settings.inband, ib_root=settings.infiniband.sysfs_root)
+        """The training jobs' in-band rings under hooks.run_dir/inband (read only)."""
+        self.inband_jobs: tuple[JobView, ...] = ()
+        self._inband_first: dict[str, float] = {}
+        self._dumps: dict[str, tuple[str, ...]] = {}
+        """job -> what asking its ranks for a flight recorder dump did (once per hang)."""
         self._clears: list[tuple[str, dict[str, float]]] = []
         self._clears_lock = threading.Lock()
         if reporter is not None:
@@ -280,6 +288,31 @@ class Agent:
             "infiniband": _collect(self.sources.infiniband, InfinibandSample, now, self.timings),
             "host": _collect(self.sources.host, HostSample, now, self.timings),
         }
+        start = time.perf_counter()
+        try:
+            gpus = {g.index: g.bus_id for g in self.last["nvml"].gpus if g.bus_id}
+            self.inband_jobs = self.inband.read(self.settings.hooks.run_dir, time.monotonic_ns(), gpus)
+        except Exception:  # noqa: BLE001 - a job's files must never stop the agent
+            log.exception("reading the in-band rings failed")
+            self.inband_jobs = ()
+        self._request_dumps()
+        self.timings["inband"] = time.perf_counter() - start
+
+    def _request_dumps(self) -> None:
+        """Once per hang of a job, ask its ranks for a flight recorder dump (never in dry-run)."""
+        hung = {j.job: j for j in self.inband_jobs if j.hang is not None}
+        self._dumps = {job: notes for job, notes in self._dumps.items() if job in hung}
+        if self.dry_run:
+            return
+        for job, view in hung.items():
+            if job not in self._dumps:
+                try:
+                    self._dumps[job] = inband_jobs.request_dumps(view)
+                except Exception:  # noqa: BLE001 - asking for a dump is best effort
+                    log.exception("requesting a flight recorder dump of job %s failed", job)
+                    self._dumps[job] = ()
+                for note in self._dumps[job]:
+                    log.warning("job %s hangs: %s", job, note)
 
     def read_kernel(self, timeout_s: float = 0.0) -> KernelSample:
         start = time.perf_counter()
@@ -309,6 +342,7 @@ class Agent:
         before = self.result
         result = classify(snap, self.memory.history, self.catalog, self.settings)
         result = self.hook_files.apply(result, snap.time, self.settings)
+        result = self._with_inband(result, snap)
         with self._clears_lock:
             pending, self._clears = self._clears, []
         for scope, clears in pending:
@@ -329,6 +363,18 @@ class Agent:
             self.memory.cursor = kernel.cursor
         self._log_changes(before, result)
         return result
+
+    def _with_inband(self, result: Classification, snap: Snapshot) -> Classification:
+        """The classification with the in-band findings of the jobs read last (they change with the
+        periodic read, not with kernel lines)."""
+        try:
+            extra = inband_jobs.findings(self.inband_jobs, snap, result.findings, self._inband_first, snap.time,
+                                         self.settings.inband.detector.window_steps, self._dumps)
+        except Exception:  # noqa: BLE001 - in-band evidence must never stop the node's own verdict
+            log.exception("in-band findings failed")
+            return result
+        self._inband_first = {f.id: f.first_seen or snap.time for f in extra}
+        return merge(result, extra)
 
     def tick_all(self, max_reads: int = 100) -> Classification:
         """One complete pass for `--once`: every collector, and the kernel log read to its end."""
@@ -361,7 +407,8 @@ class Agent:
         except OSError as e:
             log.error("cannot save agent state in %s: %s", self.settings.state_dir, e)
         if self.metrics is not None:
-            self.metrics.update(TickFigures.of(self.snapshot, self.result.verdict, self.result.findings))
+            self.metrics.update(TickFigures.of(self.snapshot, self.result.verdict, self.result.findings,
+                                               self.inband_jobs))
         if self.reporter is not None:
             try:
                 self.reporter.offer(doc)  # returns at once: the POST runs on the reporter's thread
@@ -402,6 +449,8 @@ class Agent:
             ],
             "findings": [f.to_json() for f in res.findings],
             "would_do": [dict(w) for w in res.would_do],
+            "inband": inband_jobs.to_json(self.inband_jobs, snap, res.findings,
+                                          self.settings.inband.detector.history_windows),
         }
 
     def _log_changes(self, before: Classification | None, after: Classification) -> None:

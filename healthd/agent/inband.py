@@ -28,7 +28,7 @@ from healthd.trusted import TooLarge, read_fd
 
 MAGIC = b"HDINBAND"
 VERSION = 1
-HEADER = struct.Struct("<8sHHHHIiiiiiQQ32s32xQ")
+HEADER = struct.Struct("<8sHHHHIiiiiiQQ32sIIQ16xQ")
 RECORD = struct.Struct("<QHHIqQQQQQ")
 """seq, kind, flags, reserved, step, monotonic ns, wall ns, duration ns, wait ns, seq (tail)."""
 MAX_CAPACITY = 65536
@@ -36,6 +36,9 @@ MAX_BYTES = HEADER.size + MAX_CAPACITY * RECORD.size
 """The largest ring read: 4 MiB and a header. A larger file is refused before any byte is read."""
 
 KINDS = {1: "step", 2: "wait", 3: "checkpoint_begin", 4: "checkpoint_end", 5: "durable", 6: "restored"}
+STEP, WAIT, CKPT_BEGIN, CKPT_END, DURABLE, RESTORED = 1, 2, 3, 4, 5, 6
+PHASES = {1: "compute", 2: "wait", 3: "checkpoint"}
+"""The header's phase word (anything else: unknown)."""
 FLAG_ERROR = 1
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -56,6 +59,10 @@ class RingHeader:
     job: str
     start_wall_ns: int
     start_mono_ns: int
+    phase: str
+    """compute | wait | checkpoint | unknown: what the rank was doing when the header was copied."""
+    phase_mono_ns: int
+    """When it entered that phase (CLOCK_MONOTONIC ns)."""
     head: int
     """The last sequence number the writer published when the header was copied (records copied
     after it may be newer)."""
@@ -101,16 +108,14 @@ def _job(raw: bytes) -> str:
     return "".join(c if c.isprintable() and c.isascii() else "?" for c in text)
 
 
-def parse_ring(data: bytes, after: int = 0, again: bytes | None = None) -> RingView | RingError:
-    """The ring in `data` (a copy of the whole file), or why it is not one. `after`: the last
-    sequence number already read (0: none); only newer records are returned, and `lost` counts
-    those newer ones that were overwritten before this copy. `again`: a second copy of the file made
-    after `data`; a record not byte-for-byte the same in both is torn (without it, a record is
-    judged by its own two sequence numbers only)."""
+def parse_header(data: bytes, size: int | None = None) -> RingHeader | RingError:
+    """The header at the start of `data`, checked against the file's `size` (default: `data` is the
+    whole file)."""
+    size = len(data) if size is None else size
     if len(data) < HEADER.size:
         return RingError(f"truncated header: {len(data)} bytes, a ring has at least {HEADER.size}")
     (magic, version, header_size, record_size, _flags, capacity, pid, rank, local_rank, world_size,
-     device, start_wall_ns, start_mono_ns, job, head) = HEADER.unpack_from(data, 0)
+     device, start_wall_ns, start_mono_ns, job, phase, _reserved, phase_mono_ns, head) = HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         return RingError(f"not a ring: magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -122,15 +127,27 @@ def parse_ring(data: bytes, after: int = 0, again: bytes | None = None) -> RingV
     if not 1 <= capacity <= MAX_CAPACITY:
         return RingError(f"capacity {capacity} outside 1..{MAX_CAPACITY}")
     expected = HEADER.size + capacity * RECORD.size
-    if len(data) != expected:
-        return RingError(f"size {len(data)} bytes, a ring of capacity {capacity} has {expected}")
-    header = RingHeader(version, capacity, pid, rank, local_rank, world_size, device, _job(job),
-                        start_wall_ns, start_mono_ns, head)
+    if size != expected:
+        return RingError(f"size {size} bytes, a ring of capacity {capacity} has {expected}")
+    return RingHeader(version, capacity, pid, rank, local_rank, world_size, device, _job(job), start_wall_ns, start_mono_ns, PHASES.get(phase, "unknown"), phase_mono_ns, head)
+
+
+def parse_ring(data: bytes, after: int = 0, again: bytes | None = None) -> RingView | RingError:
+    """The ring in `data` (a copy of the whole file), or why it is not one. `after`: the last
+    sequence number already read (0: none); only newer records are returned, and `lost` counts
+    those newer ones that were overwritten before this copy. `again`: a second copy of the file made
+    after `data`; a record not byte-for-byte the same in both is torn (without it, a record is
+    judged by its own two sequence numbers only)."""
+    header = parse_header(data)
+    if isinstance(header, RingError):
+        return header
+    capacity = header.capacity
     if again is not None and len(again) != len(data):
         return RingError(f"size changed between two copies ({len(data)}, then {len(again)} bytes)")
-    valid: list[tuple[int, ...]] = []
+    newer = _newer(data, after, header) if after else None
+    valid: list[tuple[int, ...]] = [] if newer is None else newer
     torn = 0
-    for slot, raw in enumerate(RECORD.iter_unpack(memoryview(data)[HEADER.size:])):
+    for slot, raw in enumerate(RECORD.iter_unpack(memoryview(data)[HEADER.size:]) if newer is None else ()):
         seq, tail = raw[0], raw[9]
         if seq == 0 and tail == 0:
             continue  # never written
@@ -138,6 +155,7 @@ def parse_ring(data: bytes, after: int = 0, again: bytes | None = None) -> RingV
             torn += 1
             continue
         valid.append(raw)
+    head = header.head
     last_seq = max(head, max(r[0] for r in valid)) if valid else head
     # The newest `capacity` sequence numbers are the only ones a ring can hold; a slot outside that
     # window is a leftover (or a lie) and is not returned. Values are made only for what is returned.
@@ -159,12 +177,34 @@ def parse_ring(data: bytes, after: int = 0, again: bytes | None = None) -> RingV
     return RingView(header, records, last_seq, lost, torn)
 
 
+def _newer(data: bytes, after: int, header: RingHeader) -> list[tuple[int, ...]] | None:
+    """The records after `after`, found by walking the slots forward from the one after `after`'s
+    (a reader that keeps up reads only what is new, not every slot); None when the ring may have
+    been lapped since (the writer's head is a whole ring ahead) or a slot holds a number from the
+    future: then every slot is looked at."""
+    capacity, head = header.capacity, header.head
+    if head < after or head - after >= capacity - 1:
+        return None
+    out = []
+    for seq in range(after + 1, after + capacity):
+        raw = RECORD.unpack_from(data, HEADER.size + ((seq - 1) % capacity) * RECORD.size)
+        if raw[0] == seq and raw[9] == seq:
+            out.append(raw)
+            continue
+        if raw[0] > seq or raw[9] > seq:
+            return None  # lapped while this copy was made
+        break  # an older record not yet overwritten, or the newest one being written
+    return out
+
+
 def read_ring(directory: str, name: str, *, owner: int | None = None,
-              limit: int = MAX_BYTES, after: int = 0) -> RingView | RingError:
+              limit: int = MAX_BYTES, after: int = 0, known: tuple[int, int, int] | None = None) -> RingView | RingError:
     """Read and parse ring `name` in `directory` (a job's in-band directory). The directory's last
     component and the file are opened without following a link; the file must be a regular file of
     at most `limit` bytes and, when `owner` is given, owned by that uid (the job's user). Every
-    failure is a RingError naming the path."""
+    failure is a RingError naming the path. `known`: (pid, start monotonic ns, head) as last read:
+    when the header still says so, nothing was written since and only the header is read (an idle or
+    hung rank costs one small read a tick, not a copy of its ring)."""
     path = os.path.join(directory, name)
     if "/" in name or name in ("", ".", ".."):
         return RingError(f"{name!r} is not a file name")
@@ -183,6 +223,10 @@ def read_ring(directory: str, name: str, *, owner: int | None = None,
                 return RingError(f"{path}: not a regular file ({stat.filemode(st.st_mode)})")
             if owner is not None and st.st_uid != owner:
                 return RingError(f"{path}: owned by uid {st.st_uid}, not the job's uid {owner}")
+            if known is not None:
+                same = _unchanged(os.pread(fd, HEADER.size, 0), st.st_size, known)
+                if same is not None:
+                    return same
             data = read_fd(fd, st, limit, path)
             # The second copy starts after the first returned: see the module's docstring.
             again = os.pread(fd, len(data) + 1, 0)
@@ -198,6 +242,18 @@ def read_ring(directory: str, name: str, *, owner: int | None = None,
     if isinstance(view, RingError):
         return RingError(f"{path}: {view.reason}")
     return view
+
+
+def _unchanged(head: bytes, size: int, known: tuple[int, int, int]) -> RingView | None:
+    """The ring as a view with no new records when its header names the same writer and head as
+    `known` (and the file still has its size); None: read the whole ring."""
+    if len(head) != HEADER.size or size > MAX_BYTES:
+        return None
+    fields = HEADER.unpack(head)
+    if (fields[6], fields[12], fields[17]) != known:
+        return None
+    header = parse_header(head, size)
+    return None if isinstance(header, RingError) else RingView(header, (), header.head, 0, 0)
 
 
 def _why(e: OSError) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server, write_to_textfile
 
@@ -78,9 +79,12 @@ class TickFigures:
     """NVRM lines read this tick that did not parse."""
     xid_lines: tuple[tuple[int, int], ...] = ()
     """(Xid, lines) read this tick."""
+    inband: tuple[InbandFigure, ...] = ()
+    """The training jobs whose ranks report in-band on this node."""
 
     @classmethod
-    def of(cls, snapshot: Snapshot, verdict: str, findings: Iterable[Finding]) -> TickFigures:
+    def of(cls, snapshot: Snapshot, verdict: str, findings: Iterable[Finding],
+           inband: Iterable[Any] = ()) -> TickFigures:
         """The figures of one tick's snapshot and its classification."""
         samples = (("nvml", snapshot.nvml), ("kernel_log", snapshot.kernel), ("infiniband", snapshot.infiniband),
                    ("host", snapshot.host))
@@ -97,7 +101,18 @@ class TickFigures:
             kernel_lines=snapshot.kernel.lines_read,
             kernel_malformed=snapshot.kernel.malformed,
             xid_lines=tuple((e.xid, e.count) for e in snapshot.kernel.events),
+            inband=tuple(InbandFigure(j.job, len(j.ranks), j.step_median_s, len(j.stragglers), j.hang is not None)
+                         for j in inband),
         )
+
+
+@dataclass(frozen=True)
+class InbandFigure:
+    job: str
+    ranks: int
+    step_s: float | None
+    stragglers: int
+    hung: bool
 
 
 TICK_GAUGES: tuple[Family, ...] = (
@@ -111,6 +126,11 @@ TICK_GAUGES: tuple[Family, ...] = (
     ("healthd_gpu_lost", "1 if NVML reports the GPU lost", ("gpu", "uuid")),
     ("healthd_ib_port_up", "1 if the port is ACTIVE and LinkUp", ("device", "port")),
     ("healthd_ib_port_rate_bytes_per_second", "Port link rate (400 Gb/s NDR = 5e10)", ("device", "port")),
+    ("healthd_inband_ranks", "Ranks of the job writing in-band records on this node", ("job",)),
+    ("healthd_inband_step_seconds", "Median step time of the job's ranks on this node", ("job",)),
+    ("healthd_inband_stragglers", "Ranks of the job on this node flagged as stragglers", ("job",)),
+    ("healthd_inband_hung", "1 if the job's ranks on this node have made no step for longer than the bound",
+     ("job",)),
 )
 """The per-tick gauge families: name, help, label names; `tick_samples` gives their samples in this order."""
 
@@ -134,11 +154,15 @@ def tick_samples(figures: TickFigures) -> tuple[Samples, ...]:
         tuple(((p.device, str(p.port)), 1.0 if p.up else 0.0) for p in ports),
         tuple(((p.device, str(p.port)), float(p.rate_bytes_per_second)) for p in ports
               if p.rate_bytes_per_second is not None),
+        tuple(((j.job,), float(j.ranks)) for j in figures.inband),
+        tuple(((j.job,), float(j.step_s)) for j in figures.inband if j.step_s is not None),
+        tuple(((j.job,), float(j.stragglers)) for j in figures.inband),
+        tuple(((j.job,), 1.0 if j.hung else 0.0) for j in figures.inband),
     )
 
 
 BEFORE_FIRST_TICK: tuple[Samples, ...] = (
-    tuple(((v,), 0.0) for v in VERDICTS), (), (), (), (((), 0.0),), (((), 0.0),), (), (), (), ())
+    tuple(((v,), 0.0) for v in VERDICTS), (), (), (), (((), 0.0),), (((), 0.0),), (), (), (), (), (), (), (), ())
 """What the gauges show until the first tick: every verdict 0, no labelled samples."""
 
 

@@ -38,6 +38,7 @@ def render_text(doc: dict[str, Any]) -> str:
     else:
         out.append(f"Ports: no data ({doc['sources']['infiniband']['detail'] or 'none found'})")
     out.append("")
+    out += _inband(doc.get("inband") or {})
     findings = doc["findings"]
     out.append(f"Findings ({len(findings)})" if findings else "Findings: none")
     for f in findings:
@@ -58,6 +59,43 @@ def render_text(doc: dict[str, Any]) -> str:
     for w in would:
         out.append("  " + "  ".join(f"{k}={v}" for k, v in w.items()))
     return "\n".join(out) + "\n"
+
+
+def _inband(section: dict[str, Any]) -> list[str]:
+    """The training jobs on the node as their ranks report them: one table per job."""
+    jobs = section.get("jobs") or []
+    if not jobs:
+        return ["In-band jobs: none", ""]
+    out = []
+    for job in jobs:
+        median = job["step_median_s"]
+        out.append(f"In-band job {job['job']}: {job['ranks_here']} of {job['world_size']} ranks here, "
+                   f"median step {'?' if median is None else f'{median * 1000:.1f} ms'}")
+        flagged = {f["rank"]: f for f in job["stragglers"]}
+        behind = set(job["hang"]["behind"]) if job["hang"] else set()
+        rows = []
+        for r in job["ranks"]:
+            w = r["windows"][-1] if r["windows"] else None
+            note = []
+            if r["rank"] in flagged:
+                f = flagged[r["rank"]]
+                note.append(f"STRAGGLER {f['effect']:+.1%} ({f['test']})")
+            if r["rank"] in behind:
+                note.append("BEHIND")
+            if r["lost"] or r["torn"]:
+                note.append(f"lost {r['lost']} torn {r['torn']}")
+            rows.append([r["rank"], r["gpu"], r["last_step"], f"{r['last_step_age_s']:.1f}s", r["phase"],
+                         "-" if w is None else w["window"],
+                         "-" if w is None else f"{w['compute_s'] * 1000:.1f}",
+                         "-" if w is None else f"{w['wait_s'] * 1000:.1f}", "; ".join(note)])
+        out += table(["rank", "gpu", "step", "age", "phase", "window", "compute_ms", "wait_ms", "flags"], rows)
+        if job["hang"]:
+            h = job["hang"]
+            out.append(f"  HANG: no step after {h['step']} for {h['stalled_s']:.0f} s (bound {h['bound_s']:.0f} s)")
+        for e in job["errors"]:
+            out.append(f"  unreadable: {e}")
+        out.append("")
+    return out
 
 
 # --------------------------------------------------------------------------- Nagios / Icinga

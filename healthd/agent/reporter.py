@@ -47,9 +47,24 @@ log = logging.getLogger("healthd")
 KNOWN_INSTRUCTIONS = ("clear-finding",)
 
 
-def change_key(doc: Mapping[str, Any]) -> tuple[Any, frozenset[str]]:
-    """What makes a report news: the verdict and the set of finding ids."""
-    return doc.get("verdict"), statedoc.finding_ids(dict(doc))
+def change_key(doc: Mapping[str, Any]) -> tuple[Any, frozenset[str], tuple]:
+    """What makes a report news: the verdict, the set of finding ids, and each in-band job's newest
+    complete window and hang (the controller compares a job's ranks across nodes window by window)."""
+    return doc.get("verdict"), statedoc.finding_ids(dict(doc)), _inband_key(doc.get("inband"))
+
+
+def _inband_key(section: Any) -> tuple:
+    if not isinstance(section, dict) or not isinstance(section.get("jobs"), list):
+        return ()
+    key = []
+    for job in section["jobs"]:
+        if not isinstance(job, dict):
+            continue
+        newest = max((w.get("window", -1) for r in job.get("ranks") or () if isinstance(r, dict)
+                      for w in r.get("windows") or () if isinstance(w, dict) and isinstance(w.get("window"), int)),
+                     default=-1)
+        key.append((str(job.get("job")), newest, job.get("hang") is not None))
+    return tuple(key)
 
 
 class Reporter:

@@ -16,10 +16,21 @@ from typing import Any
 from healthd.config import ConfigError, build, convert, read_config_text, yaml_mapping
 from healthd.controller.policy import MODES, ControllerPolicySettings
 from healthd.controller.reintegrate import ReintegrationSettings
+from healthd.settings import DetectorSettings
 from healthd.slurm import BACKENDS
 
 CONTROLLER_CONFIG_PATH = "/etc/healthd/controller.yaml"
 REQUEUE_COMMENT_TAG = "healthd:requeue"
+
+
+@dataclass(frozen=True)
+class ControllerInbandSettings:
+    """In-band signals at the controller (healthd.controller.inband), shaped like a node's `inband`
+    section so that one `inband.detector` block reads the same in both files."""
+
+    detector: DetectorSettings = field(default_factory=DetectorSettings)
+    """The thresholds of healthd.progress: applied here to the jobs that span several nodes (a node's
+    agent judges the jobs on it alone with its own), and the hang bound of every job."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,8 @@ class ControllerSettings:
     """HOST:PORT for the Prometheus endpoint; None: no metrics endpoint."""
     reintegration: ReintegrationSettings = field(default_factory=ReintegrationSettings)
     """Validation in a maintenance reservation, probation and escalation (see ReintegrationSettings)."""
+    inband: ControllerInbandSettings = field(default_factory=ControllerInbandSettings)
+    """The job-wide comparison of training jobs' in-band progress (see ControllerInbandSettings)."""
 
 
 # ControllerPolicySettings uses types the generic mapper does not know (Literal, frozenset values):
@@ -112,6 +125,21 @@ def _check_hostport(file: str, key: str, value: str | None) -> None:
         raise ConfigError(file, key, "HOST:PORT such as 127.0.0.1:9841", value)
 
 
+_DETECTOR_COUNTS = ("window_steps", "consecutive", "min_ranks_spread", "rank_order_consecutive", "history_windows")
+_DETECTOR_AMOUNTS = ("min_effect", "mad_k", "hang_factor", "hang_min_s", "phase_factor")
+
+
+def _check_detector(file: str, d: DetectorSettings) -> None:
+    for key in _DETECTOR_COUNTS:
+        if getattr(d, key) < 1:
+            raise ConfigError(file, f"inband.detector.{key}", "a positive integer", getattr(d, key))
+    for key in _DETECTOR_AMOUNTS:
+        if not 0 <= getattr(d, key) < float("inf"):
+            raise ConfigError(file, f"inband.detector.{key}", "a non-negative number", getattr(d, key))
+    if not 0 < d.rank_order_p <= 1:
+        raise ConfigError(file, "inband.detector.rank_order_p", "a probability in (0, 1]", d.rank_order_p)
+
+
 def parse_controller_settings(text: str, file: str = "<controller config>") -> ControllerSettings:
     raw = yaml_mapping(text, file)
     policy_raw = raw.pop("policy", None)
@@ -134,6 +162,7 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
         raise ConfigError(file, "max_connections_per_peer", f"at most max_connections ({settings.max_connections})",
                           settings.max_connections_per_peer)
     _check_hostport(file, "metrics_listen", settings.metrics_listen)
+    _check_detector(file, settings.inband.detector)
     if settings.slurm_backend not in BACKENDS:
         raise ConfigError(file, "slurm_backend", f"one of {', '.join(BACKENDS)}", settings.slurm_backend)
     for key in ("ledger", "slurm_conf", "admin_socket"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import grp
 import logging
 import re
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from healthd import munge, sdnotify
-from healthd.controller import admin
+from healthd.controller import admin, inband
 from healthd.controller.auth import ReportRejected, verify_report
 from healthd.controller.config import ControllerSettings, load_controller_settings
 from healthd.controller.executor import ExecResult, Executor
@@ -115,7 +116,7 @@ class Controller:
         self.reconciler = Reconciler(self.executor)
         self._limited = RateLimitedLog(_log)
         self.reintegrator = Reintegrator(settings.reintegration, self.executor, slurm_conf=settings.slurm_conf,
-                                         dry_run=dry_run, out=out)
+                                         dry_run=dry_run, out=out, detector=settings.inband.detector)
         self.topology_text = topology_text
         self._node_addrs = node_addrs
         self._addr_cache: dict[str, str] = {}
@@ -132,6 +133,10 @@ class Controller:
         self._recorded: dict[tuple[str, str], tuple[str, int]] = {}
         self._incidents: dict[tuple[str, str], int] = {}
         self._load_incidents()
+        self.hangs = inband.HangResponder(self.executor, settings.requeue_opt_in)
+        self.inband_round = inband.InbandRound()
+        """What the latest round made of the in-band data (the round gauges read it)."""
+        self._inband_started = False
 
     # -- node addresses ------------------------------------------------------------------------------
 
@@ -228,7 +233,8 @@ class Controller:
         with self.reports_lock:
             previous = self.reports.get(node)
             kept = tuple(f for f in (previous.findings if previous else ()) if f.id != finding.id)
-            report = NodeReport(node=node, verdict="failed", findings=(finding, *kept), received_at=now)
+            report = NodeReport(node=node, verdict="failed", findings=(finding, *kept), received_at=now,
+                                inband=previous.inband if previous else ())
             self.reports[node] = report
         results = self.evaluate(now, only=node, jobs={node: str(job)} if job else None)
         if results is None:
@@ -410,8 +416,14 @@ class Controller:
                     self.metrics.actions.labels(kind="reconcile", status=change.what).inc()
             with self.reports_lock:
                 reports = dict(self.reports)
+            cleared = self.cleared(now)
+            inb = self._inband(reports, cleared, now)
+            for n, extra in inb.findings.items():
+                if n in reports:
+                    reports[n] = dataclasses.replace(reports[n],
+                                                     findings=inband.with_findings(reports[n].findings, extra))
             # only the few nodes with a clear have findings to filter out
-            for n, (evidence, episodes) in self.cleared(now).items():
+            for n, (evidence, episodes) in cleared.items():
                 if n in reports:
                     reports[n] = without_cleared(reports[n], evidence, episodes)
             self._load_incidents()
@@ -421,9 +433,10 @@ class Controller:
             fleet = FleetView.build(reports.values(), nodes, self.topology_text, self.policy)
             hour = now - 3600.0
             by_part = {p: self.ledger.actions_applied_since(hour, p) for p in fleet.partitions}
+            approved = self._approved()
             ctx, alert = build_context(fleet, lview, self.policy, now, self._breaker(),
                                        actions_last_hour=self.ledger.actions_applied_since(hour),
-                                       actions_last_hour_by_partition=by_part, approved=self._approved())
+                                       actions_last_hour_by_partition=by_part, approved=approved)
             self._group_incidents(ctx.correlated.values(), now)
             if alert is not None:
                 self.ledger.open_breaker(alert.cause, nodes=alert.nodes, at=now)
@@ -444,12 +457,56 @@ class Controller:
                 if act:
                     result = self._act(outcome, now, mode)
                 results.append((outcome, result))
+            if only is None and inb.hangs:
+                self._respond_hangs(inb.hangs, mode, ctx.breaker.open, approved, now)
             if only is None and mode != "observe":
                 self._reintegrate(fleet, lview, ctx.breaker.open, now)
             if only is None:
                 self._observe_round(now)
                 self._limited.flush()  # tell the counts of refusals it kept out of the log
             return results
+
+    def _inband(self, reports: Mapping[str, NodeReport],
+                cleared: Mapping[str, tuple[dict[str, float], dict[str, float]]], now: float) -> inband.InbandRound:
+        """The round's in-band view: findings for the slow ranks of jobs on several nodes, hangs.
+        A straggler's episode is carried from round to round; on the first round after a start, one
+        still flagged that an operator had dismissed (undo, close) keeps the dismissed episode."""
+        if not any(r.inband for r in reports.values()):
+            self.inband_round = inband.InbandRound()
+            return self.inband_round
+        carried = dict(self.inband_round.first_seen)
+        if not self._inband_started:
+            for node, (_evidence, episodes) in cleared.items():
+                for fid, before in episodes.items():
+                    if fid.startswith(inband.STRAGGLER_PREFIX):
+                        carried.setdefault((node, fid), before)
+        self._inband_started = True
+        groups = FleetView.build((), (), self.topology_text, self.policy).groups
+        try:
+            self.inband_round = inband.evaluate(reports.values(), groups, self.settings.inband.detector, now,
+                                                self.policy.report_ttl_s, carried)
+        except Exception as exc:  # the in-band view must never stop the round's other decisions
+            self._limited.warning("inband", "in-band signals not evaluated this round: %s: %s", type(exc).__name__, exc)
+            self.inband_round = inband.InbandRound(first_seen=self.inband_round.first_seen)
+            return self.inband_round
+        for node, found in sorted(self.inband_round.findings.items()):
+            for f in found:
+                if (node, f.id) not in carried:  # a new episode: said once, whatever the tier decides
+                    _log.warning("%s: in-band straggler (T%d%s): %s", node, f.tier,
+                                 ", recorded only" if f.tier == 3 else "", f.summary)
+        return self.inband_round
+
+    def _respond_hangs(self, cases, mode: str, breaker_open: bool, approved: Iterable[str], now: float) -> None:
+        try:
+            for outcome in self.hangs.respond(cases, mode=mode, breaker_open=breaker_open, approved=approved,
+                                              max_per_hour=self.policy.max_actions_per_hour, now=now):
+                if outcome.status in ("requeued", "failed", "dry-run"):
+                    self.metrics.actions.labels(kind="requeue-hang", status={"requeued": "applied"}.get(
+                        outcome.status, outcome.status)).inc()
+        except LedgerError:
+            raise
+        except Exception:  # a hang's requeue must not stop drains or reintegration
+            _log.exception("in-band hangs not handled this round")
 
     def round_figures(self, now: float, incidents_since: float | None = None) -> RoundFigures:
         """The fleet gauges' figures at the end of a full round: the reports by freshness and verdict,
@@ -474,7 +531,9 @@ class Controller:
                             approvals_waiting=len(waiting),
                             oldest_waiting_since=min((d.decided_at for d in waiting), default=None),
                             incidents_open=open_by, reintegrations=self.ledger.reintegration_counts(),
-                            incidents=recent)
+                            incidents=recent, inband_jobs=self.inband_round.jobs,
+                            inband_stragglers=self.inband_round.flagged_by_tier(),
+                            inband_hangs=len(self.inband_round.hangs))
 
     def _observe_round(self, now: float) -> None:
         """Hand this full round's figures to the metrics. Never raises: a metrics problem (the ledger
@@ -537,7 +596,9 @@ class Controller:
         try:
             if not breaker_open:
                 self.reintegrator.auto_requests(fleet, lview.holds, self.policy.mode, now, self.policy.report_ttl_s)
-            for r, what in self.reintegrator.step(now, self.policy.mode):
+            for r, what in self.reintegrator.step(now, self.policy.mode, reports=fleet.reports,
+                                                  flags=self.inband_round.flags,
+                                                  report_ttl_s=self.policy.report_ttl_s):
                 self.metrics.actions.labels(kind="reintegrate", status=r.state).inc()
                 _log.info("%s: reintegration %s: %s", r.node, r.id, what)
         except Exception:  # a reintegration problem must not stop drains

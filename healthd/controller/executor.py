@@ -324,6 +324,26 @@ class Executor:
         attempt, why, settled = next_attempt(attempts)
         if attempt is None:
             return ExecResult("skipped", why, settled.id if settled else None)
+        return self._requeue(job, series, attempt, what="opted-in job",
+                             plan={"decision_id": drain.decision_id, "node": drain.node, "partition": drain.partition},
+                             evidence={"drain": drain.id})
+
+    def requeue_hung(self, job: JobInfo, series: str, node: str, decision_id: int,
+                     evidence: dict[str, Any]) -> ExecResult:
+        """Requeue a job whose training hung (healthd.controller.inband), once for its series
+        (`requeue-hang:<job>:<step>`): attempts like any series, so a requeue that failed is tried
+        again and one a crash left planned is the reconciler's (adopted when the job's restart
+        count shows it landed, otherwise abandoned and tried again here)."""
+        attempt, why, settled = next_attempt(self.ledger.series(series))
+        if attempt is None:
+            status = "already-applied" if settled is not None and settled.status == "applied" else "skipped"
+            return ExecResult(status, why, settled.id if settled else None)
+        return self._requeue(job, series, attempt, what="hung job", plan={"decision_id": decision_id, "node": node},
+                             evidence=evidence)
+
+    def _requeue(self, job: Any, series: str, attempt: int, *, what: str, plan: dict[str, Any],
+                 evidence: dict[str, Any]) -> ExecResult:
+        """One attempt of a requeue series: planned in the ledger, made once, marked applied or failed."""
         try:
             argv = self.backend.describe("requeue", job_id=job.job_id)
         except ValueError as exc:
@@ -332,20 +352,21 @@ class Executor:
             self._print_once(series, argv)
             return ExecResult("dry-run", "", None, tuple(argv))
         action = self.ledger.plan_action(
-            decision_id=drain.decision_id, idempotency_key=series if attempt == 1 else f"{series}#try{attempt}",
-            series=series, attempt=attempt, node=drain.node, partition=drain.partition, kind="requeue", argv=argv,
-            evidence={"job": job.job_id, "restarts": job.restarts, "drain": drain.id, "attempt": attempt})
+            **plan, idempotency_key=series if attempt == 1 else f"{series}#try{attempt}", series=series,
+            attempt=attempt, kind="requeue", argv=argv,
+            evidence={**evidence, "job": job.job_id, "restarts": job.restarts, "attempt": attempt})
         if action.status != "planned":
             return ExecResult("skipped", f"action {action.id} is {action.status}", action.id, action.argv)
+        node = plan["node"]
         try:
             self.backend.requeue(job.job_id)
         except (SlurmError, ValueError) as exc:
             msg = error_text(exc)
             self.ledger.mark_failed(action.id, msg, at=self.clock())
-            _log.warning("%s: requeue of job %s failed: %s", drain.node, job.job_id, msg)
+            _log.warning("%s: requeue of %s %s failed: %s", node, what, job.job_id, msg)
             return ExecResult("failed", msg, action.id, action.argv)
-        self.ledger.mark_applied(action.id, f"requeued job {job.job_id}", at=self.clock())
-        _log.info("%s: requeued opted-in job %s", drain.node, job.job_id)
+        self.ledger.mark_applied(action.id, f"requeued {what} {job.job_id}", at=self.clock())
+        _log.info("%s: requeued %s %s", node, what, job.job_id)
         return ExecResult("applied", f"requeued {job.job_id}", action.id, action.argv)
 
     # -- operator undo (planned by healthctl through admin.undo) --------------------------------------

@@ -33,6 +33,8 @@ INCIDENT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86
 INCIDENT_WINDOW_S = 7 * 86400.0
 """Incidents whose stage timings are still watched: created within the last week (and since start)."""
 STARTUP_SLACK_S = 60.0
+INBAND_TIERS = ("T2", "T3")
+"""The tiers an in-band straggler can have (healthd.controller.inband)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,12 @@ class RoundFigures:
     """Reintegration state -> reintegrations in the ledger."""
     incidents: tuple[IncidentTimings, ...] = ()
     """The incidents created within INCIDENT_WINDOW_S before `at`."""
+    inband_jobs: int = 0
+    """Jobs with in-band progress in fresh reports."""
+    inband_stragglers: Mapping[str, int] = field(default_factory=dict)
+    """Tier (T2, T3) -> ranks flagged slow (by their agent, or job-wide by the controller)."""
+    inband_hangs: int = 0
+    """Jobs whose progress has stalled past their bound."""
 
 
 ROUND_GAUGES: tuple[Family, ...] = (
@@ -86,6 +94,11 @@ ROUND_GAUGES: tuple[Family, ...] = (
     ("healthd_controller_reintegrations",
      "Reintegrations in the ledger, by state (the in-flight states are current; "
      "passed/failed/recurred/aborted only grow)", ("state",)),
+    ("healthd_controller_inband_jobs", "Training jobs with in-band progress in fresh reports", ()),
+    ("healthd_controller_inband_straggler_ranks",
+     "Ranks flagged slow by the in-band detector, by tier (T2: corroborated out of band, T3: in-band only)",
+     ("tier",)),
+    ("healthd_controller_inband_hangs", "Training jobs whose progress has stalled past their hang bound", ()),
 )
 """The per-round gauge families: name, help, label names; `round_samples` gives their samples in this order."""
 
@@ -108,12 +121,16 @@ def round_samples(figures: RoundFigures) -> tuple[Samples, ...]:
         (((), 0.0 if since is None else max(0.0, figures.at - since)),),
         tuple(((tier, attribution), float(n)) for (tier, attribution), n in figures.incidents_open.items()),
         tuple(((state,), n) for state, n in by_state.items()),
+        (((), float(figures.inband_jobs)),),
+        tuple(((tier,), float(figures.inband_stragglers.get(tier, 0))) for tier in INBAND_TIERS),
+        (((), float(figures.inband_hangs)),),
     )
 
 
 BEFORE_FIRST_ROUND: tuple[Samples, ...] = (
     (((), 0.0),), tuple(((v,), 0.0) for v in VERDICTS), (((), 0.0),), (((), 0.0),), (((), 0.0),), (),
-    tuple(((s,), 0.0) for s in REINTEGRATION_STATES))
+    tuple(((s,), 0.0) for s in REINTEGRATION_STATES), (((), 0.0),), tuple(((t,), 0.0) for t in INBAND_TIERS),
+    (((), 0.0),))
 """What the gauges show until the first full round: zeros, no open incidents."""
 
 

@@ -8,6 +8,7 @@ ledger can tell "decided again" from "decided anew".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Iterable, Mapping
@@ -20,6 +21,7 @@ from ClusterShell.RangeSet import RangeSetException
 
 from healthd.report_schema import ReportInvalid, validate_finding, validate_report
 from healthd.model import is_cleared
+from healthd.controller.inband import JobProgress, jobs_from_json
 from healthd.controller.ownership import Hold, owned
 from healthd.model import ACTION_SEVERITY, Evidence, Finding
 from healthd.reason import build_reason, printable
@@ -146,6 +148,9 @@ class NodeReport:
     """The node's current findings; dicts in the README's JSON shape are converted to Finding."""
     received_at: float = 0.0
     """Epoch seconds the controller received the report (its clock, not the agent's)."""
+    inband: tuple[JobProgress, ...] = ()
+    """The training jobs' step progress on the node (healthd.controller.inband); () from an agent
+    that sends none."""
 
     def __post_init__(self) -> None:
         converted = tuple(f if isinstance(f, Finding) else finding_from_json(f) for f in self.findings)
@@ -163,6 +168,7 @@ class NodeReport:
             verdict=doc["verdict"],
             findings=tuple(finding_from_json(f, checked=True) for f in doc["findings"]),
             received_at=received_at,
+            inband=jobs_from_json(doc.get("inband")),
         )
 
 
@@ -387,7 +393,7 @@ def without_cleared(report: NodeReport, cleared: Mapping[str, float],
     verdict = report.verdict
     if not any(f.tier == 1 for f in kept) and verdict == "failed":
         verdict = "degraded" if kept else "healthy"
-    return NodeReport(node=report.node, verdict=verdict, findings=tuple(kept), received_at=report.received_at)
+    return dataclasses.replace(report, verdict=verdict, findings=tuple(kept))
 
 
 ESCALATION_TEXT: Mapping[str, str] = MappingProxyType(

@@ -18,6 +18,17 @@ A reintegration starts when an operator runs `healthctl repaired NODE` (trigger 
    (the escalation counters then turn the next drain into inspect-hardware / contact-support, see
    policy.decide); at the end of the window it is `passed` and the incident `resolved`.
 
+In-band evidence during probation: when a training job reports its step progress with ranks on the
+node and on other nodes, the node's ranks are measured against the job's median each round
+(healthd.controller.inband.node_ratio) and the latest measurement is the reintegration's detail; at
+the end of probation it reads `verified in-band: ...` when they are within the detector's `min_effect`
+of it. A job wholly on the node has nothing to compare with (`no peer to compare`). A straggler flag
+on the node during probation (the job-wide comparison's or the agent's own `inband.straggler:*`)
+never drains anything (in-band evidence alone is T3): it is recorded, once, as `in-band: still slow`
+with a warning, and at the end of probation the reintegration still `passed` (healthd did not have to
+drain the node again) but its incident is left `in-band-slow`, not closed, for an operator to look at
+and close (`healthctl close`). Without in-band data nothing of this happens.
+
 While a reintegration is in flight, evidence of the findings it clears that is older than the request
 no longer counts (policy.without_cleared), and the agent is told to drop it (a `clear-finding`
 instruction on its report's response): a repaired GPU's old Xid 79 line must not re-drain it.
@@ -29,16 +40,18 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from healthd.controller import inband
 from healthd.controller.executor import Executor
 from healthd.controller.gates import GateResult
 from healthd.controller.ledger import Reintegration
 from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, describe_reason, owned
 from healthd.controller.policy import Decision, FleetView, NodeReport, is_actionable, make_reason
+from healthd.settings import DetectorSettings
 from healthd.slurm.backend import SlurmBackend, SlurmError, SlurmRefused, StepResult
 
 _log = logging.getLogger("healthd.controller.reintegrate")
@@ -50,6 +63,15 @@ DEFAULT_VALIDATION: tuple[tuple[str, ...], ...] = (
 )
 PLACEHOLDERS = ("node", "reservation", "incident", "slurm_conf")
 OUTPUT_TAIL = 2000
+INBAND_SLOW_STATUS = "in-band-slow"
+"""The status of the incident of a reintegration whose node was still a straggler in-band during probation:
+not closed, so that an operator looks at it (`healthctl close` once handled)."""
+INBAND_MEASURED = "in-band so far: "
+INBAND_VERIFIED = "verified in-band: "
+INBAND_NOT_VERIFIED = "in-band, not verified: "
+INBAND_NO_PEER = "in-band: no peer to compare"
+INBAND_STILL_SLOW = "in-band: still slow"
+_MEASURE = re.compile(r"ranks at (?P<pct>[0-9.]+) % of job (?P<job>.+)'s median over (?P<n>[0-9]+) windows?$")
 
 
 @dataclass(frozen=True)
@@ -143,6 +165,34 @@ def failure_summary(results: list[dict[str, Any]]) -> str:
     return f"{name} rc={failed.get('rc')}{last}"
 
 
+def measured(node: str, m: inband.NodeRatio) -> str:
+    """The text of one in-band measurement (what the probation records and decides on)."""
+    return f"{node}'s ranks at {m.ratio * 100:.1f} % of job {m.job}'s median over {m.windows} window{'s' * (m.windows != 1)}"
+
+
+def still_slow(job: str, effect: float | None) -> str:
+    return f"{INBAND_STILL_SLOW} ({effect * 100:+.1f} % in job {job})" if effect is not None else \
+        f"{INBAND_STILL_SLOW} (in job {job})"
+
+
+def probation_verdict(detail: str | None, min_effect: float) -> tuple[str | None, bool]:
+    """(the detail a probation ends with, whether the incident is resolved) from the in-band evidence
+    recorded during it (the reintegration's detail): a measurement within `min_effect` of the job's
+    median is `verified in-band`, one above it is said so (the detector did not flag it: resolved);
+    a straggler flag leaves the incident open; no in-band evidence changes nothing."""
+    if not detail:
+        return detail, True
+    if detail.startswith(INBAND_STILL_SLOW):
+        return f"{detail}; probation over, incident left open for an operator", False
+    if detail.startswith(INBAND_MEASURED):
+        what = detail[len(INBAND_MEASURED):]
+        m = _MEASURE.search(what)
+        if m is not None and float(m.group("pct")) / 100.0 - 1.0 < min_effect:
+            return INBAND_VERIFIED + what, True
+        return f"{INBAND_NOT_VERIFIED}{what} (more than {min_effect:.0%} above it, not flagged)", True
+    return detail, True
+
+
 def cleared_findings(reintegrations: list[Reintegration]) -> dict[str, dict[str, float]]:
     """node -> finding id -> the time before which its evidence no longer counts."""
     out: dict[str, dict[str, float]] = {}
@@ -157,8 +207,12 @@ class Reintegrator:
     """Moves reintegrations on, one step per control round (called from the daemon under its round lock)."""
 
     def __init__(self, settings: ReintegrationSettings, executor: Executor, *,
-                 slurm_conf: str, dry_run: bool = False, out: Callable[[str], None] | None = None):
+                 slurm_conf: str, dry_run: bool = False, out: Callable[[str], None] | None = None,
+                 detector: DetectorSettings | None = None):
         self.settings = settings
+        self.detector = detector or DetectorSettings()
+        """The in-band detector's settings: a node on probation within `min_effect` of its job's median is
+        verified in-band."""
         self.executor = executor
         """Makes the resume and the re-drain, with the same ownership re-read and ledger discipline as
         every other healthd write."""
@@ -172,6 +226,8 @@ class Reintegrator:
         self._results: dict[int, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._printed: set[str] = set()
+        self._round: tuple[Mapping[str, NodeReport], tuple[inband.Flag, ...], float] = ({}, (), 0.0)
+        self._views: dict[str, inband.JobView] | None = None
 
     # -- what other parts ask ------------------------------------------------------------------------
 
@@ -241,11 +297,16 @@ class Reintegrator:
             started.append(r)
         return started
 
-    def step(self, now: float, mode: str) -> list[tuple[Reintegration, str]]:
+    def step(self, now: float, mode: str, *, reports: Mapping[str, NodeReport] | None = None,
+             flags: Iterable[inband.Flag] = (), report_ttl_s: float = 0.0) -> list[tuple[Reintegration, str]]:
         """Advance every reintegration in flight by at most one step. Returns (reintegration, what
-        happened) for those that moved. Nothing is written in observe mode."""
+        happened) for those that moved. Nothing is written in observe mode. `reports` (fresh within
+        `report_ttl_s`) and the round's in-band straggler `flags` are the in-band evidence probation
+        records; none: none is recorded."""
         if mode == "observe":
             return []
+        self._round = (reports or {}, tuple(flags), report_ttl_s)
+        self._views = None
         moved = []
         for r in self.ledger.reintegrations(state="active"):
             try:
@@ -398,11 +459,54 @@ class Reintegrator:
                                              stamp="ended_at", incident_status="recurred", at=now)
             _log.error("%s: reintegration %s: the node failed again during probation", r.node, r.id)
             return "recurred during probation"
+        r = self._inband_probation(r, now)
         if r.probation_until is not None and now >= r.probation_until:
-            self.ledger.update_reintegration(r.id, state="passed", stamp="ended_at", incident_status="resolved", at=now)
-            _log.info("%s: reintegration %s: probation over; incident resolved", r.node, r.id)
-            return "probation passed: resolved"
+            detail, resolved = probation_verdict(r.detail, self.detector.min_effect)
+            if not resolved:
+                self.ledger.update_reintegration(r.id, state="passed", detail=detail, stamp="ended_at",
+                                                 incident_status=INBAND_SLOW_STATUS, at=now)
+                _log.warning("%s: reintegration %s: probation over; %s", r.node, r.id, detail)
+                return f"probation passed: {detail}"
+            self.ledger.update_reintegration(r.id, state="passed", detail=detail if detail != r.detail else None,
+                                             stamp="ended_at", incident_status="resolved", at=now)
+            _log.info("%s: reintegration %s: probation over; incident resolved%s", r.node, r.id,
+                      f" ({detail})" if detail else "")
+            return "probation passed: resolved" + (f"; {detail}" if detail else "")
         return None
+
+    def _inband_probation(self, r: Reintegration, now: float) -> Reintegration:
+        """Record this round's in-band evidence about the node on probation (the reintegration's detail):
+        a straggler flag on it (kept from then on), else the node's ranks against their job's median,
+        else that its jobs run on it alone. Only a report of the node received since its validation
+        counts. Never drains: in-band evidence alone is T3."""
+        reports, flags, ttl = self._round
+        report = reports.get(r.node)
+        since = r.validated_at if r.validated_at is not None else r.requested_at
+        if report is None or report.received_at < since or now - report.received_at > ttl:
+            return r
+        if r.detail and r.detail.startswith(INBAND_STILL_SLOW):
+            return r  # recorded once; the end of probation leaves the incident open
+        slow = inband.slowest_on(r.node, flags, report.findings)
+        if slow is not None:
+            detail = still_slow(*slow)
+            _log.warning("%s: reintegration %s: %s during probation (in-band evidence only: no action; "
+                         "the incident stays open at the end of probation)", r.node, r.id, detail)
+            return self.ledger.update_reintegration(r.id, detail=detail, at=now)
+        if not report.inband:
+            return r
+        if self._views is None:
+            self._views = inband.merge(reports.values(), now, ttl)
+        ratio = inband.node_ratio(self._views, r.node)
+        if ratio is not None:
+            detail = INBAND_MEASURED + measured(r.node, ratio)
+        else:
+            alone = inband.alone_on(self._views, r.node)
+            if not alone or (r.detail and r.detail.startswith(INBAND_MEASURED)):
+                return r  # a measurement made earlier in the probation stays the evidence
+            detail = f"{INBAND_NO_PEER} (job{'s' * (len(alone) > 1)} {', '.join(alone)} on {r.node} alone)"
+        if detail == r.detail:
+            return r
+        return self.ledger.update_reintegration(r.id, detail=detail, at=now)
 
     def close(self) -> None:
         """Validation threads are daemons: a stopping controller does not wait for them (a restart re-runs)."""

@@ -15,6 +15,11 @@
 4. A current T1 hardware finding in a fresh agent state, with gating `local`: the node is drained
    with a healthd reason (or found drained by someone else, whose reason stays) before the next job
    can land. With gating `controller` or `off` the epilog only logs "would drain the node".
+5. The job's in-band directory `<run_dir>/inband/<job>`, when there is one (whatever
+   `inband.enabled` says now), moves to `<run_dir>/inband/done/<job>` (root's, 0700: the user can no
+   longer write there by path), and the oldest beyond `inband.keep_jobs` are removed
+   (healthd.hooks.inband_dirs). Last, so that a large tree left by the job cannot use up the
+   deadline before the drain.
 
 Exit code: always 0. The drain is what keeps the next job off the node; a non-zero exit would add
 nothing to it and would end Slurm's run of an `Epilog=<dir>/*` glob, skipping the site's epilogs
@@ -32,6 +37,7 @@ from typing import Any
 
 from healthd.bindings import charges, close_binding, read_binding, remove_binding
 from healthd.checks import CHECKS_FILE, gpu_count_result, merged_doc
+from healthd.hooks import inband_dirs
 from healthd.hooks.common import (
     Context,
     Judgement,
@@ -77,7 +83,7 @@ def append_charges(path: str, lines: list[dict[str, Any]], *, run_dir: str | Non
 
 
 def epilog(ctx: Context) -> int:
-    log, h = ctx.log, ctx.settings.hooks
+    log = ctx.log
     end = ctx.now
     judgement = ctx.state()
     if not judgement.known:
@@ -93,19 +99,42 @@ def epilog(ctx: Context) -> int:
     if judgement.known:
         request_when_idle(ctx, judgement, job)
 
+    drain_for_t1(ctx, judgement, job)
+    if job is not None:
+        archive_inband(ctx, job)
+    return OK
+
+
+def drain_for_t1(ctx: Context, judgement: Judgement, job: str | None) -> None:
+    log, h = ctx.log, ctx.settings.hooks
     t1 = sorted((f for f in judgement.findings if is_t1_hardware(f)), key=lambda f: str(f.get("id")))
     if not t1:
-        return OK
+        return
     reason = healthd_reason(summary(t1[0]), f"[job {job}]" if job else "")
     if h.gating != "local":
         log.warning(f"would drain the node: {reason} (hooks.gating {h.gating}: "
                     f"{'the controller decides' if h.gating == 'controller' else 'report only'})")
-        return OK
+        return
     if take_node(ctx, reason):
         log.error(f"node drained for a T1 hardware finding: {reason}")
     else:
         log.warning(f"the node could not be drained although {summary(t1[0])}")
-    return OK
+
+
+def archive_inband(ctx: Context, job: str) -> None:
+    """Even with inband disabled: a directory made while it was enabled is still the user's to write."""
+    enabled = ctx.settings.inband.enabled
+    try:
+        text = inband_dirs.archive(ctx.settings.hooks.run_dir, job, ctx.settings.inband.keep_jobs,
+                                   trusted_uid=ctx.trusted_uid)
+    except FileNotFoundError:
+        if enabled:
+            ctx.log.info(f"job {job}: no in-band directory to archive")
+        return
+    except (OSError, ValueError) as e:
+        ctx.log.warning(f"job {job}: in-band directory not archived: {e}")
+        return
+    ctx.log.info(f"job {job}: in-band directory {text}")
 
 
 def close_job(ctx: Context, job: str, judgement: Judgement, end: float) -> None:

@@ -2,6 +2,11 @@
 
 1. Records the job's binding `<run_dir>/jobs/<SLURM_JOB_ID>.json` = {job, user, uid, node, gpus,
    start} atomically (GPU indices from SLURM_JOB_GPUS, else CUDA_VISIBLE_DEVICES).
+   With `inband.enabled`, once the gating below lets the job run, creates its in-band directory
+   `<run_dir>/inband/<job>`: the job user's (SLURM_JOB_UID; group SLURM_JOB_GID when slurmd gives
+   it, else root's, which mode 0700 makes irrelevant), mode 0700 (healthd.hooks.inband_dirs). A
+   failure (a link or another user's directory in its place, a full file system) is logged and the
+   job runs without it.
 2. Gating (`hooks.gating`): a job is refusable only when it holds GPUs and the FRESH, trusted agent
    state has a current T1 hardware finding on one of them, or a node-level one (fewer GPUs than
    expected, a GPU lost with no index: any GPU job may land on it) (`gate`, a pure function). A job
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from healthd.bindings import JOBS_DIR, Binding, binding_name
+from healthd.hooks import inband_dirs
 from healthd.hooks.common import (
     Context,
     Judgement,
@@ -102,7 +108,14 @@ def prolog(ctx: Context) -> int:
             jobs.write_json(binding_name(job), binding.to_json())
     except OSError as e:
         log.error(f"job {job}: cannot record the GPU binding: {e}; not a reason to refuse the job")
+    code = decide(ctx, job, gpus, gpus_why)
+    if code == RUN and ctx.settings.inband.enabled:
+        make_inband_dir(ctx, job, uid)
+    return code
 
+
+def decide(ctx: Context, job: str, gpus: list[int] | None, gpus_why: str) -> int:
+    log = ctx.log
     judgement = ctx.state()
     g = gate(judgement, gpus, gpus_why)
     if not g.refuse:
@@ -121,6 +134,26 @@ def prolog(ctx: Context) -> int:
         return RUN
     log.error(f"refused job {job}: {reason}")
     return REFUSE
+
+
+def env_gid(env: dict[str, str]) -> int:
+    """SLURM_JOB_GID when it is a number, else -1 (the group stays root's)."""
+    raw = env.get("SLURM_JOB_GID", "")
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 10 else -1
+
+
+def make_inband_dir(ctx: Context, job: str, uid: int | None) -> None:
+    log = ctx.log
+    if uid is None:
+        log.warning(f"job {job}: no usable SLURM_JOB_UID, so no in-band directory; the job runs without it")
+        return
+    try:
+        done = inband_dirs.create(ctx.settings.hooks.run_dir, job, uid, env_gid(ctx.env),
+                                  trusted_uid=ctx.trusted_uid)
+    except (OSError, ValueError) as e:
+        log.warning(f"job {job}: no in-band directory: {e}; the job runs without it")
+        return
+    log.info(f"job {job}: in-band directory {done}")
 
 
 CONTROLLER_MIN_S = 0.2

@@ -342,3 +342,33 @@ def test_out_of_range_rank_variables_become_unknown(tmp_path: Path):
     view = read_ring(str(tmp_path), "rank-unknown.ring")
     assert isinstance(view, RingView), view
     assert (view.header.rank, view.header.world_size, view.header.job) == (-1, -1, "?t?")
+
+
+REAL_DDP = """
+import os, torch, torch.distributed as dist
+import healthd_inband as hd
+assert hd.enabled
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+hd.torch_ddp_hook(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(6):
+    opt.zero_grad()
+    model(torch.randn(32, 64)).sum().backward()
+    opt.step()
+    hd.step(step)
+dist.destroy_process_group()
+"""
+
+
+def test_the_ddp_hook_times_a_real_all_reduce(tmp_path: Path):
+    """The hook registered on a real DistributedDataParallel (gloo, one rank): DDP accepts it, and each
+    step after the first carries the all-reduce's time as its wait."""
+    pytest.importorskip("torch")
+    proc = run_job(REAL_DDP, timeout=120, HEALTHD_INBAND_DIR=str(tmp_path), RANK="0", LOCAL_RANK="0",
+                   WORLD_SIZE="1", SLURM_JOB_ID="5", STORE=str(tmp_path / "store"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    view = read_ring(str(tmp_path), "rank-0.ring")
+    steps = [r for r in view.records if r.kind_name == "step"]
+    assert [r.step for r in steps] == list(range(6))
+    assert all(r.wait_ns > 0 for r in steps)

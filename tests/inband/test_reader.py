@@ -33,7 +33,8 @@ def ring_bytes(directory: Path) -> bytes:
 
 def header(**over) -> bytes:
     fields = dict(magic=b"HDINBAND", version=1, header_size=128, record_size=64, flags=0, capacity=4, pid=1,
-                  rank=0, local_rank=0, world=1, device=0, wall=0, mono=0, job=b"1", head=0)
+                  rank=0, local_rank=0, world=1, device=0, wall=0, mono=0, job=b"1", phase=0, reserved=0,
+                  phase_mono=0, head=0)
     fields.update(over)
     return HEADER.pack(*fields.values())
 
@@ -290,3 +291,37 @@ def test_the_record_struct_matches_the_client_s():
     assert RECORD.size == healthd_inband.RECORD_SIZE
     assert struct.calcsize("<Q" + healthd_inband.BODY.format.lstrip("<") + "Q") == RECORD.size
     assert RECORD.format == "<Q" + healthd_inband.BODY.format.lstrip("<") + "Q"
+
+
+@SETTINGS
+@given(written=st.integers(0, 300), back=st.integers(0, 300), capacity=st.sampled_from([64, 128]))
+def test_reading_on_from_a_sequence_number_returns_what_a_full_read_returns_after_it(tmp_path, written, back,
+                                                                                     capacity):
+    d = tmp_path / f"w{written}-{back}-{capacity}"
+    d.mkdir()
+    ring = new_ring(d, capacity)
+    for i in range(written):
+        ring.step(i)
+    data = ring_bytes(d)
+    after = max(0, written - back)
+    full = parse_ring(data, 0)
+    onward = parse_ring(data, after)
+    assert [r.seq for r in onward.records] == [r.seq for r in full.records if r.seq > after]
+    assert onward.last_seq == full.last_seq == written
+    assert onward.lost == max(0, written - after - capacity)
+
+
+def test_the_header_says_what_the_rank_is_doing(tmp_path):
+    ring = new_ring(tmp_path)
+    phase = lambda: parse_ring(ring_bytes(tmp_path)).header.phase  # noqa: E731
+    assert phase() == "compute"
+    with ring.wait():
+        assert phase() == "wait"
+    assert phase() == "compute"
+    with ring.checkpoint(3):
+        assert phase() == "checkpoint"
+    ring.enter_wait(time.monotonic_ns())  # a DDP bucket handed to the all-reduce
+    assert phase() == "wait"
+    ring.step(1)
+    view = parse_ring(ring_bytes(tmp_path))
+    assert view.header.phase == "compute" and view.header.phase_mono_ns == view.records[-1].mono_ns

@@ -51,8 +51,8 @@ DEFAULT_PORT_BASE = 16817
 DEFAULT_ROOT = Path("/tmp/healthd-slurm")
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DAEMONS = ("slurmctld", "slurmd", "munged")
-# slurm.conf keys a caller may point at an executable; the first three are the ones healthd ships.
-HOOK_KEYS = ("HealthCheckProgram", "Prolog", "Epilog", "PrologSlurmctld", "EpilogSlurmctld")
+# slurm.conf keys a caller may point at an executable; the first three and TaskProlog are the ones healthd ships.
+HOOK_KEYS = ("HealthCheckProgram", "Prolog", "Epilog", "PrologSlurmctld", "EpilogSlurmctld", "TaskProlog")
 NVIDIA_MAJOR = 195  # character-device major of /dev/nvidiaN
 STOP_GRACE_S = 5.0
 STATE_FILE = "cluster.json"

@@ -1,0 +1,541 @@
+"""The agent's view of the training jobs on its node, from their in-band rings.
+
+Each tick (`InbandJobs.read`) lists the job directories under `<hooks.run_dir>/inband/` (the prolog's,
+one per job, owned by the job's user), reads each rank's ring past what it has already read
+(healthd.agent.inband), and keeps, per rank, its recent steps; from those it builds the per-rank
+window summaries, the stragglers among the ranks on this node and a hang (healthd.progress).
+
+What the job wrote is the job's word about itself: a ring can only make the job look slow or stuck,
+never fail the node. So in-band findings (`findings`) are tier 3 and act on nothing, unless
+out-of-band evidence on the same GPU or the same network rail says the same (`corroboration`): then
+tier 2, which the controller only acts on within its envelope (approval for T2). Stragglers are
+flagged here only for a job whose ranks are all on this node; a job across nodes is compared by the
+controller from every node's window summaries (`to_json`, the report's `inband` section).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import statistics
+import stat
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from healthd.agent.inband import CKPT_BEGIN, CKPT_END, DURABLE, RESTORED, STEP, RingError, read_ring
+from healthd.model import NODE, Component, Evidence, Finding, GpuSample, Snapshot
+from healthd.progress import Hang, RankProgress, RankWindow, StepSample, Straggler, hang, stragglers, summarize
+from healthd.settings import InbandSettings
+from healthd.text import clean
+from healthd.trusted import TRUSTED_UID, TrustedDir
+
+log = logging.getLogger("healthd")
+
+INBAND_DIR = "inband"
+DONE = "done"
+JOB_NAME = re.compile(r"[0-9][0-9_+]{0,63}")
+"""A job directory's name: a Slurm job id (array and heterogeneous forms included)."""
+RING_NAME = re.compile(r"rank-([0-9]{1,7})\.ring")
+MAX_JOBS = 64
+"""Job directories read per tick: a node runs a handful of jobs; more is a leftover or a flood."""
+MIN_STEPS_FOR_MEDIAN = 5
+MAX_WAITS = 256
+"""Per-step waits are sent (small jobs' rank-order test) only for windows up to this many steps."""
+
+# NVML clock event (throttle) reasons that slow a GPU down for a reason of its own: hardware
+# slowdown, software and hardware thermal slowdown, power brake. Idle, application clocks, the
+# software power cap and sync boost are how a healthy GPU runs.
+THROTTLE_SLOWING = {0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
+
+
+@dataclass
+class _Rank:
+    """What the agent keeps of one rank's ring between ticks (mutable, this module only)."""
+
+    identity: tuple[int, int]
+    """(pid, start monotonic ns) of the ring's writer: a new process of the rank starts a new ring."""
+    samples: deque
+    after: int = 0
+    last_step: int = -1
+    last_step_mono: int = 0
+    save_since_step: bool = False
+    longest_save_s: float = 0.0
+    restored: int | None = None
+    durable: int | None = None
+    lost: int = 0
+    torn: int = 0
+    header: Any = None
+    summary: tuple = ()
+    """(windows, median step time) as last computed; recomputed only when new steps arrived."""
+
+    @property
+    def known(self) -> tuple[int, int, int]:
+        """What the ring's header says when nothing new was written since the last read."""
+        return (*self.identity, self.after)
+
+
+def _identity(header: Any) -> tuple[int, int]:
+    return (header.pid, header.start_mono_ns)
+
+
+@dataclass(frozen=True)
+class RankView:
+    rank: int
+    local_rank: int
+    gpu: int
+    """The GPU index the ring's header names (-1: unknown)."""
+    pid: int
+    progress: RankProgress
+    windows: tuple[RankWindow, ...]
+    lost: int
+    torn: int
+    restored: int | None
+    durable: int | None
+    rail: str | None = None
+    """The HCA behind the same PCIe switch as the rank's GPU (None: unknown)."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    job: str
+    uid: int
+    world_size: int
+    """As the ranks' headers say (-1: unknown)."""
+    ranks: tuple[RankView, ...]
+    stragglers: tuple[Straggler, ...] = ()
+    """Flagged among this node's ranks; only when all the job's ranks are here."""
+    hang: Hang | None = None
+    errors: tuple[str, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        """Every rank of the job writes on this node."""
+        return self.world_size > 0 and len(self.ranks) == self.world_size
+
+    @property
+    def step_median_s(self) -> float | None:
+        values = [r.progress.step_median_s for r in self.ranks if r.progress.step_median_s]
+        return statistics.median(values) if values else None
+
+
+@dataclass
+class InbandJobs:
+    """Reads the in-band rings of the jobs on this node (I/O), keeping each rank's recent steps."""
+
+    settings: InbandSettings
+    trusted_uid: int = TRUSTED_UID
+    ib_root: str = "/sys/class/infiniband"
+    _ranks: dict[tuple[str, str], _Rank] = field(default_factory=dict)
+    _warned: set[str] = field(default_factory=set)
+    _rails: tuple[tuple, dict[int, str]] = ((), {})
+    rail: dict[int, str] = field(default_factory=dict)
+    """GPU index -> rail, as worked out for the latest read."""
+    _flags: dict[str, tuple[tuple, tuple[Straggler, ...]]] = field(default_factory=dict)
+    """job -> (each rank's newest window, the stragglers found then): the detector runs when a
+    window completes, not every tick."""
+
+    def rails_of(self, gpus: Mapping[int, str]) -> dict[int, str]:
+        """GPU index -> rail for the GPUs NVML lists (index -> bus id), worked out once per GPU set."""
+        key = tuple(sorted(gpus.items()))
+        if key != self._rails[0]:
+            paths = {i: p for i, bus in gpus.items() if (p := pci_path(self.settings.pci_devices, bus))}
+            self._rails = (key, rails(paths, hca_paths(self.ib_root)) if paths else {})
+        return self._rails[1]
+
+    def read(self, run_dir: str, now_mono_ns: int, gpus: Mapping[int, str] | None = None) -> tuple[JobView, ...]:
+        """The jobs under `run_dir`/inband now. `gpus`: NVML's GPU index -> bus id (for the rails)."""
+        if not self.settings.enabled:
+            return ()
+        self.rail = self.rails_of(gpus or {})
+        base = os.path.join(run_dir, INBAND_DIR)
+        try:
+            with TrustedDir(run_dir, INBAND_DIR, trusted_uid=self.trusted_uid) as d:
+                names = sorted(n for n in d.names() if n != DONE)
+                owners = {}
+                for name in names[:MAX_JOBS]:
+                    if not JOB_NAME.fullmatch(name):
+                        self._warn(f"in-band directory entry {os.path.join(base, name)!r} is not a job id; ignored")
+                        continue
+                    try:
+                        st = d.lstat(name)
+                    except OSError:
+                        continue
+                    if not stat.S_ISDIR(st.st_mode):
+                        self._warn(f"{os.path.join(base, name)} is not a directory "
+                                   f"({stat.filemode(st.st_mode)}); ignored")
+                        continue
+                    owners[name] = st.st_uid
+        except FileNotFoundError:
+            self._ranks.clear()
+            return ()
+        except OSError as e:
+            self._warn(f"in-band directory {base} not read: {clean(e, 200)}")
+            return ()
+        views = []
+        seen: set[tuple[str, str]] = set()
+        for job, uid in owners.items():
+            views.append(self._read_job(os.path.join(base, job), job, uid, now_mono_ns, seen))
+        for key in [k for k in self._ranks if k not in seen]:
+            del self._ranks[key]
+        for job in [j for j in self._flags if j not in owners]:
+            del self._flags[job]
+        return tuple(views)
+
+    def _warn(self, msg: str) -> None:
+        if msg not in self._warned:
+            if len(self._warned) > 1000:
+                self._warned.clear()
+            self._warned.add(msg)
+            log.warning("%s", msg)
+
+    def _read_job(self, path: str, job: str, uid: int, now: int, seen: set) -> JobView:
+        s = self.settings
+        errors: list[str] = []
+        try:
+            names = sorted((n for n in os.listdir(path) if RING_NAME.fullmatch(n)),
+                           key=lambda n: int(RING_NAME.fullmatch(n).group(1)))  # type: ignore[union-attr]
+        except OSError as e:
+            return JobView(job, uid, -1, (), errors=(f"{path}: {clean(e, 200)}",))
+        if len(names) > s.max_ranks:
+            errors.append(f"{len(names)} rings, read the first {s.max_ranks} (inband.max_ranks)")
+        ranks: list[RankView] = []
+        worlds = []
+        for name in names[:s.max_ranks]:
+            key = (job, name)
+            state = self._ranks.get(key)
+            view = read_ring(path, name, owner=uid, after=state.after if state else 0,
+                             known=state.known if state else None)
+            if not isinstance(view, RingError) and state is not None and state.identity != _identity(view.header):
+                # a new process of the rank replaced the ring (a restart): read the new one from its start
+                view = read_ring(path, name, owner=uid, after=0)
+            if isinstance(view, RingError):
+                errors.append(clean(view.reason, 300))
+                continue
+            h = view.header
+            if state is None or state.identity != _identity(h):
+                state = _Rank(_identity(h), deque(maxlen=(s.detector.history_windows + 2) * s.detector.window_steps))
+                self._ranks[key] = state
+            seen.add(key)
+            self._take(state, view)
+            state.header = h
+            if h.rank != int(RING_NAME.fullmatch(name).group(1)):  # type: ignore[union-attr]
+                errors.append(f"{name}: header says rank {h.rank}")
+                continue
+            worlds.append(h.world_size)
+            ranks.append(self._rank_view(state, now))
+        world = max(set(worlds), key=worlds.count) if worlds else -1
+        by_rank = {r.rank: r.windows for r in ranks}
+        flagged: tuple[Straggler, ...] = ()
+        if world > 0 and len(ranks) == world:
+            key = tuple((r.rank, r.windows[-1].window if r.windows else -1) for r in ranks)
+            cached = self._flags.get(job)
+            if cached is not None and cached[0] == key:
+                flagged = cached[1]
+            else:
+                flagged = tuple(stragglers(by_rank, s.detector))
+                self._flags[job] = (key, flagged)
+        stalled = hang([r.progress for r in ranks], s.detector) if ranks else None
+        return JobView(job, uid, world, tuple(ranks), tuple(flagged), stalled, tuple(errors))
+
+    def _take(self, state: _Rank, view: Any) -> None:
+        if view.records:
+            state.summary = ()
+        state.after = max(state.after, view.last_seq)
+        state.lost += view.lost
+        state.torn += view.torn
+        for r in view.records:
+            if r.kind == STEP:
+                state.samples.append(StepSample(r.step, r.dur_ns / 1e9, r.wait_ns / 1e9, state.save_since_step))
+                state.save_since_step = False
+                state.last_step = r.step
+                state.last_step_mono = r.mono_ns
+            elif r.kind in (CKPT_BEGIN, CKPT_END):
+                state.save_since_step = True
+                if r.kind == CKPT_END:
+                    state.longest_save_s = max(state.longest_save_s, r.dur_ns / 1e9)
+            elif r.kind == DURABLE:
+                state.durable = r.step
+            elif r.kind == RESTORED:
+                state.restored = r.step
+                state.last_step = r.step
+                state.last_step_mono = r.mono_ns
+
+    def _rank_view(self, state: _Rank, now: int) -> RankView:
+        h = state.header
+        d = self.settings.detector
+        if not state.summary:
+            small = 0 < h.world_size < d.min_ranks_spread and d.window_steps <= MAX_WAITS
+            samples = list(state.samples)
+            times = [x.step_s for x in samples[-d.window_steps * 2:] if x.step_s > 0 and not x.checkpoint]
+            median = statistics.median(times) if len(times) >= MIN_STEPS_FOR_MEDIAN else None
+            state.summary = (summarize(h.rank, samples, d, with_waits=small), median)
+        windows, median = state.summary
+        since = state.last_step_mono or h.start_mono_ns
+        progress = RankProgress(
+            rank=h.rank,
+            last_step=state.last_step,
+            last_step_age_s=max(0.0, (now - since) / 1e9),
+            phase=h.phase,
+            phase_age_s=max(0.0, (now - h.phase_mono_ns) / 1e9) if h.phase_mono_ns else 0.0,
+            step_median_s=median,
+            longest_save_s=state.longest_save_s,
+        )
+        return RankView(h.rank, h.local_rank, h.device, h.pid, progress, windows, state.lost, state.torn,
+                        state.restored, state.durable, self.rail.get(h.device))
+
+
+# --------------------------------------------------------------------------- flight recorder
+
+FR_PIPE_VAR = b"TORCH_NCCL_DEBUG_INFO_PIPE_FILE="
+"""PyTorch's NCCL process group makes a FIFO `<value><rank>.pipe` when the job sets this (and a trace
+buffer): anything written to it makes that rank dump its flight recorder (the last collectives)."""
+MAX_ENVIRON = 256 * 1024
+
+
+def request_dumps(job: JobView, proc_root: str = "/proc") -> tuple[str, ...]:
+    """Ask each of the job's ranks here for a flight recorder dump, through the FIFO PyTorch made for
+    it, and say what was done per rank. Only a FIFO owned by the job's user, named by the environment
+    of a process that is the job user's, is written (one byte, non-blocking: a FIFO nobody reads is
+    skipped); the ring's pid is the job's word, so both are checked before anything is written."""
+    out = []
+    for r in job.ranks:
+        if r.pid <= 0:
+            continue
+        proc = os.path.join(proc_root, str(r.pid))
+        try:
+            if os.stat(proc).st_uid != job.uid:
+                out.append(f"rank {r.rank}: pid {r.pid} is not the job user's; no dump requested")
+                continue
+            fd = os.open(os.path.join(proc, "environ"), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                environ = os.read(fd, MAX_ENVIRON)
+            finally:
+                os.close(fd)
+        except OSError:
+            continue  # the rank's process is gone: nothing to dump
+        stem = next((v[len(FR_PIPE_VAR):] for v in environ.split(b"\0") if v.startswith(FR_PIPE_VAR)), None)
+        if not stem:
+            continue
+        pipe = os.fsdecode(stem) + f"{r.rank}.pipe"
+        try:
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            out.append(f"rank {r.rank}: flight recorder pipe {clean(pipe, 200)}: {e.strerror}")
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISFIFO(st.st_mode) or st.st_uid != job.uid:
+                out.append(f"rank {r.rank}: {clean(pipe, 200)} is not the job user's FIFO; not written")
+                continue
+            os.write(fd, b"1")
+            out.append(f"rank {r.rank}: flight recorder dump requested through {clean(pipe, 200)}")
+        except OSError as e:
+            out.append(f"rank {r.rank}: flight recorder pipe {clean(pipe, 200)}: {e.strerror}")
+        finally:
+            os.close(fd)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- network rails
+
+
+def pci_path(pci_devices: str, bus_id: str) -> tuple[str, ...] | None:
+    """The device's place in the PCIe tree (the components of its real sysfs path), from NVML's bus
+    id form `00000000:3B:00.0`; None when it is not there."""
+    domain, _, rest = bus_id.partition(":")
+    if not rest:
+        return None
+    name = f"{domain[-4:]}:{rest}".lower()
+    try:
+        return tuple(os.path.realpath(os.path.join(pci_devices, name), strict=True).split("/"))
+    except (OSError, ValueError):
+        return None
+
+
+def hca_paths(ib_root: str) -> dict[str, tuple[str, ...]]:
+    """HCA name -> its place in the PCIe tree (`<ib_root>/<hca>/device`)."""
+    out = {}
+    try:
+        names = sorted(os.listdir(ib_root))[:64]
+    except OSError:
+        return out
+    for name in names:
+        try:
+            out[name] = tuple(os.path.realpath(os.path.join(ib_root, name, "device"), strict=True).split("/"))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def rails(gpus: Mapping[int, tuple[str, ...]], hcas: Mapping[str, tuple[str, ...]]) -> dict[int, str]:
+    """GPU index -> its rail: the one HCA sharing the deepest PCIe ancestor with it, below the root
+    complex (a GPU and a NIC behind one PCIe switch). None for a GPU two HCAs are equally near, or
+    that shares only the root complex: a guess would blame the wrong rail."""
+    out = {}
+    for index, gpath in gpus.items():
+        best: list[tuple[int, str]] = []
+        for name, hpath in hcas.items():
+            shared = 0
+            for a, b in zip(gpath, hpath, strict=False):
+                if a != b:
+                    break
+                shared += 1
+            best.append((shared, name))
+        best.sort(reverse=True)
+        # /sys/devices/pci0000:3a is 4 components; a shared PCIe port or switch is deeper
+        if best and best[0][0] > 4 and (len(best) == 1 or best[1][0] < best[0][0]):
+            out[index] = best[0][1]
+    return out
+
+
+# --------------------------------------------------------------------------- findings (pure)
+
+
+def corroboration(gpu: int, snapshot: Snapshot, findings: Iterable[Finding],
+                  rail: str | None = None) -> tuple[list[str], list[str]]:
+    """(about the GPU, about the rail): out-of-band evidence on this node that a rank on GPU `gpu`
+    is slow for a reason of the hardware's: its clocks held down, PCIe replays, a narrower PCIe link,
+    or a current finding on that GPU; a current fabric finding on a port of the GPU's rail (`rail`,
+    the HCA; unknown: the node's only HCA, if it has one)."""
+    if rail is None:
+        devices = {p.device for p in snapshot.infiniband.ports}
+        rail = next(iter(devices)) if len(devices) == 1 else None
+    on_gpu: list[str] = []
+    sample: GpuSample | None = next((g for g in snapshot.nvml.gpus if g.index == gpu), None)
+    if sample is not None:
+        reasons = sample.clock_event_reasons or 0
+        slowing = [name for bit, name in THROTTLE_SLOWING.items() if reasons & bit]
+        if slowing:
+            on_gpu.append(f"gpu{gpu}: clocks held down ({', '.join(slowing)})")
+        replay = sample.counters.get("pcie_replay")
+        if replay is not None and replay.delta:
+            on_gpu.append(f"gpu{gpu}: {replay.delta} PCIe replays since the last reading")
+        if sample.pcie_width and sample.pcie_width_max and sample.pcie_width < sample.pcie_width_max:
+            on_gpu.append(f"gpu{gpu}: PCIe link x{sample.pcie_width} of x{sample.pcie_width_max}")
+    on_rail: list[str] = []
+    for f in findings:
+        if f.source == "inband":
+            continue
+        if f.component.kind == "gpu" and f.component.index == gpu:
+            on_gpu.append(f"gpu{gpu}: {clean(f.summary, 120)} ({f.id})")
+        elif f.component.kind == "port" and f.attribution == "fabric" and rail and f.component.device == rail:
+            on_rail.append(f"{f.component.key()}: {clean(f.summary, 120)} ({f.id})")
+    return on_gpu[:4], on_rail[:4]
+
+
+def _gpu_component(gpu: int, snapshot: Snapshot) -> Component:
+    sample = next((g for g in snapshot.nvml.gpus if g.index == gpu), None)
+    if gpu < 0:
+        return NODE
+    if sample is None:
+        return Component(kind="gpu", index=gpu)
+    return Component(kind="gpu", index=gpu, uuid=sample.uuid, serial=sample.serial, bus_id=sample.bus_id)
+
+
+def findings(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Finding],
+             first_seen: Mapping[str, float], now: float, window_steps: int,
+             dumps: Mapping[str, tuple[str, ...]] | None = None) -> tuple[Finding, ...]:
+    """In-band findings: a straggler per flagged rank of a job wholly on this node (tier 2 with
+    out-of-band corroboration, else tier 3), and a hang per stalled job (tier 3: the controller
+    decides a job's requeue from every node's view). `first_seen`: finding id -> when first made."""
+    others = tuple(others)
+    out: list[Finding] = []
+    for job in jobs:
+        by_rank = {r.rank: r for r in job.ranks}
+        for flag in job.stragglers:
+            rank = by_rank.get(flag.rank)
+            if rank is None:
+                continue
+            component = _gpu_component(rank.gpu, snapshot)
+            on_gpu, rail = corroboration(rank.gpu, snapshot, others, rank.rail) if rank.gpu >= 0 else ([], [])
+            tier, attribution, action = 3, "unknown", "none"
+            if on_gpu:
+                tier, attribution, action = 2, "hardware", "drain"
+            elif rail:
+                tier, attribution, action = 2, "fabric", "drain"
+            fid = f"inband.straggler:{component.key()}"
+            last_step = (flag.windows[-1] + 1) * window_steps - 1
+            how = (f"compute {flag.effect:+.1%} against the job's median over windows "
+                   f"{flag.windows[0]}-{flag.windows[-1]} (needed {flag.threshold:.1%})"
+                   if flag.test == "magnitude" else
+                   f"last to arrive in {flag.last_in} of {flag.of_steps} steps (p={flag.p_value:.1e})")
+            evidence = [Evidence("inband", f"job {job.job} rank {flag.rank} (gpu {rank.gpu}): {how}",
+                                 {"job": job.job, "rank": flag.rank, "gpu": rank.gpu, "test": flag.test,
+                                  "effect": round(flag.effect, 4), "windows": list(flag.windows),
+                                  "step": last_step})]
+            evidence += [Evidence("nvml_value" if e.startswith("gpu") else "state", e) for e in (*on_gpu, *rail)]
+            corroborated = f"; corroborated: {on_gpu[0] if on_gpu else rail[0]}" if tier == 2 else \
+                "; in-band evidence only"
+            out.append(Finding(
+                id=fid, component=component, source="inband", attribution=attribution,  # type: ignore[arg-type]
+                tier=tier, action=action,  # type: ignore[arg-type]
+                summary=clean(f"straggler: job {job.job} rank {flag.rank} on {component.key()} "
+                              f"{flag.effect:+.1%} compute{corroborated}", 300),
+                evidence=tuple(evidence), first_seen=first_seen.get(fid, now), last_seen=now, job=job.job))
+        if job.hang is not None:
+            h = job.hang
+            fid = f"inband.hang:{job.job}"
+            behind = ", ".join(f"rank {r} ({h.phases.get(r, 'unknown')}, gpu {by_rank[r].gpu})"
+                               for r in h.behind[:8] if r in by_rank)
+            out.append(Finding(
+                id=fid, component=NODE, source="inband", attribution="unknown", tier=3, action="none",
+                summary=clean(f"hang: job {job.job} at step {h.step} for {h.stalled_s:.0f} s "
+                              f"(bound {h.bound_s:.0f} s); behind: "
+                              f"{behind or 'not here (every rank here waits in a collective)'}", 300),
+                evidence=(Evidence("inband", f"job {job.job}: no rank committed a step after {h.step} for "
+                                   f"{h.stalled_s:.0f} s", {"job": job.job, "step": h.step,
+                                                            "stalled_s": round(h.stalled_s, 1),
+                                                            "bound_s": round(h.bound_s, 1),
+                                                            "behind": list(h.behind)}),
+                          *(Evidence("probe", note) for note in (dumps or {}).get(job.job, ())[:8])),
+                first_seen=first_seen.get(fid, now), last_seen=now, job=job.job))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- the report's section
+
+
+def _r(x: float | None, nd: int = 6) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def to_json(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Finding],
+            history_windows: int) -> dict[str, Any]:
+    """The `inband` section of the state document (and of the report to the controller)."""
+    others = tuple(others)
+    out = []
+    for job in jobs:
+        ranks = []
+        for r in job.ranks:
+            p = r.progress
+            on_gpu, rail = corroboration(r.gpu, snapshot, others, r.rail) if r.gpu >= 0 else ([], [])
+            ranks.append({
+                # the header's numbers are the job's: out of range is unknown, as the controller reads them
+                "rank": r.rank, "local_rank": r.local_rank if 0 <= r.local_rank < 1 << 24 else None,
+                "gpu": r.gpu if -1 <= r.gpu <= 1023 else -1, "pid": r.pid if r.pid > 0 else None,
+                "last_step": p.last_step, "last_step_age_s": _r(p.last_step_age_s, 3),
+                "phase": p.phase, "phase_age_s": _r(p.phase_age_s, 3), "step_median_s": _r(p.step_median_s),
+                "longest_save_s": _r(p.longest_save_s), "lost": r.lost, "torn": r.torn,
+                "restored": r.restored, "durable": r.durable, "rail": r.rail,
+                "corroboration": (on_gpu + rail)[:8],
+                "windows": [{"window": w.window, "steps": w.steps, "compute_s": _r(w.compute_s),
+                             "step_s": _r(w.step_s), "wait_s": _r(w.wait_s),
+                             "waits": [_r(x) for x in w.waits] if w.waits is not None else None}
+                            for w in r.windows[-history_windows:]],
+            })
+        h = job.hang
+        out.append({
+            "job": job.job, "world_size": job.world_size, "ranks_here": len(job.ranks),
+            "step_median_s": _r(job.step_median_s),
+            "ranks": ranks,
+            "stragglers": [{"rank": f.rank, "test": f.test, "windows": list(f.windows), "effect": _r(f.effect, 4),
+                            "threshold": _r(f.threshold, 6), "last_in": f.last_in, "of_steps": f.of_steps,
+                            "p_value": f.p_value} for f in job.stragglers],
+            "hang": None if h is None else {"step": h.step, "stalled_s": _r(h.stalled_s, 1),
+                                            "bound_s": _r(h.bound_s, 1), "behind": list(h.behind),
+                                            "phases": {str(k): v for k, v in h.phases.items()}},
+            "errors": list(job.errors[:16]),
+        })
+    return {"jobs": out}

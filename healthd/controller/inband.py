@@ -1,0 +1,720 @@
+"""In-band signals at the controller: the training jobs' own step progress, compared job-wide.
+
+An agent reads the step records of the ranks on its node and sends them in its report's `inband`
+section (healthd.report_schema checks it). It judges the jobs whose ranks all run on its node itself
+(its own `inband.*` findings); a job spread over several nodes is judged here, where every node's
+ranks meet:
+
+- `jobs_from_json` turns a report's checked section into values (`JobProgress`, one per job).
+- `merge` joins the fresh reports' ranks per job (a rank two nodes report: the newer report wins).
+- `straggler_flags` runs healthd.progress.stragglers over a multi-node job's ranks; `findings_for`
+  makes each flagged rank a finding for the rank's node with the agent's id scheme and tiering:
+  `inband.straggler:gpu<i>` (or `:node`), T3 and action `none` on in-band evidence alone, T2 and
+  `drain` only when the rank's node corroborates it with out-of-band evidence on that GPU or rail
+  (attribution hardware or fabric). Slow ranks of one job on two or more nodes under one topology
+  group are one fabric incident: each of their findings names the group.
+- `hangs` runs healthd.progress.hang over a job's ranks from every node (ages brought forward to
+  `now` by how old each report is).
+- `node_ratio` measures one node's ranks against their job's median (the ratio stragglers compares),
+  and `slowest_on` names the worst straggler flag or finding on a node: the in-band evidence a
+  reintegration's probation records (healthd.controller.reintegrate).
+
+Those are pure. `HangResponder` is the one stateful part: a hung job that opted in to requeue is
+requeued once per job and stall step (a ledger action keyed `requeue-hang:<job>:<step>`), through the
+mode, the breaker and an hourly budget like any action; any other hang is recorded and alerted once.
+A hang never drains a node: without out-of-band evidence nothing says which node is at fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from healthd import progress
+from healthd.model import NODE, Component, Evidence, Finding
+from healthd.progress import Hang, RankProgress, RankWindow, Straggler
+from healthd.settings import DetectorSettings
+from healthd.slurm.backend import JobInfo, SlurmError
+
+if TYPE_CHECKING:
+    from healthd.controller.executor import ExecResult, Executor
+
+_log = logging.getLogger("healthd.controller.inband")
+
+STRAGGLER_PREFIX = "inband.straggler:"
+HANG_PREFIX = "inband.hang:"
+HANG_KEY_PREFIX = "requeue-hang:"
+"""Idempotency key (and decision id) of a hung job's requeue: `requeue-hang:<job>:<step>`."""
+HANG_DECISION_KIND = "requeue-hang"
+MAX_EVIDENCE_PER_FINDING = 64
+"""Evidence items one injected finding carries (several slow ranks on one GPU or node add theirs)."""
+
+_GROUP_WORDS = {"switch": "under switch", "rack": "in rack", "pdu": "on PDU"}
+_FABRIC_WORDS = ("infiniband", "mlx", "rail", "port", "link", "roce", "fabric", "hca", " ib ", "ib:")
+
+
+# --------------------------------------------------------------------------- the report's section
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank of a job as its node reported it."""
+
+    progress: RankProgress
+    windows: tuple[RankWindow, ...] = ()
+    """The rank's recent complete windows, oldest first."""
+    local_rank: int | None = None
+    gpu: int | None = None
+    """The GPU index on its node; None when the agent could not tell (it sends -1)."""
+    pid: int | None = None
+    rail: str | None = None
+    """The HCA port the rank's traffic leaves by (`mlx5_0/1`), when known."""
+    corroboration: tuple[str, ...] = ()
+    """Out-of-band evidence the node has on this rank's GPU or rail, one line each (empty: none)."""
+    lost: int = 0
+    torn: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.progress.rank
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One job's in-band data from one node's report."""
+
+    job: str
+    ranks: tuple[RankState, ...] = ()
+    world_size: int | None = None
+    ranks_here: int = 0
+    step_median_s: float | None = None
+    stragglers: tuple[Straggler, ...] = ()
+    """The agent's own verdict over the ranks on its node."""
+    hang: Hang | None = None
+    errors: tuple[str, ...] = ()
+
+
+def _window(doc: Mapping[str, Any], rank: int) -> RankWindow:
+    waits = doc.get("waits")
+    return RankWindow(rank=rank, window=doc["window"], steps=doc["steps"], compute_s=float(doc["compute_s"]),
+                      step_s=float(doc["step_s"]), wait_s=float(doc["wait_s"]),
+                      waits=tuple(float(w) for w in waits) if waits is not None else None)
+
+
+def _rank(doc: Mapping[str, Any]) -> RankState:
+    rank = doc["rank"]
+    median = doc.get("step_median_s")
+    gpu = doc.get("gpu")
+    return RankState(
+        progress=RankProgress(rank=rank, last_step=doc["last_step"], last_step_age_s=float(doc["last_step_age_s"]),
+                              phase=doc["phase"], phase_age_s=float(doc.get("phase_age_s") or 0.0),
+                              step_median_s=float(median) if median is not None else None,
+                              longest_save_s=float(doc.get("longest_save_s") or 0.0)),
+        windows=tuple(sorted((_window(w, rank) for w in doc.get("windows") or ()), key=lambda w: w.window)),
+        local_rank=doc.get("local_rank"),
+        gpu=gpu if gpu is not None and gpu >= 0 else None,
+        pid=doc.get("pid"),
+        rail=doc.get("rail"),
+        corroboration=tuple(doc.get("corroboration") or ()),
+        lost=doc.get("lost") or 0,
+        torn=doc.get("torn") or 0,
+    )
+
+
+def _straggler(doc: Mapping[str, Any]) -> Straggler:
+    p = doc.get("p_value")
+    return Straggler(rank=doc["rank"], test=doc["test"], windows=tuple(doc["windows"]), effect=float(doc["effect"]),
+                     threshold=float(doc["threshold"]), last_in=doc.get("last_in") or 0,
+                     of_steps=doc.get("of_steps") or 0, p_value=float(p) if p is not None else None)
+
+
+def _hang(doc: Mapping[str, Any] | None) -> Hang | None:
+    if doc is None:
+        return None
+    return Hang(step=doc["step"], stalled_s=float(doc["stalled_s"]), bound_s=float(doc["bound_s"]),
+                behind=tuple(doc["behind"]),
+                phases=MappingProxyType({int(k): v for k, v in (doc.get("phases") or {}).items()}))
+
+
+def jobs_from_json(section: Any) -> tuple[JobProgress, ...]:
+    """A report's `inband` section, already checked (healthd.report_schema), as values; () when the
+    report has none (an agent from before in-band signals)."""
+    if not section:
+        return ()
+    return tuple(
+        JobProgress(job=j["job"], ranks=tuple(_rank(r) for r in j["ranks"]),
+                    world_size=j["world_size"] if (j.get("world_size") or 0) > 0 else None,
+                    ranks_here=j.get("ranks_here") or 0, step_median_s=j.get("step_median_s"),
+                    stragglers=tuple(_straggler(s) for s in j.get("stragglers") or ()), hang=_hang(j.get("hang")),
+                    errors=tuple(j.get("errors") or ()))
+        for j in section["jobs"]
+    )
+
+
+# --------------------------------------------------------------------------- one job across nodes
+
+
+class _Report(Protocol):
+    node: str
+    received_at: float
+    inband: tuple[JobProgress, ...]
+
+
+@dataclass(frozen=True)
+class PlacedRank:
+    """A rank and the node whose report it came from."""
+
+    node: str
+    received_at: float
+    state: RankState
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job as the fleet's fresh reports show it."""
+
+    job: str
+    ranks: Mapping[int, PlacedRank]
+    world_size: int | None = None
+    agent_stragglers: Mapping[int, Straggler] = field(default_factory=dict)
+    """rank -> the agent's flag, from the node the rank is placed on."""
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(sorted({p.node for p in self.ranks.values()}))
+
+
+def merge(reports: Iterable[_Report], now: float, ttl_s: float) -> dict[str, JobView]:
+    """job -> its ranks from every fresh report (received within `ttl_s` of `now`). A rank two nodes
+    report (a job that moved, a requeue that landed elsewhere) is taken from the newer report."""
+    placed: dict[str, dict[int, PlacedRank]] = {}
+    world: dict[str, int] = {}
+    flagged: dict[tuple[str, str, int], Straggler] = {}
+    for report in sorted(reports, key=lambda r: (r.received_at, r.node)):
+        if not report.inband or now - report.received_at > ttl_s:
+            continue
+        for jp in report.inband:
+            ranks = placed.setdefault(jp.job, {})
+            for state in jp.ranks:
+                ranks[state.rank] = PlacedRank(report.node, report.received_at, state)
+            if jp.world_size:
+                world[jp.job] = max(world.get(jp.job, 0), jp.world_size)
+            for s in jp.stragglers:
+                flagged[(jp.job, report.node, s.rank)] = s
+    out = {}
+    for job, ranks in placed.items():
+        mine = {r: s for (j, node, r), s in flagged.items() if j == job and r in ranks and ranks[r].node == node}
+        out[job] = JobView(job=job, ranks=MappingProxyType(ranks), world_size=world.get(job),
+                           agent_stragglers=MappingProxyType(mine))
+    return out
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A rank flagged slow, where it runs."""
+
+    job: str
+    node: str
+    state: RankState
+    straggler: Straggler
+    by_agent: bool = False
+    """The node's agent flagged it (a job on one node): the agent reports its finding itself."""
+
+    @property
+    def tier(self) -> int:
+        return 2 if self.state.corroboration else 3
+
+
+def straggler_flags(view: JobView, settings: DetectorSettings) -> tuple[Flag, ...]:
+    """The job's slow ranks. A job on one node is its agent's to judge (the same windows, with that
+    node's settings): its flags are taken as the agent sent them. A job on several nodes is compared
+    here, every rank against the job's median."""
+    if len(view.nodes) < 2:
+        return tuple(Flag(view.job, view.ranks[r].node, view.ranks[r].state, s, by_agent=True)
+                     for r, s in sorted(view.agent_stragglers.items()))
+    windows = {r: p.state.windows for r, p in view.ranks.items() if p.state.windows}
+    if len(windows) < 2:
+        return ()
+    return tuple(Flag(view.job, view.ranks[s.rank].node, view.ranks[s.rank].state, s)
+                 for s in progress.stragglers(windows, settings) if s.rank in view.ranks)
+
+
+# --------------------------------------------------------------------------- flags -> findings
+
+
+def group_label(group: str) -> str:
+    """`switch:s1` -> `under switch s1` (rack, PDU likewise)."""
+    kind, _, name = group.partition(":")
+    return f"{_GROUP_WORDS.get(kind, kind)} {name}" if name else group
+
+
+def shared_groups(flags: Iterable[Flag], groups: Mapping[str, frozenset[str]]) -> dict[tuple[str, int], tuple[str, int]]:
+    """(job, rank) -> (group, slow ranks of the job it holds) for slow ranks of one job on two or more
+    nodes under one topology group (healthd.controller.policy.FleetView.groups): what they share is the
+    likelier cause than each of their nodes. The smallest groups are taken first (a leaf switch before
+    the spine above it), each for the nodes no smaller group took, and only while it holds two of them."""
+    by_job: dict[str, list[Flag]] = {}
+    for f in flags:
+        if not f.by_agent:
+            by_job.setdefault(f.job, []).append(f)
+    out: dict[tuple[str, int], tuple[str, int]] = {}
+    for job, mine in by_job.items():
+        free = {f.node for f in mine}
+        if len(free) < 2:
+            continue
+        for name, members in sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0])):
+            hit = free & members
+            if len(hit) < 2:
+                continue
+            free -= hit
+            held = [f for f in mine if f.node in hit]
+            for f in held:
+                out[(job, f.state.rank)] = (name, len(held))
+    return out
+
+
+def corroboration_attribution(lines: Iterable[str], rail: str | None) -> str:
+    """`fabric` when every corroborating line is about the rank's rail or the network, else
+    `hardware` (the GPU)."""
+    lines = list(lines)
+    if not lines:
+        return "unknown"
+    device = rail.split("/", 1)[0] if rail else None
+
+    def about_fabric(text: str) -> bool:
+        low = f" {text.lower()}"
+        if rail and (text.startswith(rail) or (device and text.startswith(device))):
+            return True
+        if low.lstrip().startswith("gpu"):
+            return False
+        return any(w in low for w in _FABRIC_WORDS)
+
+    return "fabric" if all(about_fabric(t) for t in lines) else "hardware"
+
+
+def _windows_text(windows: tuple[int, ...]) -> str:
+    if not windows:
+        return "no window"
+    return f"window {windows[0]}" if len(windows) == 1 else f"windows {windows[0]}-{windows[-1]}"
+
+
+def _evidence(flag: Flag) -> list[Evidence]:
+    s, st = flag.straggler, flag.state
+    if s.test == "rank-order":
+        how = (f"arrived last in {s.last_in} of {s.of_steps} steps (p={s.p_value:.2g}, bound {s.threshold:.2g})"
+               if s.p_value is not None else f"arrived last in {s.last_in} of {s.of_steps} steps")
+    else:
+        how = f"compute {s.effect:.1%} above the job's median (threshold {s.threshold:.1%})"
+    where = f"{flag.node} gpu{st.gpu}" if st.gpu is not None else flag.node
+    data: dict[str, Any] = {"job": flag.job, "rank": st.rank, "node": flag.node, "test": s.test,
+                            "windows": list(s.windows), "effect": s.effect, "threshold": s.threshold,
+                            "last_step": st.progress.last_step}
+    if st.gpu is not None:
+        data["gpu"] = st.gpu
+    if st.rail:
+        data["rail"] = st.rail
+    if s.test == "rank-order":
+        data.update(last_in=s.last_in, of_steps=s.of_steps, p_value=s.p_value)
+    out = [Evidence("inband", f"rank {st.rank} of job {flag.job} on {where}: {how} in {_windows_text(s.windows)} "
+                              f"({s.test} test)", data)]
+    out += [Evidence("inband", f"corroborated on {flag.node}: {line}", {"job": flag.job, "rank": st.rank})
+            for line in st.corroboration]
+    return out
+
+
+def _finding_for(flag: Flag, group: tuple[str, int] | None, first_seen: float, now: float) -> Finding:
+    st = flag.state
+    component = Component(kind="gpu", index=st.gpu) if st.gpu is not None else NODE
+    tier = flag.tier
+    if group is not None:
+        attribution = "fabric"
+    else:
+        attribution = corroboration_attribution(st.corroboration, st.rail) if tier == 2 else "unknown"
+    slow = f"rank {st.rank} of job {flag.job} slow ({flag.straggler.effect:+.1%} compute, {flag.straggler.test} test)"
+    if group is not None:
+        summary = f"one of {group[1]} slow ranks of job {flag.job} {group_label(group[0])}: {slow}"
+    else:
+        summary = f"in-band straggler: {slow}"
+    if tier == 2:
+        summary += f"; corroborated: {'; '.join(st.corroboration)}"
+    else:
+        summary += "; in-band evidence only: recorded, never acts"
+    return Finding(id=f"{STRAGGLER_PREFIX}{component.key()}", component=component, source="inband",
+                   attribution=attribution, tier=tier, action="drain" if tier == 2 else "none",  # type: ignore[arg-type]
+                   summary=summary[:2000], evidence=tuple(_evidence(flag)), first_seen=first_seen, last_seen=now,
+                   job=flag.job)
+
+
+def findings_for(flags: Iterable[Flag], groups: Mapping[str, frozenset[str]], now: float,
+                 first_seen: Mapping[tuple[str, str], float] | None = None) -> dict[str, tuple[Finding, ...]]:
+    """node -> the straggler findings of the ranks flagged here (not those the agents flagged: their
+    findings are in their reports). Slow ranks on one GPU (or on one node whose GPUs are unknown)
+    make one finding: the strongest (T2 before T3), with every rank's evidence. `first_seen`: when
+    each (node, finding id) was first flagged in its current episode; unknown ones start at `now`."""
+    flags = [f for f in flags if not f.by_agent]
+    shared = shared_groups(flags, groups)
+    first_seen = first_seen or {}
+    by_id: dict[tuple[str, str], list[Finding]] = {}
+    for f in sorted(flags, key=lambda f: (f.tier, f.job, f.state.rank)):
+        comp = f"gpu{f.state.gpu}" if f.state.gpu is not None else "node"
+        key = (f.node, f"{STRAGGLER_PREFIX}{comp}")
+        made = _finding_for(f, shared.get((f.job, f.state.rank)), first_seen.get(key, now), now)
+        by_id.setdefault(key, []).append(made)
+    out: dict[str, list[Finding]] = {}
+    for (node, _fid), made in sorted(by_id.items()):
+        primary = made[0]
+        if len(made) > 1:
+            evidence = tuple(e for m in made for e in m.evidence)[:MAX_EVIDENCE_PER_FINDING]
+            more = len(made) - 1
+            primary = Finding(id=primary.id, component=primary.component, source=primary.source,
+                              attribution=primary.attribution, tier=primary.tier, action=primary.action,
+                              summary=f"{primary.summary} (and {more} more slow rank{'s' * (more > 1)} here)"[:2000],
+                              evidence=evidence, first_seen=primary.first_seen, last_seen=now, job=primary.job)
+        out.setdefault(node, []).append(primary)
+    return {node: tuple(fs) for node, fs in out.items()}
+
+
+# --------------------------------------------------------------------------- one node against its jobs
+
+
+class NodeRatio(NamedTuple):
+    """How a node's ranks compare with the rest of one job."""
+
+    ratio: float
+    """The node's slowest rank: the median, over the compared windows, of its compute time over the
+    job's median compute time in that window (1.03: 3 % slower than the job's median)."""
+    windows: int
+    """Windows compared: held by one of the node's ranks and by a rank on another node."""
+    job: str
+
+
+def _computes(view: JobView) -> dict[int, dict[int, float]]:
+    """window -> rank -> compute time, as healthd.progress.stragglers reads them (a window a rank
+    repeats: the later one wins; a time that is not a finite positive number is left out)."""
+    by_window: dict[int, dict[int, float]] = {}
+    for rank, placed in view.ranks.items():
+        for rw in placed.state.windows:
+            c = rw.compute_s
+            if isinstance(c, (int, float)) and math.isfinite(c) and c > 0.0:
+                by_window.setdefault(rw.window, {})[rank] = float(c)
+    return by_window
+
+
+def job_node_ratio(view: JobView, node: str) -> NodeRatio | None:
+    """The node's ranks against `view`'s median per window; None when the job has no rank on the node,
+    none elsewhere, or no window both hold."""
+    mine = {r for r, p in view.ranks.items() if p.node == node}
+    if not mine or len(mine) == len(view.ranks):
+        return None
+    per_rank: dict[int, list[float]] = {}
+    compared = 0
+    for _w, got in sorted(_computes(view).items()):
+        here = mine & got.keys()
+        if not here or len(here) == len(got):
+            continue  # no rank of the node in it, or no peer on another node to hold it against
+        med = statistics.median(got.values())
+        compared += 1
+        for r in here:
+            per_rank.setdefault(r, []).append(got[r] / med)
+    if not compared:
+        return None
+    return NodeRatio(ratio=max(statistics.median(xs) for xs in per_rank.values()), windows=compared, job=view.job)
+
+
+def node_ratio(jobs: Mapping[str, JobView], node: str) -> NodeRatio | None:
+    """The node's ranks against their job's median (see NodeRatio) for the jobs with ranks on the node
+    and on at least one other node; of several such jobs the one where the node does worst. None
+    when no job compares it with another node (`alone_on` names the jobs on it alone)."""
+    worst: NodeRatio | None = None
+    for _job, view in sorted(jobs.items()):
+        got = job_node_ratio(view, node)
+        if got is not None and (worst is None or got.ratio > worst.ratio):
+            worst = got
+    return worst
+
+
+def alone_on(jobs: Mapping[str, JobView], node: str) -> tuple[str, ...]:
+    """The jobs whose every reported rank runs on `node`: nothing to compare the node with."""
+    return tuple(job for job, view in sorted(jobs.items())
+                 if view.ranks and all(p.node == node for p in view.ranks.values()))
+
+
+def _finding_slowness(f: Finding) -> tuple[str, float | None]:
+    job, effect = f.job, None
+    for e in f.evidence:
+        data = e.data or {}
+        if job is None and data.get("job") is not None:
+            job = str(data["job"])
+        value = data.get("effect")
+        if effect is None and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            effect = float(value)
+    return job or "?", effect
+
+
+def slowest_on(node: str, flags: Iterable[Flag], findings: Iterable[Finding] = ()) -> tuple[str, float | None] | None:
+    """(job, compute above the job's median) of the worst slow rank on `node`: a flag of the round's
+    job-wide comparison or the node's agent, or one of `findings` (the node's report) with a
+    straggler id. The effect is None for a finding that does not say it. None: nothing flagged."""
+    found: list[tuple[str, float | None]] = [(f.job, f.straggler.effect) for f in flags if f.node == node]
+    found += [_finding_slowness(f) for f in findings if f.id.startswith(STRAGGLER_PREFIX)]
+    if not found:
+        return None
+    return max(found, key=lambda jf: -math.inf if jf[1] is None else jf[1])
+
+
+# --------------------------------------------------------------------------- hangs
+
+
+def _aged(placed: PlacedRank, now: float) -> RankProgress:
+    """A rank's progress as of `now`: the report's ages grown by how old the report is."""
+    p = placed.state.progress
+    late = max(0.0, now - placed.received_at)
+    return RankProgress(rank=p.rank, last_step=p.last_step, last_step_age_s=p.last_step_age_s + late,
+                        phase=p.phase, phase_age_s=p.phase_age_s + late, step_median_s=p.step_median_s,
+                        longest_save_s=p.longest_save_s)
+
+
+@dataclass(frozen=True)
+class HangCase:
+    """A job whose progress stalled, with where its behind ranks run."""
+
+    job: str
+    hang: Hang
+    nodes: tuple[str, ...]
+    """Every node the job's ranks were reported from."""
+    behind: tuple[tuple[int, str, str], ...]
+    """(rank, node, phase) of each rank the others wait for."""
+
+    @property
+    def key(self) -> str:
+        return f"{HANG_KEY_PREFIX}{self.job}:{self.hang.step}"
+
+    @property
+    def node(self) -> str:
+        """The node a record of it is filed under: the first behind rank's."""
+        return self.behind[0][1] if self.behind else self.nodes[0]
+
+    def describe(self) -> str:
+        h = self.hang
+        names = ", ".join(f"rank {r} on {n} ({p})" for r, n, p in self.behind[:8])
+        if len(self.behind) > 8:
+            names += f" and {len(self.behind) - 8} more"
+        return (f"job {self.job} hung at step {h.step}: no step for {h.stalled_s:.0f} s (bound {h.bound_s:.0f} s); "
+                f"behind: {names or 'none named'}")
+
+    def evidence(self) -> dict[str, Any]:
+        h = self.hang
+        return {"decision": self.key, "job": self.job, "step": h.step, "stalled_s": round(h.stalled_s, 3),
+                "bound_s": round(h.bound_s, 3), "nodes": list(self.nodes),
+                "behind": [{"rank": r, "node": n, "phase": p} for r, n, p in self.behind[:64]]}
+
+
+def hangs(views: Mapping[str, JobView], settings: DetectorSettings, now: float) -> tuple[HangCase, ...]:
+    """The hung jobs, by job id: healthd.progress.hang over each job's ranks from every node."""
+    out = []
+    for job, view in sorted(views.items()):
+        if not view.ranks:
+            continue
+        h = progress.hang([_aged(p, now) for p in view.ranks.values()], settings)
+        if h is None:
+            continue
+        behind = tuple((r, view.ranks[r].node, str(h.phases.get(r, view.ranks[r].state.progress.phase)))
+                       for r in h.behind if r in view.ranks)
+        out.append(HangCase(job=job, hang=h, nodes=view.nodes, behind=behind))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- one round
+
+
+@dataclass(frozen=True)
+class InbandRound:
+    """What one control round made of the fleet's in-band data."""
+
+    findings: Mapping[str, tuple[Finding, ...]] = field(default_factory=dict)
+    """node -> straggler findings to add to its report (the agent's own of the same id win)."""
+    flags: tuple[Flag, ...] = ()
+    """Every slow rank, the agents' and the controller's."""
+    hangs: tuple[HangCase, ...] = ()
+    jobs: int = 0
+    """Jobs with in-band data in fresh reports."""
+    first_seen: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(node, finding id) -> when its episode began: hand it to the next round."""
+
+    def flagged_by_tier(self) -> dict[str, int]:
+        out = {"T2": 0, "T3": 0}
+        for f in self.flags:
+            out[f"T{f.tier}"] += 1
+        return out
+
+
+def evaluate(reports: Iterable[_Report], groups: Mapping[str, frozenset[str]], settings: DetectorSettings,
+             now: float, ttl_s: float, first_seen: Mapping[tuple[str, str], float] | None = None) -> InbandRound:
+    """Merge, compare and look for hangs. One job's data that cannot be judged is logged and skipped."""
+    views = merge(reports, now, ttl_s)
+    flags: list[Flag] = []
+    for job, view in sorted(views.items()):
+        try:
+            flags.extend(straggler_flags(view, settings))
+        except Exception as exc:  # noqa: BLE001 - one job's data must not stop every other job's
+            _log.warning("in-band: job %s cannot be compared: %s: %s", job, type(exc).__name__, exc)
+    found = findings_for(flags, groups, now, first_seen)
+    try:
+        hung = hangs(views, settings, now)
+    except Exception as exc:  # noqa: BLE001
+        _log.warning("in-band: hangs not evaluated: %s: %s", type(exc).__name__, exc)
+        hung = ()
+    episodes = {(node, f.id): f.first_seen if f.first_seen is not None else now
+                for node, fs in found.items() for f in fs}
+    return InbandRound(findings=MappingProxyType(found), flags=tuple(flags), hangs=hung, jobs=len(views),
+                       first_seen=MappingProxyType(episodes))
+
+
+def with_findings(findings: tuple[Finding, ...], extra: Iterable[Finding]) -> tuple[Finding, ...]:
+    """`findings` plus each of `extra` whose id none of them has (the agent's own finding wins)."""
+    have = {f.id for f in findings}
+    added = tuple(f for f in extra if f.id not in have)
+    return findings + added if added else findings
+
+
+# --------------------------------------------------------------------------- acting on a hang
+
+
+@dataclass(frozen=True)
+class HangOutcome:
+    case: HangCase
+    status: str
+    """requeued | dry-run | waiting-approval | refused | recorded | failed | done | pending"""
+    detail: str = ""
+
+
+class HangResponder:
+    """Requeues a hung job that opted in, once per job and stall step; records and alerts the others.
+
+    The ledger remembers across restarts: the decision of a hang is a row of kind `requeue-hang`
+    whose evidence carries its key, the requeue an action keyed by it. A new decision row is written
+    only when the outcome changes (observe, waiting, refused by the breaker or the budget, allowed)."""
+
+    def __init__(self, executor: Executor, requeue_opt_in: str):
+        self.executor = executor
+        self.ledger = executor.ledger
+        self.requeue_opt_in = requeue_opt_in
+        self._known: dict[str, tuple[str, str | None, int]] = {}
+        """key -> (the outcome last recorded, its refusing gate, its decision row)."""
+        self._final: set[str] = set()
+        self._alerted: set[str] = set()
+
+    def _recorded(self, key: str) -> tuple[str, str | None, int] | None:
+        if key in self._known:
+            return self._known[key]
+        row = self.ledger.query_one(
+            "SELECT id, outcome, refused_gate FROM decisions WHERE kind = ? "
+            "AND json_extract(evidence, '$.decision') = ? ORDER BY id DESC LIMIT 1", (HANG_DECISION_KIND, key))
+        if row is None:
+            return None
+        self._known[key] = (str(row[1]), row[2], int(row[0]))
+        self._alerted.add(key)  # alerted by the process that recorded it
+        return self._known[key]
+
+    def requeues_since(self, since: float) -> int:
+        row = self.ledger.query_one(
+            "SELECT COUNT(*) FROM actions WHERE kind = 'requeue' AND substr(series, 1, ?) = ? AND applied_at >= ?",
+            (len(HANG_KEY_PREFIX), HANG_KEY_PREFIX, since))
+        return int(row[0]) if row else 0
+
+    def _record(self, case: HangCase, outcome: str, *, mode: str, now: float, gate: str | None = None,
+                why: str | None = None) -> int:
+        """Record the decision when its outcome changed; returns its row."""
+        before = self._recorded(case.key)
+        if before is not None and before[:2] == (outcome, gate):
+            return before[2]
+        if before is not None and before[0] == "waiting" and outcome == "allowed":
+            self.ledger.set_decision_outcome(before[2], "allowed")
+            row_id = before[2]
+        else:
+            row_id = self.ledger.record_decision(
+                node=case.node, kind=HANG_DECISION_KIND, tier="T3", mode=mode, reason=case.describe()[:500],
+                outcome=outcome, evidence=case.evidence(), refused_gate=gate, refused_reason=why, at=now).id
+        self._known[case.key] = (outcome, gate, row_id)
+        return row_id
+
+    def _alert(self, case: HangCase, what: str) -> None:
+        if case.key in self._alerted:
+            return
+        self._alerted.add(case.key)
+        _log.error("ALERT in-band hang: %s; %s", case.describe(), what)
+
+    def respond(self, cases: Iterable[HangCase], *, mode: str, breaker_open: bool, approved: Iterable[str],
+                max_per_hour: int, now: float) -> list[HangOutcome]:
+        approved = set(approved)
+        out = []
+        for case in cases:
+            if case.key in self._final:
+                continue
+            try:
+                result = self._one(case, mode, breaker_open, case.key in approved, max_per_hour, now)
+            except SlurmError as exc:
+                result = HangOutcome(case, "pending", f"cannot read job {case.job} (next round): {exc}")
+                _log.warning("in-band hang of job %s: %s", case.job, result.detail)
+            if result.status in ("requeued", "recorded", "done", "dry-run"):
+                self._final.add(case.key)
+            out.append(result)
+        return out
+
+    def _one(self, case: HangCase, mode: str, breaker_open: bool, approved: bool, max_per_hour: int,
+             now: float) -> HangOutcome:
+        attempts = self.ledger.series(case.key)
+        if attempts and attempts[-1].status == "applied":
+            return HangOutcome(case, "done", f"requeue action {attempts[-1].id} is applied")
+        if attempts and attempts[-1].status == "planned":  # a crash's: the reconciler settles it first
+            return HangOutcome(case, "pending", f"requeue action {attempts[-1].id} is planned")
+        recorded = self._recorded(case.key)
+        if recorded is not None and recorded[:2] == ("refused", "policy"):
+            row = self.ledger.decision(recorded[2])
+            return HangOutcome(case, "recorded", (row.refused_reason if row else None) or "recorded only")
+        if recorded is not None and recorded[0] == "waiting":
+            verdict = self.ledger.approval(recorded[2])
+            if verdict is not None and verdict.verdict == "reject":
+                return HangOutcome(case, "recorded", f"rejected by {verdict.operator}")
+        # the job as running on the node of its behind rank: Slurm requeues a finished batch job too,
+        # and a job whose records outlived it must never run again
+        job: JobInfo | None = next((j for j in self.executor.list_jobs(case.node) if j.job_id == case.job), None)
+        if not self.requeue_opt_in or job is None or not job.batch or self.requeue_opt_in not in job.comment:
+            if not self.requeue_opt_in:
+                why = "requeue disabled (requeue_opt_in is empty)"
+            elif job is None:
+                why = f"job {case.job} is not running on {case.node}"
+            else:
+                why = f"job {case.job} did not opt in to requeue ({self.requeue_opt_in!r} in a batch job's --comment)"
+            self._record(case, "refused", mode=mode, now=now, gate="policy", why=f"{why}: recorded only")
+            self._alert(case, f"{why}: nothing done (a hang never drains a node)")
+            return HangOutcome(case, "recorded", why)
+        self._alert(case, f"job {case.job} opted in: requeue (mode {mode})")
+        if mode == "observe":
+            self._record(case, "refused", mode=mode, now=now, gate="mode",
+                         why="observe mode: decided and recorded, not applied")
+            return HangOutcome(case, "refused", "observe mode")
+        if breaker_open:
+            self._record(case, "refused", mode=mode, now=now, gate="breaker", why="circuit breaker open")
+            return HangOutcome(case, "refused", "circuit breaker open")
+        used = self.requeues_since(now - 3600.0)
+        if used >= max_per_hour:
+            why = f"hang requeue budget: {used} of {max_per_hour} in the last hour"
+            self._record(case, "refused", mode=mode, now=now, gate="rate-limit", why=why)
+            return HangOutcome(case, "refused", why)
+        if mode == "supervised" and not approved:
+            self._record(case, "waiting", mode=mode, now=now)
+            return HangOutcome(case, "waiting-approval", "supervised mode: waiting for `healthctl approve`")
+        row_id = self._record(case, "allowed", mode=mode, now=now)
+        result: ExecResult = self.executor.requeue_hung(job, case.key, case.node, row_id, case.evidence())
+        status = {"applied": "requeued", "dry-run": "dry-run", "already-applied": "done"}.get(result.status, "failed")
+        if status == "requeued":
+            _log.warning("in-band hang: requeued job %s (%s)", case.job, case.describe())
+        elif status == "failed" and result.status == "skipped":
+            status = "done"  # the series ended (failed attempts used up): left to a human
+        return HangOutcome(case, status, result.detail)

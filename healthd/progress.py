@@ -1,0 +1,424 @@
+"""Training progress from a job's in-band records: per-rank window summaries, stragglers and hangs.
+
+Pure functions over plain values, shared by the agent (the ranks on its node) and the controller (a
+job's ranks across nodes), like classify: no I/O, no clock (times are passed in).
+
+- A rank's **compute time** in a step is its step time minus the time it waited in collectives. In
+  synchronous data parallel every rank's step time is the same; the slow rank is the one that waits
+  least, so compute, not step time, is what tells ranks apart.
+- Steps are grouped into **windows by step number** (`window = step // window_steps`), not by clock,
+  so ranks on different nodes are compared over the same steps whatever their clocks say.
+- A window's figure for a rank is the median over its steps; ranks are compared by the ratio of
+  their figure to the job's median figure in that window (which cancels the batch mix, the job's own
+  phases and fleet-wide slowdowns).
+- **Magnitude test:** a rank is slow in a window when its ratio exceeds 1 by at least
+  `max(min_effect, mad_k x sigma)`, sigma the robust spread (1.4826 x MAD) of the ratios across the
+  job's ranks (small jobs: pooled over the recent windows too); flagged after `consecutive` slow
+  windows in a row.
+- **Rank-order test** (small jobs, where a spread across a few ranks means little): in each step the
+  rank that waited least arrived last. Under no straggler each rank is last with probability 1/R; a
+  rank last in L of W steps with a binomial tail below `rank_order_p`, over `rank_order_consecutive`
+  windows in a row, is flagged.
+- **Hang:** the job's highest committed step has not advanced for
+  `max(hang_factor x median step time, hang_min_s)` (a save in progress gets `phase_factor` x the
+  longest save seen instead, when that is longer, and the first save at least `first_save_s`). The ranks behind, and their phase, are named.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Literal, Mapping, Sequence
+
+from healthd.settings import DetectorSettings
+
+Phase = Literal["compute", "wait", "checkpoint", "unknown"]
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One committed optimizer step of one rank, from its ring's step record."""
+
+    step: int
+    step_s: float
+    """Time since the rank's previous step (0: the first step after a start or a restore)."""
+    wait_s: float
+    """Time the rank spent blocked in collectives during the step."""
+    checkpoint: bool = False
+    """A save happened between the previous step and this one (its time is not compute)."""
+
+
+@dataclass(frozen=True)
+class RankWindow:
+    """One rank's figures over one complete window of steps: what agents send the controller."""
+
+    rank: int
+    window: int
+    """step // window_steps."""
+    steps: int
+    """Steps of the window the rank recorded (a full window has window_steps)."""
+    compute_s: float
+    """Median over the window's steps of step time minus wait time."""
+    step_s: float
+    """Median step time."""
+    wait_s: float
+    """Median wait time."""
+    waits: tuple[float, ...] | None = None
+    """Each step's wait, in step order from window x window_steps (-1.0: not recorded), for the
+    rank-order test; only for jobs smaller than min_ranks_spread."""
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank the detector flags, with the evidence for it."""
+
+    rank: int
+    test: Literal["magnitude", "rank-order"]
+    windows: tuple[int, ...]
+    """The consecutive slow windows that flagged it, oldest first."""
+    effect: float
+    """Compute time above the job's median in the latest of them: 0.08 is 8 % slower."""
+    threshold: float
+    """The effect that window needed (magnitude), or the p-value bound (rank-order)."""
+    last_in: int = 0
+    """Rank-order test: steps of the latest window in which this rank arrived last."""
+    of_steps: int = 0
+    p_value: float | None = None
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """Where one rank is now: its latest step and phase, for hang detection."""
+
+    rank: int
+    last_step: int
+    """Highest committed step (-1: none yet)."""
+    last_step_age_s: float
+    """Seconds since that step was recorded (or since the rank started, with no step)."""
+    phase: Phase
+    phase_age_s: float
+    step_median_s: float | None
+    """The rank's median step time over its recent steps (None: too few steps)."""
+    longest_save_s: float = 0.0
+    """The longest blocking save this rank has recorded."""
+
+
+@dataclass(frozen=True)
+class Hang:
+    """The job's highest committed step has not advanced for longer than its bound."""
+
+    step: int
+    """The highest committed step across the ranks."""
+    stalled_s: float
+    """Seconds since any rank last committed a step."""
+    bound_s: float
+    behind: tuple[int, ...]
+    """Ranks whose last step is below the job's highest, or, when all are at it, the ranks not
+    waiting in a collective (the ones the others wait for); empty when every rank given waits (the
+    rank behind is not among them), every rank when none does."""
+    phases: Mapping[int, Phase]
+    """rank -> phase, for every rank considered."""
+
+
+# --------------------------------------------------------------------------- the functions
+
+_MAD_SCALE = 1.4826
+"""1.4826 x MAD estimates a normal spread's standard deviation, yet one wild rank cannot inflate it."""
+_PHASES = ("compute", "wait", "checkpoint", "unknown")
+
+
+def _num(v: object) -> float | None:
+    """A finite non-negative number, else None: garbage in a record is skipped, never raised on."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) and f >= 0.0 else None
+
+
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _window_steps(settings: DetectorSettings) -> int:
+    n = _int(settings.window_steps)
+    return n if n else 1
+
+
+def _count(v: object, default: int) -> int:
+    """A count setting of at least 1 (0 would flag on no evidence at all)."""
+    n = _int(v)
+    return n if n else default
+
+
+def summarize(rank: int, samples: Sequence[StepSample], settings: DetectorSettings, *,
+              with_waits: bool = False) -> tuple[RankWindow, ...]:
+    """The complete windows of one rank's step samples, the newest `settings.history_windows`, oldest
+    first. A window is complete once the rank has a sample in a later window. Steps out of order or
+    repeated (a restart replays steps) are taken as they come: the latest sample of a step wins.
+    Samples with step_s 0 (the first after a start) or a checkpoint are not compute and are left out
+    of the medians. `with_waits`: fill RankWindow.waits (small jobs)."""
+    ws = _window_steps(settings)
+    keep = _int(settings.history_windows) or 0
+    if keep == 0:
+        return ()
+    latest: dict[int, object] = {}
+    top = -1
+    for s in samples:
+        step = _int(getattr(s, "step", None))
+        if step is None:
+            continue
+        latest[step] = s
+        top = max(top, step)
+    if top < 0:
+        return ()
+    complete = top // ws  # windows below this one have a sample after them
+    by_window: dict[int, list[tuple[int, float, float]]] = {}
+    for step, s in latest.items():
+        w = step // ws
+        if w >= complete or getattr(s, "checkpoint", False) is not False:
+            continue
+        step_s, wait_s = _num(getattr(s, "step_s", None)), _num(getattr(s, "wait_s", None))
+        if step_s is None or wait_s is None or step_s <= 0.0 or wait_s > step_s:
+            continue  # the first step after a start, or a record no clock could have made
+        by_window.setdefault(w, []).append((step - w * ws, step_s, wait_s))
+    out: list[RankWindow] = []
+    for w in sorted(by_window)[-keep:]:
+        rows = by_window[w]
+        waits: tuple[float, ...] | None = None
+        if with_waits:
+            slots = [-1.0] * ws
+            for i, _, wait_s in rows:
+                slots[i] = wait_s
+            waits = tuple(slots)
+        out.append(RankWindow(
+            rank=rank, window=w, steps=len(rows),
+            compute_s=statistics.median([st - wt for _, st, wt in rows]),
+            step_s=statistics.median([st for _, st, _ in rows]),
+            wait_s=statistics.median([wt for _, _, wt in rows]),
+            waits=waits))
+    return tuple(out)
+
+
+def _spread(ratios: list[float]) -> float:
+    if len(ratios) < 2:
+        return 0.0
+    m = statistics.median(ratios)
+    return _MAD_SCALE * statistics.median([abs(x - m) for x in ratios])
+
+
+def _run(flagged: set[int], last: int) -> tuple[int, ...]:
+    """The run of consecutive flagged window numbers ending at `last`, oldest first (empty when `last`
+    is not flagged): a rank that has recovered is no longer named."""
+    run: list[int] = []
+    w = last
+    while w in flagged:
+        run.append(w)
+        w -= 1
+    return tuple(reversed(run))
+
+
+def _tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Bin(n, p), summed in log space so that long windows neither overflow nor
+    lose the small tails the test turns on."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    lp, lq = math.log(p), math.log1p(-p)
+    base = math.lgamma(n + 1)
+    terms = [base - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k, n + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
+
+
+def _last_arrivals(held: dict[int, tuple[float, ...]]) -> tuple[dict[int, int], int]:
+    """Per rank, the steps of a window in which it waited least (arrived last), and the steps every
+    rank recorded. A tie names nobody: equal waits say nothing about who came last."""
+    ranks = list(held)
+    last = dict.fromkeys(ranks, 0)
+    counted = 0
+    for i in range(max(len(w) for w in held.values())):
+        low, who, tie = math.inf, -1, False
+        for r in ranks:
+            seq = held[r]
+            v = _num(seq[i]) if i < len(seq) else None
+            if v is None:
+                break
+            if v < low:
+                low, who, tie = v, r, False
+            elif v == low:
+                tie = True
+        else:
+            counted += 1
+            if not tie:
+                last[who] += 1
+    return last, counted
+
+
+def _positive(v: object) -> float | None:
+    """A finite positive float (the common case checked inline, as this runs per rank-window)."""
+    if type(v) is float:
+        return v if 0.0 < v < math.inf else None
+    f = _num(v)
+    return f if f else None
+
+
+def stragglers(windows: Mapping[int, Sequence[RankWindow]], settings: DetectorSettings) -> tuple[Straggler, ...]:
+    """The ranks flagged slow, given each rank's recent windows (rank -> windows, any order). Only
+    windows held by at least two ranks are compared, each against the ranks that hold it. A rank is
+    flagged by the magnitude test or (fewer than settings.min_ranks_spread ranks) the rank-order
+    test; a rank flagged by both is returned once, magnitude first. Sorted by rank."""
+    # window -> rank -> compute; a window number repeated in one rank's list: the later one wins
+    by_window: dict[int, dict[int, float]] = {}
+    ranks: list[int] = []
+    for rank, seq in windows.items():
+        if _int(rank) is None:
+            continue
+        any_held = False
+        for rw in seq:
+            w = getattr(rw, "window", None)
+            if type(w) is not int or w < 0:
+                w = _int(w)
+                if w is None:
+                    continue
+            c = _positive(getattr(rw, "compute_s", None))
+            if c is None:
+                continue
+            got = by_window.get(w)
+            if got is None:
+                got = by_window[w] = {}
+            got[rank] = c
+            any_held = True
+        if any_held:
+            ranks.append(rank)
+    spread_ranks = _count(settings.min_ranks_spread, 1)
+    small = len(ranks) < spread_ranks
+    min_effect = _num(settings.min_effect) or 0.0
+    mad_k = _num(settings.mad_k) or 0.0
+
+    # window -> rank -> ratio to the median of the ranks that hold it, and the window's own spread
+    # (None: too few ranks in it for a spread of their own)
+    ratios: dict[int, dict[int, float]] = {}
+    spreads: dict[int, float | None] = {}
+    for w, got in by_window.items():
+        if len(got) < 2:
+            continue
+        med = statistics.median(got.values())
+        mine = {r: x for r, c in got.items() if (x := c / med) < math.inf}
+        if len(mine) < 2:
+            continue
+        ratios[w] = mine
+        spreads[w] = None if small or len(mine) < spread_ranks else _spread(list(mine.values()))
+    pooled: float | None = None
+    others: dict[int, float] = {}  # small jobs: rank -> the spread of every other rank's ratios
+    slow: dict[int, dict[int, tuple[float, float]]] = {}  # rank -> slow window -> (effect, threshold)
+    for w, mine in ratios.items():
+        sigma = spreads[w]
+        if sigma is None and not small:
+            if pooled is None:
+                pooled = _spread([x for g in ratios.values() for x in g.values()])
+            sigma = pooled
+        for r, x in mine.items():
+            if sigma is None:
+                # A few ranks: the spread is pooled over their recent windows, leaving out the rank
+                # being judged, whose own slow windows would otherwise raise the bar it has to clear.
+                if r not in others:
+                    others[r] = _spread([y for g in ratios.values() for q, y in g.items() if q != r])
+                threshold = max(min_effect, mad_k * others[r])
+            else:
+                threshold = max(min_effect, mad_k * sigma)
+            if x - 1.0 >= threshold:
+                slow.setdefault(r, {})[w] = (x - 1.0, threshold)
+
+    newest_first = sorted(ratios, reverse=True)
+    need = _count(settings.consecutive, 2)
+    found: dict[int, Straggler] = {}
+    for r, mine_slow in slow.items():
+        latest = next(w for w in newest_first if r in ratios[w])  # the rank's newest compared window
+        run = _run(set(mine_slow), latest)
+        if len(run) >= need:
+            effect, threshold = mine_slow[run[-1]]
+            found[r] = Straggler(rank=r, test="magnitude", windows=run, effect=effect, threshold=threshold)
+
+    if small:
+        found.update(_rank_order(windows, ratios, found, settings))
+    return tuple(found[r] for r in sorted(found))
+
+
+def _rank_order(windows: Mapping[int, Sequence[RankWindow]], ratios: Mapping[int, Mapping[int, float]],
+                found: Mapping[int, Straggler], settings: DetectorSettings) -> dict[int, Straggler]:
+    """The rank-order test over the compared windows (the ones two ranks or more hold), for the
+    ranks the magnitude test has not flagged."""
+    waits: dict[int, dict[int, tuple[float, ...]]] = {}  # window -> rank -> its waits
+    for rank, seq in windows.items():
+        if _int(rank) is None:
+            continue
+        for rw in seq:
+            w = _int(getattr(rw, "window", None))
+            if w is not None and w in ratios and rank in ratios[w]:
+                got = getattr(rw, "waits", None)
+                # the later of a repeated window wins, as for the magnitude test
+                waits.setdefault(w, {})[rank] = tuple(got) if isinstance(got, (tuple, list)) else ()
+    bound = _num(settings.rank_order_p) or 0.0
+    late: dict[int, set[int]] = {}
+    tested: dict[int, dict[int, tuple[int, int, float]]] = {}  # rank -> window -> (last in, of steps, p)
+    for w, mine in waits.items():
+        held = {r: seq for r, seq in mine.items() if seq}
+        if len(held) < 2:
+            continue
+        last, counted = _last_arrivals(held)
+        if counted == 0:
+            continue
+        p = 1.0 / len(held)
+        for r, n in last.items():
+            pv = _tail(counted, n, p)
+            tested.setdefault(r, {})[w] = (n, counted, pv)
+            if pv < bound:
+                late.setdefault(r, set()).add(w)
+    need = _count(settings.rank_order_consecutive, 3)
+    out: dict[int, Straggler] = {}
+    for r, mine_late in late.items():
+        if r in found:
+            continue
+        run = _run(mine_late, max(tested[r]))
+        if len(run) >= need:
+            n, counted, pv = tested[r][run[-1]]
+            effect = ratios[run[-1]][r] - 1.0
+            out[r] = Straggler(rank=r, test="rank-order", windows=run, effect=effect, threshold=bound, last_in=n,
+                               of_steps=counted, p_value=pv)
+    return out
+
+
+def hang(ranks: Sequence[RankProgress], settings: DetectorSettings) -> Hang | None:
+    """A hang when the job's highest committed step has not advanced for longer than its bound (see
+    the module docstring); None while it advances, or before any rank has a median step time."""
+    valid: dict[int, RankProgress] = {}
+    for p in ranks:
+        rank, age = _int(getattr(p, "rank", None)), _num(getattr(p, "last_step_age_s", None))
+        step = getattr(p, "last_step", None)
+        if rank is None or age is None or isinstance(step, bool) or not isinstance(step, int) or step < -1:
+            continue
+        valid[rank] = p
+    medians = [m for p in valid.values() if (m := _num(p.step_median_s)) and m > 0.0]
+    if not medians:
+        return None
+    bound = max((_num(settings.hang_factor) or 0.0) * statistics.median(medians), _num(settings.hang_min_s) or 0.0)
+    phases: dict[int, Phase] = {r: (p.phase if p.phase in _PHASES else "unknown") for r, p in sorted(valid.items())}
+    if "checkpoint" in phases.values():
+        saves = [s for p in valid.values() if (s := _num(p.longest_save_s))]
+        if saves:  # a save blocks every rank; only a save far longer than any seen is a hang
+            bound = max(bound, (_num(settings.phase_factor) or 0.0) * max(saves))
+        else:  # the first save: nothing learned yet, and a large model's save takes minutes
+            bound = max(bound, _num(settings.first_save_s) or 0.0)
+    stalled = min(float(p.last_step_age_s) for p in valid.values())
+    if stalled <= bound:
+        return None
+    highest = max(p.last_step for p in valid.values())
+    behind = [r for r, p in valid.items() if p.last_step < highest]
+    if not behind:
+        # all at the same step: the ranks the others wait for are the ones not waiting in a collective;
+        # when every rank given waits, the one they wait for is not among them (another node's)
+        busy = [r for r in phases if phases[r] != "wait"]
+        behind = busy if len(busy) < len(phases) else list(phases)
+    return Hang(step=highest, stalled_s=stalled, bound_s=bound, behind=tuple(sorted(behind)), phases=phases)
