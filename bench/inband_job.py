@@ -5,7 +5,9 @@ layouts: `nodes` (`srun -N4 -n4`, one rank per node: the controller compares the
 runs over the recorded rings as the agents and the controller would, window by window.
 
 Runs: one healthy job, and one job per onset with rank 3 slowed by --fraction (8 %) of its own
-compute from that step on (ddp_job.py --straggle: a measured busy-spin). Reports
+compute from that step on (ddp_job.py --straggle; --straggle-by sleep, the default, has the rank wait
+as it would on a slow GPU, leaving its core to the rank that shares it on this machine; spin keeps the
+core busy, which slows that other rank too). Reports
 - steps from onset to flag: the first step at which healthd.progress.stragglers, given every rank's
   complete windows so far (a window is complete once a rank has a step in the next), flags rank 3
   (target <= 200); the agent and the controller add at most one tick on top;
@@ -16,7 +18,7 @@ compute from that step on (ddp_job.py --straggle: a measured busy-spin). Reports
   job (ddp_job.py times it, and an empty call the same way; target <= 20 us median).
 
     .venv/bin/python bench/inband_job.py [--steps 600] [--onsets 150,250,350] [--layouts nodes,node]
-        [--launcher srun|local]
+        [--launcher srun|local] [--straggle-by sleep|spin]
 
 Needs torch (`pip install -e '.[inband]'`); srun needs root and slurm-wlm (tests/support/slurm_cluster.py
 starts a cluster of its own on free ports and stops it at the end); `--launcher local` starts the 4
@@ -231,6 +233,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--onsets", default="150,250,350")
     ap.add_argument("--fraction", type=float, default=0.08)
+    ap.add_argument("--straggle-by", choices=("sleep", "spin"), default="sleep",
+                    help="sleep (default): the slow rank waits as on a slow device and leaves its core to the "
+                         "rank sharing it; spin: it keeps its core busy, which also slows that rank")
     ap.add_argument("--layouts", default="nodes,node",
                     help="nodes: one rank per node (the controller compares them); node: all 4 on one node (its agent does)")
     ap.add_argument("--launcher", choices=("srun", "local"), default="srun" if os.geteuid() == 0 else "local")
@@ -254,7 +259,8 @@ def main() -> None:
                 steps = max(args.steps, onset + 300)
                 name = f"onset-{onset}"
                 d, reports, wall = launcher.run(name, ["--steps", str(steps), *pin, "--straggle",
-                                                       f"{SLOW_RANK}:{onset}:{args.fraction}"], timeout, layout)
+                                                       f"{SLOW_RANK}:{onset}:{args.fraction}",
+                                                       "--straggle-by", args.straggle_by], timeout, layout)
                 runs[f"{layout}/{name}"] = analyse(f"{layout}/{name}", d, reports, wall, settings, onset)
     finally:
         if launcher is not None:
@@ -276,7 +282,7 @@ def main() -> None:
     print(json.dumps(summary))
     save("inband_job", {
         "launcher": args.launcher, "layouts": layouts, "pinned": not args.no_pin, "ranks": RANKS,
-        "slow_rank": SLOW_RANK, "fraction": args.fraction,
+        "slow_rank": SLOW_RANK, "fraction": args.fraction, "straggle_by": args.straggle_by,
         "detector": {"window_steps": settings.window_steps, "min_effect": settings.min_effect,
                      "mad_k": settings.mad_k, "consecutive": settings.consecutive,
                      "rank_order_p": settings.rank_order_p,

@@ -30,7 +30,8 @@ from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 
 from healthd.config import ConfigError
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
-from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES, REMEDIATION_KINDS, Incident, Ledger, LedgerError
+from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
+                                      Ledger, LedgerError)
 from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
 from healthd.text import natural_key, stamp, table
 
@@ -295,6 +296,10 @@ def _next_steps(inc: Incident, decisions: list, actions: list, led: Ledger) -> l
             undo = f"`healthctl undo {held[-1].id} --why ...`" if held else "`healthctl undo ACTION --why ...`"
             steps.append(f"{n} is out of service by healthd: fix it (GPU serial {', '.join(inc.gpu_serials) or '-'}), then "
                          f"`healthctl repaired {n}`; if healthd was wrong, {undo}")
+    if inc.status == INBAND_SLOW_STATUS:
+        steps.append(f"the repair passed validation, but the training job's own step times still show "
+                     f"{fold(inc.nodes) or 'the node'} slow (see the reintegration's detail): look at the node, then "
+                     f"`healthctl close {inc.id} --why ...`")
     if inc.attribution in ("user", "software"):
         steps.append(f"attribution is {inc.attribution}: look at the job(s) {', '.join(inc.jobs) or '-'} before touching hardware")
     if not steps:

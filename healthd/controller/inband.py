@@ -54,7 +54,7 @@ HANG_DECISION_KIND = "requeue-hang"
 MAX_EVIDENCE_PER_FINDING = 64
 """Evidence items one injected finding carries (several slow ranks on one GPU or node add theirs)."""
 
-_GROUP_WORDS = {"switch": "under switch", "rack": "in rack", "pdu": "on PDU"}
+_GROUP_WORDS = {"switch": "under switch", "rack": "in rack", "pdu": "on PDU", "rail": "on rail"}
 _FABRIC_WORDS = ("infiniband", "mlx", "rail", "port", "link", "roce", "fabric", "hca", " ib ", "ib:")
 
 
@@ -257,7 +257,8 @@ def shared_groups(flags: Iterable[Flag], groups: Mapping[str, frozenset[str]]) -
     """(job, rank) -> (group, slow ranks of the job it holds) for slow ranks of one job on two or more
     nodes under one topology group (healthd.controller.policy.FleetView.groups): what they share is the
     likelier cause than each of their nodes. The smallest groups are taken first (a leaf switch before
-    the spine above it), each for the nodes no smaller group took, and only while it holds two of them."""
+    the spine above it), each for the nodes no smaller group took, and only while it holds two of them;
+    then, for the nodes left, the rail (`rail:<hca>`) slow ranks on two or more nodes share."""
     by_job: dict[str, list[Flag]] = {}
     for f in flags:
         if not f.by_agent:
@@ -275,6 +276,16 @@ def shared_groups(flags: Iterable[Flag], groups: Mapping[str, frozenset[str]]) -
             held = [f for f in mine if f.node in hit]
             for f in held:
                 out[(job, f.state.rank)] = (name, len(held))
+        # then the network rail: the same HCA on two or more nodes (a rail-optimised fabric wires the
+        # HCA of each GPU index to its own leaf switch, which topology.conf may not name)
+        by_rail: dict[str, list[Flag]] = {}
+        for f in mine:
+            if f.node in free and f.state.rail:
+                by_rail.setdefault(f.state.rail.split("/", 1)[0], []).append(f)
+        for rail, held in sorted(by_rail.items()):
+            if len({f.node for f in held}) >= 2:
+                for f in held:
+                    out[(job, f.state.rank)] = (f"rail:{rail}", len(held))
     return out
 
 

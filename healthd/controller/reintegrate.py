@@ -47,7 +47,7 @@ from typing import Any
 from healthd.controller import inband
 from healthd.controller.executor import Executor
 from healthd.controller.gates import GateResult
-from healthd.controller.ledger import Reintegration
+from healthd.controller.ledger import INBAND_SLOW_STATUS, Reintegration
 from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, describe_reason, owned
 from healthd.controller.policy import Decision, FleetView, NodeReport, is_actionable, make_reason
@@ -63,9 +63,6 @@ DEFAULT_VALIDATION: tuple[tuple[str, ...], ...] = (
 )
 PLACEHOLDERS = ("node", "reservation", "incident", "slurm_conf")
 OUTPUT_TAIL = 2000
-INBAND_SLOW_STATUS = "in-band-slow"
-"""The status of the incident of a reintegration whose node was still a straggler in-band during probation:
-not closed, so that an operator looks at it (`healthctl close` once handled)."""
 INBAND_MEASURED = "in-band so far: "
 INBAND_VERIFIED = "verified in-band: "
 INBAND_NOT_VERIFIED = "in-band, not verified: "

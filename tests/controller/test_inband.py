@@ -130,8 +130,10 @@ def test_a_slow_rank_of_a_multi_node_job_is_a_t3_finding_for_its_node_and_gpu():
 def test_corroboration_on_the_gpu_makes_it_t2_hardware_and_on_the_rail_t2_fabric():
     gpu_line = ("gpu1: clocks throttled (hw_slowdown)",)
     rail_line = ("mlx5_0/1: symbol errors 300/h",)
-    r = run(reports_of(spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125, 2: 0.13},
-                                  corroborate={5: gpu_line, 2: rail_line})), groups={})
+    job = spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125, 2: 0.13},
+                     corroborate={5: gpu_line, 2: rail_line})
+    job["node02"]["ranks"][1]["rail"] = "mlx5_1/1"  # not rank 2's rail: two causes, not one shared one
+    r = run(reports_of(job), groups={})
     [f2] = r.findings["node02"]
     assert (f2.tier, f2.action, f2.attribution) == (2, "drain", "hardware")
     assert "corroborated: gpu1: clocks throttled" in f2.summary
@@ -583,3 +585,17 @@ def test_signed_reports_of_a_spread_job_make_a_straggler_finding_and_requeue_a_h
             assert rig.controller.inband_round.flagged_by_tier() == {"T2": 0, "T3": 1}
         finally:
             rig.close()
+
+
+def test_slow_ranks_on_one_rail_of_two_nodes_no_switch_holds_are_one_fabric_incident():
+    job = spread_job("123", {"node01": 4, "node02": 4, "node03": 4, "node04": 4}, slow={3: 0.13, 15: 0.13, 9: 0.13})
+    for node in ("node01", "node03", "node04"):
+        for rank in job[node]["ranks"]:
+            rank["rail"] = f"mlx5_{rank['local_rank']}"
+    r = run(reports_of(job), groups={})
+    [a], [c] = r.findings["node01"], r.findings["node04"]
+    for f in (a, c):  # ranks 3 and 15: local rank 3 on two nodes, the same rail
+        assert f.attribution == "fabric" and f.tier == 3 and f.action == "none"
+        assert f.summary.startswith("one of 2 slow ranks of job 123 on rail mlx5_3: ")
+    [b] = r.findings["node03"]  # rank 9: another rail, alone on it
+    assert b.attribution == "unknown"

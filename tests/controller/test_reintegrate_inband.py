@@ -14,6 +14,7 @@ from healthd.controller import admin, inband
 from healthd.controller.daemon import Controller
 from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES
 from healthd.controller.policy import NodeReport
+from healthd.controller.healthctl import _next_steps
 from healthd.controller.reintegrate import INBAND_SLOW_STATUS, probation_verdict, still_slow
 from tests.controller.test_inband import job_doc, node_doc, rank_doc, reports_of, spread_job
 from tests.controller.test_reintegrate import Rig
@@ -158,6 +159,8 @@ def test_a_node_still_slow_in_band_is_never_drained_and_its_incident_stays_open(
     inc = r.ledger.incident(incident)
     assert inc.status == INBAND_SLOW_STATUS and inc.status not in CLOSED_INCIDENT_STATUSES
     assert len(drains(r)) == 1 and not r.backend.state["node02"].drain_requested and r.ledger.hold("node02") is None
+    (step,) = _next_steps(inc, [], [], r.ledger)  # what `healthctl show` tells the operator to do
+    assert "still show" in step and f"healthctl close {inc.id}" in step
     warned = [m.getMessage() for m in caplog.records if m.levelno == logging.WARNING and "still slow" in m.getMessage()]
     assert len(warned) == 2 and "no action" in warned[0] and "incident left open" in warned[1]
     # an operator looks at it and closes it

@@ -18,7 +18,8 @@ start that finds a checkpoint, the model and optimizer loaded and `hd.restored(s
 no-op without HEALTHD_INBAND_DIR.
 
 Faults, by argument (each names a rank and a step):
-- --straggle RANK:ONSET:FRACTION: from step ONSET on, RANK busy-spins at the start of each step for
+- --straggle RANK:ONSET:FRACTION: from step ONSET on, RANK busy-spins (or sleeps, --straggle-by sleep:
+  a rank waiting on a slow device, which leaves the core to the others) at the start of each step for
   FRACTION x its own median compute time (step minus all-reduce wait) measured over the steps before
   ONSET: a measured slowdown of that rank's compute. Its own compute before and after the onset is
   printed at the end; on a machine with fewer cores than ranks the scheduler gives part of the spin
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=128, help="hidden width of the MLP")
     p.add_argument("--batch", type=int, default=1024, help="samples per rank per step")
     p.add_argument("--straggle", type=lambda t: fault(t, 3), default=None, metavar="RANK:ONSET:FRACTION")
+    p.add_argument("--straggle-by", choices=("spin", "sleep"), default="spin",
+                   help="how the straggler is slowed: spin (its CPU busy) or sleep (like a rank waiting for a "
+                        "slow device: the core stays free for the others)")
     p.add_argument("--hang", type=lambda t: fault(t, 2), default=None, metavar="RANK:STEP")
     p.add_argument("--crash", type=lambda t: fault(t, 2), default=None, metavar="RANK:STEP")
     p.add_argument("--pin", action="store_true", help="pin rank r to CPU r mod (CPUs available)")
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == straggle_rank and step >= onset:
             if not extra:
                 extra = fraction * median(before[WARMUP_STEPS:] or before)
-            spin(extra)
+            spin(extra) if args.straggle_by == "spin" else time.sleep(extra)
         x = torch.randn(args.batch, args.width, generator=gen)
         y = x @ target_w
         opt.zero_grad(set_to_none=True)

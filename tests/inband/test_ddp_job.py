@@ -331,7 +331,7 @@ def test_a_healthy_job_shows_every_rank_and_no_straggler(fleet: InbandFleet):
 def test_b_a_slowed_rank_is_flagged_at_tier_3_on_its_node_and_gpu(fleet: InbandFleet):
     steps = STRAGGLE_ONSET + 300
     job = fleet.submit("straggler", "--steps", str(steps), "--straggle", f"3:{STRAGGLE_ONSET}:{STRAGGLE_FRACTION}",
-                       nodes=1, tasks_per_node=4, where="node02")
+                       "--straggle-by", "sleep", nodes=1, tasks_per_node=4, where="node02")
     n2 = fleet.e2e.nodes["node02"]
     early: list[tuple[str, dict]] = []
 
@@ -372,7 +372,7 @@ def test_b_a_slowed_rank_of_a_job_across_nodes_is_flagged_by_the_controller(flee
     wait_for(lambda: fleet.metric(t3) == 0, 30, "no flagged rank at the controller", diagnostics=fleet.diagnostics)
     steps = STRAGGLE_ONSET + 400
     job = fleet.submit("straggler-nodes", "--steps", str(steps), "--straggle",
-                       f"3:{STRAGGLE_ONSET}:{2 * STRAGGLE_FRACTION}")
+                       f"3:{STRAGGLE_ONSET}:{2 * STRAGGLE_FRACTION}", "--straggle-by", "sleep")
     before: list[float] = []
 
     def flagged() -> float | None:

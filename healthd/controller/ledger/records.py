@@ -26,6 +26,9 @@ CLEAR_SCOPES = ("evidence", "episode")
 anything newer does) or `episode` (an operator dismissed it: the episode that had begun by `before`
 no longer counts; a new episode, or a new kernel log line, does). See healthd.agent.instructions."""
 CLOSED_INCIDENT_STATUSES = ("closed", "false_positive", "handed-over", "resolved")
+INBAND_SLOW_STATUS = "in-band-slow"
+"""The status of the incident of a reintegration whose node was still a straggler in-band during probation:
+not closed, so that an operator looks at it (`healthctl close` once handled)."""
 APPROVAL_VERDICTS = ("approve", "reject")
 """An operator's verdicts on a decision waiting for approval."""
 REMEDIATION_KINDS = ("drain", "drain-and-requeue", "reboot-asap")
