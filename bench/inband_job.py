@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -233,6 +234,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--onsets", default="150,250,350")
     ap.add_argument("--fraction", type=float, default=0.08)
+    ap.add_argument("--device-ms", type=float, default=30.0,
+                    help="ms of each step the ranks wait as on a GPU (ddp_job.py --device-ms; 0: a CPU-bound job)")
+    ap.add_argument("--batch", type=int, default=32,
+                    help="samples per rank per step with --device-ms: small, so that ranks sharing a core on "
+                         "this machine do not hand a slow rank's delay back to it through the scheduler")
     ap.add_argument("--straggle-by", choices=("sleep", "spin"), default="sleep",
                     help="sleep (default): the slow rank waits as on a slow device and leaves its core to the "
                          "rank sharing it; spin: it keeps its core busy, which also slows that rank")
@@ -245,6 +251,8 @@ def main() -> None:
     onsets = [int(x) for x in args.onsets.split(",") if x.strip()]
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     settings = DetectorSettings()
+    # a SIGTERM (a timeout, an impatient operator) stops the cluster and the jobs like Ctrl-C does
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     work = Path(tempfile.mkdtemp(prefix="healthd-bench-inband-job-", dir="/dev/shm"))
     launcher = None
     runs: dict[str, dict] = {}
@@ -252,6 +260,8 @@ def main() -> None:
         launcher = Launcher(args.launcher, work, args.job.resolve())
         timeout = args.steps * 1.0 + 120
         pin = [] if args.no_pin else ["--pin"]
+        if args.device_ms:
+            pin += ["--device-ms", str(args.device_ms), "--batch", str(args.batch)]
         for layout in layouts:
             d, reports, wall = launcher.run("healthy", ["--steps", str(args.steps), *pin], timeout, layout)
             runs[f"{layout}/healthy"] = analyse(f"{layout}/healthy", d, reports, wall, settings, None)
@@ -283,6 +293,7 @@ def main() -> None:
     save("inband_job", {
         "launcher": args.launcher, "layouts": layouts, "pinned": not args.no_pin, "ranks": RANKS,
         "slow_rank": SLOW_RANK, "fraction": args.fraction, "straggle_by": args.straggle_by,
+        "device_ms": args.device_ms, "batch": args.batch if args.device_ms else 1024,
         "detector": {"window_steps": settings.window_steps, "min_effect": settings.min_effect,
                      "mad_k": settings.mad_k, "consecutive": settings.consecutive,
                      "rank_order_p": settings.rank_order_p,

@@ -18,6 +18,9 @@ start that finds a checkpoint, the model and optimizer loaded and `hd.restored(s
 no-op without HEALTHD_INBAND_DIR.
 
 Faults, by argument (each names a rank and a step):
+- --device-ms D: every rank sleeps D ms of each step's compute, the device's share of a GPU job's step.
+  With it the CPU is no longer the job's bottleneck: on a machine with fewer cores than ranks, a rank
+  slowed by sleeping stays slowed instead of handing its core to the others.
 - --straggle RANK:ONSET:FRACTION: from step ONSET on, RANK busy-spins (or sleeps, --straggle-by sleep:
   a rank waiting on a slow device, which leaves the core to the others) at the start of each step for
   FRACTION x its own median compute time (step minus all-reduce wait) measured over the steps before
@@ -75,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=100, help="save after every N-th step")
     p.add_argument("--width", type=int, default=128, help="hidden width of the MLP")
     p.add_argument("--batch", type=int, default=1024, help="samples per rank per step")
+    p.add_argument("--device-ms", type=float, default=0.0,
+                   help="each step also waits this long in its compute phase, like a step whose kernels run on "
+                        "a GPU while the CPU waits: a job that leaves the cores mostly idle, as a GPU job does")
     p.add_argument("--straggle", type=lambda t: fault(t, 3), default=None, metavar="RANK:ONSET:FRACTION")
     p.add_argument("--straggle-by", choices=("spin", "sleep"), default="spin",
                    help="how the straggler is slowed: spin (its CPU busy) or sleep (like a rank waiting for a "
@@ -199,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             if not extra:
                 extra = fraction * median(before[WARMUP_STEPS:] or before)
             spin(extra) if args.straggle_by == "spin" else time.sleep(extra)
+        if args.device_ms:
+            time.sleep(args.device_ms / 1000)
         x = torch.randn(args.batch, args.width, generator=gen)
         y = x @ target_w
         opt.zero_grad(set_to_none=True)

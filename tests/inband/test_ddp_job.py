@@ -5,15 +5,17 @@ TaskProlog (it exports HEALTHD_INBAND_DIR to every task), one real `healthd run`
 C stand-in NVML: its GPUs never throttle) reporting to a real healthd-controller in auto mode.
 
 a. A healthy 4-rank job, one rank per node: each node's agent shows its rank (rank, GPU, last step)
-   in its state document and in `healthd --dry-run --format json`; no straggler anywhere (no agent
+   in its state document and in `healthd --dry-run --format json`; once the C stand-in lists the
+   rank's process on another GPU, the agent places the rank there (NVML's process list, pynvml's
+   ctypes path); no straggler anywhere (no agent
    finding, none counted by the controller); after the job the epilog has archived the rings.
 b. Rank 3 of a 4-rank job on one node slowed by STRAGGLE_FRACTION of its compute from step
    STRAGGLE_ONSET: that node's agent flags `inband.straggler:gpu3`, tier 3 (in-band evidence only),
    within 200 steps of the onset; no other rank is flagged and the node is not drained. The same
    with one rank per node: no agent flags it (none sees the whole job), the controller does (T3,
-   healthd_controller_inband_straggler_ranks) while the job runs. STRAGGLE_FRACTION is 25 % (50 % for
-   the job across nodes): an 8 % straggler sits at the detector's bar on a busy 2-core machine, where
-   the scheduler gives part of the spin back (bench/inband_job.py measures the 8 % case).
+   healthd_controller_inband_straggler_ranks) while the job runs. The jobs of a and b wait most of
+   each step as on a GPU (GPU_LIKE). STRAGGLE_FRACTION is 25 % (50 % for the job across nodes), well
+   over the detector's bar on a busy 2-core machine; bench/inband_job.py measures the 8 % case.
 c. Rank 2 of a 4-node job stops in its compute phase: the hang is reported (`inband.hang:<job>` by
    the agents, the controller's alert) within the bound the config implies (max(10 x median step,
    inband.detector.hang_min_s = HANG_MIN_S)), and the controller, which sees every node's ranks,
@@ -70,6 +72,10 @@ JOB_SCRIPT = REPO / "tests" / "inband" / "ddp_job.py"
 HANG_MIN_S = 10.0
 STRAGGLE_ONSET = 100
 STRAGGLE_FRACTION = 0.25
+GPU_LIKE = ("--device-ms", "30", "--batch", "32")
+"""The shape of the healthy and straggler jobs: most of a step waits as on a GPU, so 4 ranks leave
+this 2-core machine's cores mostly idle, as a GPU job leaves its node's, and a rank slowed by sleeping
+stays slowed (a CPU-bound job on shared cores hands the delay back to it through the scheduler)."""
 SCENARIO_LIMIT_S = 120
 REQUEUE_TAG = "healthd:requeue"
 
@@ -278,7 +284,7 @@ def scenario(fleet: InbandFleet) -> Iterator[InbandFleet]:
 
 
 def test_a_healthy_job_shows_every_rank_and_no_straggler(fleet: InbandFleet):
-    job = fleet.submit("healthy", "--steps", "160")
+    job = fleet.submit("healthy", "--steps", "400", *GPU_LIKE)
     stragglers: set[str] = set()
     t3 = 'healthd_controller_inband_straggler_ranks{tier="T3"}'
 
@@ -306,6 +312,18 @@ def test_a_healthy_job_shows_every_rank_and_no_straggler(fleet: InbandFleet):
                         str(n1.config)], capture_output=True, text=True, env=n1.env(), timeout=60)
     dry = view(n1, job, json.loads(p.stdout))
     assert dry is not None and [r["rank"] for r in dry["ranks"]] == [0] and dry["ranks"][0]["last_step"] >= 60, p.stdout[-2000:]
+    assert all(r["gpu_from"] == "header" for _, r in seen.values()), seen  # the stand-in lists no process
+    # NVML's process list says where a rank really runs: the stand-in now lists rank 0's process on GPU 2
+    node0, r0 = seen[0]
+    n0 = fleet.e2e.nodes[node0]
+    n0.set_gpu(2, processes=[str(r0["pid"])])
+    try:
+        moved = wait_for(lambda: next((r for r in (view(n0, job) or {}).get("ranks") or []
+                                       if r["gpu_from"] == "nvml"), None), 20,
+                         f"rank 0 of job {job} placed by NVML's process list", diagnostics=lambda: fleet.diagnostics(job))
+        assert (moved["rank"], moved["gpu"], moved["pid"]) == (0, 2, r0["pid"]), moved
+    finally:
+        n0.heal_nvml()
 
     def ended() -> str | None:
         watch()
@@ -316,7 +334,7 @@ def test_a_healthy_job_shows_every_rank_and_no_straggler(fleet: InbandFleet):
     assert job_field(line, "JobState") == "COMPLETED", fleet.diagnostics(job)
     reports = fleet.output("healthy", job)
     assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3] and all(r["hd_enabled"] for r in reports), reports
-    assert all(r["steps"] == 160 for r in reports), reports
+    assert all(r["steps"] == 400 for r in reports), reports
     assert not stragglers, stragglers
     # the epilog archived each node's ring
     for node, _ in seen.values():
@@ -331,7 +349,7 @@ def test_a_healthy_job_shows_every_rank_and_no_straggler(fleet: InbandFleet):
 def test_b_a_slowed_rank_is_flagged_at_tier_3_on_its_node_and_gpu(fleet: InbandFleet):
     steps = STRAGGLE_ONSET + 300
     job = fleet.submit("straggler", "--steps", str(steps), "--straggle", f"3:{STRAGGLE_ONSET}:{STRAGGLE_FRACTION}",
-                       "--straggle-by", "sleep", nodes=1, tasks_per_node=4, where="node02")
+                       "--straggle-by", "sleep", *GPU_LIKE, nodes=1, tasks_per_node=4, where="node02")
     n2 = fleet.e2e.nodes["node02"]
     early: list[tuple[str, dict]] = []
 
@@ -372,7 +390,7 @@ def test_b_a_slowed_rank_of_a_job_across_nodes_is_flagged_by_the_controller(flee
     wait_for(lambda: fleet.metric(t3) == 0, 30, "no flagged rank at the controller", diagnostics=fleet.diagnostics)
     steps = STRAGGLE_ONSET + 400
     job = fleet.submit("straggler-nodes", "--steps", str(steps), "--straggle",
-                       f"3:{STRAGGLE_ONSET}:{2 * STRAGGLE_FRACTION}", "--straggle-by", "sleep")
+                       f"3:{STRAGGLE_ONSET}:{2 * STRAGGLE_FRACTION}", "--straggle-by", "sleep", *GPU_LIKE)
     before: list[float] = []
 
     def flagged() -> float | None:
