@@ -98,3 +98,22 @@ class RateLimitedLog:
         for level, what, count, elapsed in out:
             self.logger.log(level, "%s: %d more lines suppressed in the last %.0f s", what, count, elapsed, stacklevel=2)
         return len(out)
+
+
+class WarnOnce:
+    """A warning written once per distinct message (a bad file the agent meets every tick): called
+    with the message. The memory is bounded: past `limit` messages it starts over, so a message
+    comes back at most once per `limit` new ones."""
+
+    def __init__(self, logger: logging.Logger, limit: int = 1000) -> None:
+        self.logger = logger
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, msg: str) -> None:
+        if msg in self._seen:
+            return
+        if len(self._seen) >= self.limit:
+            self._seen.clear()
+        self._seen.add(msg)
+        self.logger.warning("%s", msg, stacklevel=2)

@@ -320,6 +320,20 @@ def _fields(names: tuple[str, ...], check: Any) -> dict[str, Any]:
     return dict.fromkeys(names, check)
 
 
+MAX_COMPUTE_PIDS = 256
+"""A GPU's compute processes kept, at most (a real GPU holds a few; more is a broken answer)."""
+
+
+def _pids(v: Any) -> tuple[int, ...] | None:
+    """Positive integers, sorted, without repeats; None stays no data."""
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        return ()
+    return tuple(sorted({p for p in v if isinstance(p, int) and not isinstance(p, bool) and 0 < p < 1 << 32}))[
+        :MAX_COMPUTE_PIDS]
+
+
 def _deltas(v: Any) -> dict[str, Any]:
     """name -> CounterDelta; anything else is dropped."""
     return {k: c for k, c in v.items() if isinstance(k, str) and isinstance(c, CounterDelta)} if hasattr(v, "items") else {}
@@ -412,6 +426,9 @@ class GpuSample:
     pcie_width_max: int | None = None
     nvlink_errors: Mapping[str, int] = field(default_factory=dict)
     """`link<N>.<replay|recovery|crc_flit|crc_data>` -> counter, for links NVML reports active."""
+    compute_pids: tuple[int, ...] | None = None
+    """Processes with a compute context on this GPU (nvmlDeviceGetComputeRunningProcesses), as PIDs
+    of the agent's PID namespace, sorted; None: no data. What joins a training rank to its GPU."""
     counters: Mapping[str, CounterDelta] = field(default_factory=dict)
     """The ever-growing counters above as deltas since the collector's previous reading:
     `ecc_uncorrected_volatile`, `ecc_corrected_volatile`, `pcie_replay`, `nvlink/link<N>.<name>`."""
@@ -431,6 +448,7 @@ class GpuSample:
             if hasattr(v, "items") else {},
             counters=_deltas,
             errors=_text_map,
+            compute_pids=_pids,
         )
 
 

@@ -95,6 +95,8 @@ REQUEST_KIND = "drain-request"
 PHASES: tuple[str, ...] = get_args(Phase)
 """healthd.progress's phases of a rank (`inband.jobs[].ranks[].phase`, a hang's `phases`)."""
 STRAGGLER_TESTS: tuple[str, ...] = ("magnitude", "rank-order")
+GPU_SOURCES: tuple[str, ...] = ("nvml", "header", "unknown")
+"""Where an in-band rank's GPU index comes from (the agent's RankView.gpu_from)."""
 
 # --------------------------------------------------------------------------- the limits
 
@@ -705,6 +707,7 @@ _INBAND_RANK: dict[str, Any] = {
     "rank": _int(0, MAX_WORLD_SIZE - 1),
     "local_rank": _int(0, MAX_WORLD_SIZE - 1, nullable=True),
     "gpu": _int(-1, MAX_GPU_INDEX, nullable=True),
+    "gpu_from": _choice(GPU_SOURCES),
     "pid": _int(0, MAX_PID, nullable=True),
     "last_step": _int(-1, MAX_COUNT),
     "last_step_age_s": _num(0.0, MAX_INBAND_SECONDS),

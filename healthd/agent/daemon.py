@@ -291,7 +291,8 @@ class Agent:
         start = time.perf_counter()
         try:
             gpus = {g.index: g.bus_id for g in self.last["nvml"].gpus if g.bus_id}
-            self.inband_jobs = self.inband.read(self.settings.hooks.run_dir, time.monotonic_ns(), gpus)
+            processes = {g.index: g.compute_pids for g in self.last["nvml"].gpus if g.compute_pids}
+            self.inband_jobs = self.inband.read(self.settings.hooks.run_dir, time.monotonic_ns(), gpus, processes)
         except Exception:  # noqa: BLE001 - a job's files must never stop the agent
             log.exception("reading the in-band rings failed")
             self.inband_jobs = ()

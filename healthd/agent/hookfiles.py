@@ -22,6 +22,7 @@ from healthd.agent.classify.rules import quick_check
 from healthd.bindings import BindingReader, attach_jobs
 from healthd.checks import CHECKS_FILE, MAX_RESULTS
 from healthd.model import NODE, Evidence, Finding, verdict, would_do
+from healthd.lograte import WarnOnce
 from healthd.text import clean, iso, parse_time
 from healthd.trusted import SMALL_MAX_BYTES, TRUSTED_UID, TrustedDir, json_object, read_fd
 
@@ -34,14 +35,7 @@ class HookFiles:
         self.bindings = BindingReader(trusted_uid)
         self._checks_key: tuple[str, int, int, int, int, int] | None = None
         self._checks_doc: Any = None
-        self._warned: set[str] = set()
-
-    def _warn_once(self, msg: str) -> None:
-        if msg not in self._warned:
-            if len(self._warned) > 1000:
-                self._warned.clear()
-            self._warned.add(msg)
-            log.warning("%s", msg)
+        self._warn_once = WarnOnce(log)
 
     def checks_doc(self, run_dir: str) -> Any:
         """The checks document, re-read only when the file changed; None when absent, unusable or

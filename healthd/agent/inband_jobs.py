@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from healthd.agent.inband import CKPT_BEGIN, CKPT_END, DURABLE, RESTORED, STEP, RingError, read_ring
+from healthd.lograte import WarnOnce
 from healthd.model import NODE, Component, Evidence, Finding, GpuSample, Snapshot
 from healthd.progress import Hang, RankProgress, RankWindow, StepSample, Straggler, hang, stragglers, summarize
 from healthd.settings import InbandSettings
@@ -85,7 +86,7 @@ class RankView:
     rank: int
     local_rank: int
     gpu: int
-    """The GPU index the ring's header names (-1: unknown)."""
+    """The rank's GPU index (-1: unknown), by `gpu_from`."""
     pid: int
     progress: RankProgress
     windows: tuple[RankWindow, ...]
@@ -95,6 +96,9 @@ class RankView:
     durable: int | None
     rail: str | None = None
     """The HCA behind the same PCIe switch as the rank's GPU (None: unknown)."""
+    gpu_from: str = "header"
+    """Where `gpu` comes from: "nvml" (the rank's process is on that GPU's compute process list),
+    "header" (the ring's header: the rank's CUDA_VISIBLE_DEVICES entry) or "unknown"."""
 
 
 @dataclass(frozen=True)
@@ -128,13 +132,17 @@ class InbandJobs:
     trusted_uid: int = TRUSTED_UID
     ib_root: str = "/sys/class/infiniband"
     _ranks: dict[tuple[str, str], _Rank] = field(default_factory=dict)
-    _warned: set[str] = field(default_factory=set)
+    _warn: WarnOnce = field(default_factory=lambda: WarnOnce(log))
     _rails: tuple[tuple, dict[int, str]] = ((), {})
     rail: dict[int, str] = field(default_factory=dict)
     """GPU index -> rail, as worked out for the latest read."""
     _flags: dict[str, tuple[tuple, tuple[Straggler, ...]]] = field(default_factory=dict)
     """job -> (each rank's newest window, the stragglers found then): the detector runs when a
     window completes, not every tick."""
+    proc_root: str = "/proc"
+    pid_gpus: dict[int, frozenset[int]] = field(default_factory=dict)
+    """PID (the agent's namespace, and each process's own innermost one) -> the GPUs it holds a
+    compute context on, from NVML's process lists of the latest read."""
 
     def rails_of(self, gpus: Mapping[int, str]) -> dict[int, str]:
         """GPU index -> rail for the GPUs NVML lists (index -> bus id), worked out once per GPU set."""
@@ -144,11 +152,14 @@ class InbandJobs:
             self._rails = (key, rails(paths, hca_paths(self.ib_root)) if paths else {})
         return self._rails[1]
 
-    def read(self, run_dir: str, now_mono_ns: int, gpus: Mapping[int, str] | None = None) -> tuple[JobView, ...]:
-        """The jobs under `run_dir`/inband now. `gpus`: NVML's GPU index -> bus id (for the rails)."""
+    def read(self, run_dir: str, now_mono_ns: int, gpus: Mapping[int, str] | None = None,
+             processes: Mapping[int, Iterable[int]] | None = None) -> tuple[JobView, ...]:
+        """The jobs under `run_dir`/inband now. `gpus`: NVML's GPU index -> bus id (for the rails);
+        `processes`: GPU index -> the PIDs NVML lists with a compute context there (for each rank's GPU)."""
         if not self.settings.enabled:
             return ()
         self.rail = self.rails_of(gpus or {})
+        self.pid_gpus = pid_gpus(processes or {}, self.proc_root)
         base = os.path.join(run_dir, INBAND_DIR)
         try:
             with TrustedDir(run_dir, INBAND_DIR, trusted_uid=self.trusted_uid) as d:
@@ -182,13 +193,6 @@ class InbandJobs:
         for job in [j for j in self._flags if j not in owners]:
             del self._flags[job]
         return tuple(views)
-
-    def _warn(self, msg: str) -> None:
-        if msg not in self._warned:
-            if len(self._warned) > 1000:
-                self._warned.clear()
-            self._warned.add(msg)
-            log.warning("%s", msg)
 
     def _read_job(self, path: str, job: str, uid: int, now: int, seen: set) -> JobView:
         s = self.settings
@@ -282,8 +286,64 @@ class InbandJobs:
             step_median_s=median,
             longest_save_s=state.longest_save_s,
         )
-        return RankView(h.rank, h.local_rank, h.device, h.pid, progress, windows, state.lost, state.torn,
-                        state.restored, state.durable, self.rail.get(h.device))
+        gpu, gpu_from = rank_gpu(h.device, self.pid_gpus.get(h.pid, frozenset()))
+        return RankView(h.rank, h.local_rank, gpu, h.pid, progress, windows, state.lost, state.torn,
+                        state.restored, state.durable, self.rail.get(gpu), gpu_from)
+
+
+# --------------------------------------------------------------------------- the rank's GPU
+
+MAX_NS_DEPTH = 32
+
+
+def pid_gpus(processes: Mapping[int, Iterable[int]], proc_root: str = "/proc") -> dict[int, frozenset[int]]:
+    """PID -> the GPUs it has a compute context on, from NVML's per-GPU process lists (PIDs of the
+    agent's namespace). A process in a container (its own PID namespace) wrote its ring with the PID
+    it sees, the last one of its `NSpid:` line: that one is added too, unless two processes on the
+    node share it (two containers), which would make it ambiguous."""
+    out: dict[int, set[int]] = {}
+    inner: dict[int, set[int]] = {}
+    clash: set[int] = set()
+    for gpu, pids in processes.items():
+        for pid in pids:
+            out.setdefault(pid, set()).add(gpu)
+    for pid, gpus in list(out.items()):
+        own = _innermost_pid(proc_root, pid)
+        if own is not None and own != pid:
+            if own in inner and inner[own] is not gpus:
+                clash.add(own)
+            inner[own] = gpus
+    for own, gpus in inner.items():
+        if own not in clash and own not in out:
+            out[own] = gpus
+    return {pid: frozenset(gpus) for pid, gpus in out.items()}
+
+
+def _innermost_pid(proc_root: str, pid: int) -> int | None:
+    try:
+        with open(os.path.join(proc_root, str(pid), "status"), "rb") as f:
+            status = f.read(16384)
+    except OSError:
+        return None  # gone, or not visible here
+    for line in status.split(b"\n"):
+        if line.startswith(b"NSpid:"):
+            fields = line.split()[1:MAX_NS_DEPTH + 1]
+            try:
+                return int(fields[-1]) if fields else None
+            except ValueError:
+                return None
+    return None
+
+
+def rank_gpu(header_gpu: int, nvml_gpus: frozenset[int]) -> tuple[int, str]:
+    """The rank's GPU and where it comes from. NVML's process list wins over the header's guess
+    from CUDA_VISIBLE_DEVICES; a process on several GPUs (a stray context on GPU 0 is common) is on
+    the header's one when that is among them, else on none for sure: the header's stands."""
+    if len(nvml_gpus) == 1:
+        return next(iter(nvml_gpus)), "nvml"
+    if header_gpu in nvml_gpus:
+        return header_gpu, "nvml"
+    return header_gpu, "header" if header_gpu >= 0 else "unknown"
 
 
 # --------------------------------------------------------------------------- flight recorder
@@ -461,8 +521,10 @@ def findings(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Findi
                    f"{flag.windows[0]}-{flag.windows[-1]} (needed {flag.threshold:.1%})"
                    if flag.test == "magnitude" else
                    f"last to arrive in {flag.last_in} of {flag.of_steps} steps (p={flag.p_value:.1e})")
-            evidence = [Evidence("inband", f"job {job.job} rank {flag.rank} (gpu {rank.gpu}): {how}",
-                                 {"job": job.job, "rank": flag.rank, "gpu": rank.gpu, "test": flag.test,
+            where = f"gpu {rank.gpu}" + (" by NVML's process list" if rank.gpu_from == "nvml" else "")
+            evidence = [Evidence("inband", f"job {job.job} rank {flag.rank} ({where}): {how}",
+                                 {"job": job.job, "rank": flag.rank, "gpu": rank.gpu, "gpu_from": rank.gpu_from,
+                                  "test": flag.test,
                                   "effect": round(flag.effect, 4), "windows": list(flag.windows),
                                   "step": last_step})]
             evidence += [Evidence("nvml_value" if e.startswith("gpu") else "state", e) for e in (*on_gpu, *rail)]
@@ -514,7 +576,8 @@ def to_json(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Findin
             ranks.append({
                 # the header's numbers are the job's: out of range is unknown, as the controller reads them
                 "rank": r.rank, "local_rank": r.local_rank if 0 <= r.local_rank < 1 << 24 else None,
-                "gpu": r.gpu if -1 <= r.gpu <= 1023 else -1, "pid": r.pid if r.pid > 0 else None,
+                "gpu": r.gpu if -1 <= r.gpu <= 1023 else -1, "gpu_from": r.gpu_from,
+                "pid": r.pid if r.pid > 0 else None,
                 "last_step": p.last_step, "last_step_age_s": _r(p.last_step_age_s, 3),
                 "phase": p.phase, "phase_age_s": _r(p.phase_age_s, 3), "step_median_s": _r(p.step_median_s),
                 "longest_save_s": _r(p.longest_save_s), "lost": r.lost, "torn": r.torn,

@@ -84,7 +84,9 @@ def _inband(section: dict[str, Any]) -> list[str]:
                 note.append("BEHIND")
             if r["lost"] or r["torn"]:
                 note.append(f"lost {r['lost']} torn {r['torn']}")
-            rows.append([r["rank"], r["gpu"], r["last_step"], f"{r['last_step_age_s']:.1f}s", r["phase"],
+            # a GPU not confirmed by NVML's process list is the header's guess: marked with a '?'
+            gpu = r["gpu"] if r.get("gpu_from", "nvml") == "nvml" or r["gpu"] < 0 else f"{r['gpu']}?"
+            rows.append([r["rank"], gpu, r["last_step"], f"{r['last_step_age_s']:.1f}s", r["phase"],
                          "-" if w is None else w["window"],
                          "-" if w is None else f"{w['compute_s'] * 1000:.1f}",
                          "-" if w is None else f"{w['wait_s'] * 1000:.1f}", "; ".join(note)])

@@ -34,6 +34,11 @@ typedef struct {
     char busId[32];
 } nvmlPciInfo_t; /* 68 bytes, pynvml's nvmlPciInfo_t */
 typedef struct { unsigned int version; int marginTemperature; } nvmlMarginTemperature_t;
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t; /* pynvml's c_nvmlProcessInfo_v3_t (the same as v2) */
 /* NVML return codes used here (values from nvml.h). */
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
@@ -50,6 +55,7 @@ typedef struct { unsigned int version; int marginTemperature; } nvmlMarginTemper
 /* The layouts pynvml's ctypes structures assume (checked against nvml.h with -DREAL_NVML_H). */
 _Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t (v3) must be 68 bytes");
 _Static_assert(sizeof(nvmlMarginTemperature_t) == 8, "nvmlMarginTemperature_v1_t is 8 bytes");
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t (v2/v3) is 24 bytes");
 
 #define MAX_GPUS 64
 #define CFG_MAX 65536
@@ -422,4 +428,29 @@ nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t dev, unsigned int link
     snprintf(key, sizeof key, "nvlink%u.%s", link, names[counter]);
     *counterValue = (unsigned long long)cfg_int(&c, g, key, 0);
     return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ processes */
+
+/* gpuN.processes=PID[:BYTES],PID... : the processes with a compute context on GPU N (absent: none).
+ * As the real library: with *infoCount too small (pynvml's first call passes 0 and NULL), the count
+ * needed and INSUFFICIENT_SIZE; otherwise the entries and their count. */
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t dev, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos) {
+    DEVICE_CALL("processes");
+    if (!infoCount) return NVML_ERROR_INVALID_ARGUMENT;
+    char list[1024], *tok, *save = NULL;
+    unsigned int n = 0, room = *infoCount;
+    cfg_str(&c, g, "processes", list, sizeof list, "");
+    for (tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        char *colon = strchr(tok, ':');
+        if (infos && n < room) {
+            infos[n].pid = (unsigned int)strtoul(tok, NULL, 10);
+            infos[n].usedGpuMemory = colon ? strtoull(colon + 1, NULL, 10) : 0;
+            infos[n].gpuInstanceId = infos[n].computeInstanceId = 0xFFFFFFFFu;
+        }
+        n++;
+    }
+    *infoCount = n;
+    return (n > room || (n && !infos)) ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
 }

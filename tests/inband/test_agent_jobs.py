@@ -14,6 +14,7 @@ from healthd.agent.daemon import Agent, Memory, Sources
 from healthd.agent.history import History
 from healthd.agent import inband_jobs
 from healthd.agent.inband_jobs import InbandJobs
+from healthd.agent.render import render_text
 from healthd.model import Component, Finding
 from healthd.settings import DetectorSettings, HookSettings, InbandSettings
 from tests.support.builders import CATALOG, NOW, gpu, kernel, nvml, settings
@@ -290,3 +291,52 @@ def test_a_dry_run_asks_for_no_dump(tmp_path):
     agent = make_agent(run_dir)
     agent.collect_periodic()
     assert agent._dumps == {} and agent.inband_jobs[0].hang is not None
+
+
+# --------------------------------------------------------------------------- the rank's GPU
+
+
+def set_header_pid(rg, pid: int) -> None:
+    # the layout: magic (8 bytes), four u16, the u32 capacity, then the pid (i32) at offset 20
+    struct.pack_into("<i", rg.mm, 20, pid)
+
+
+def test_nvml_process_lists_place_each_rank_on_its_gpu(tmp_path):
+    """The header's GPU is the rank's CUDA_VISIBLE_DEVICES entry, a guess; NVML's compute process list
+    is where the process really runs. A stray context on a second GPU keeps the header's GPU when it
+    is one of them; a rank on no list keeps the header's, marked as such."""
+    run_dir = tmp_path / "run"
+    rings = [ring(job_dir(run_dir), r, 4) for r in range(4)]
+    for r, rg in enumerate(rings):
+        set_header_pid(rg, 7001 + r)
+    run_steps(rings, 6 * W, slow={2: 0.10})
+    pids = {0: (7001,), 1: (7003,), 2: (7002,), 3: (7001,)}  # rank 0 also on GPU 3; rank 3 nowhere
+    gpus = [gpu(i, compute_pids=pids[i]) for i in range(4)]
+    agent = make_agent(run_dir, gpus)
+    res = agent.tick()
+    ranks = {r["rank"]: (r["gpu"], r["gpu_from"]) for r in agent.document()["inband"]["jobs"][0]["ranks"]}
+    assert ranks == {0: (0, "nvml"), 1: (2, "nvml"), 2: (1, "nvml"), 3: (3, "header")}
+    (f,) = [f for f in res.findings if f.source == "inband"]
+    assert f.id == "inband.straggler:gpu1" and f.component.uuid == "GPU-00000001"
+    assert "rank 2 (gpu 1 by NVML's process list)" in f.evidence[0].text
+    assert f.evidence[0].data["gpu_from"] == "nvml"
+    table = render_text(agent.document())
+    assert " 3? " in table, table
+
+
+def test_a_containers_pid_is_found_through_nspid(tmp_path):
+    proc = tmp_path / "proc"
+    for host, inner in ((500, 12), (600, 12), (700, 31), (800, None)):
+        (proc / str(host)).mkdir(parents=True)
+        ns = f"NSpid:\t{host}\t{inner}\n" if inner else f"NSpid:\t{host}\n"
+        (proc / str(host) / "status").write_text(f"Name:\tpython\nPid:\t{host}\n{ns}")
+    (proc / "900").mkdir()
+    (proc / "900" / "status").write_text("NSpid:\tnine hundred\n")
+    got = inband_jobs.pid_gpus({0: [500], 1: [600], 2: [700, 900], 3: [800, 4000]}, str(proc))
+    assert got[700] == got[31] == frozenset({2})  # the container's own PID 31 is GPU 2's
+    assert 12 not in got  # two containers' PID 12: ambiguous, left out
+    assert got[500] == frozenset({0}) and got[800] == got[4000] == frozenset({3}) and got[900] == frozenset({2})
+    assert inband_jobs.rank_gpu(5, frozenset()) == (5, "header")
+    assert inband_jobs.rank_gpu(-1, frozenset()) == (-1, "unknown")
+    assert inband_jobs.rank_gpu(-1, frozenset({0, 4})) == (-1, "unknown")
+    assert inband_jobs.rank_gpu(4, frozenset({0, 4})) == (4, "nvml")

@@ -39,6 +39,8 @@ Per-GPU keys, `gpu<N>.<key>`:
     nvlink.links=18              number of links (absent/0: no NVLink, every link NotSupported)
     nvlink.down=3,7              links whose state is inactive
     nvlink<L>.replay / .recovery / .crc_flit / .crc_data   error counters (default 0)
+    processes=4242:1048576,4243  compute processes (PID[:used bytes]) for
+                                 nvmlDeviceGetComputeRunningProcesses (absent: none running)
     lost=1                       every call on this GPU, handle lookup included, returns 15
     sleep_ms=N                   every call on this GPU sleeps N ms first
 A value key that is absent makes its read answer NotSupported (code 3): leave out
@@ -49,7 +51,7 @@ or `<fn>.<part>`, except clock_reasons (both clock functions) and the nvlink key
 Per-function overrides, `gpu<N>.<fn>.error=<NVML code>` and `gpu<N>.<fn>.sleep_ms=<ms>`, with <fn>:
     handle name uuid serial pci_info temperature threshold margin clocks_event_reasons
     clocks_throttle_reasons ecc remapped_rows retired_pages retired_pages_pending pcie_replay
-    pcie_gen pcie_gen_max pcie_width pcie_width_max nvlink_state nvlink_error_counter
+    pcie_gen pcie_gen_max pcie_width pcie_width_max nvlink_state nvlink_error_counter processes
 e.g. `gpu3.remapped_rows.error=3` (NotSupported), `gpu0.temperature.sleep_ms=2000` (hung call).
 
 Missing symbols: `build_fake_nvml(dir, omit=["nvmlDeviceGetRemappedRows"])` builds a library

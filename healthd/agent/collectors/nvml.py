@@ -315,12 +315,19 @@ def _read_nvlink_errors(r: _GpuReads) -> dict[str, int]:
     return counters
 
 
+def _read_processes(r: _GpuReads) -> None:
+    # The join of a training rank (its ring names its PID) to the GPU it really runs on.
+    r.values["compute_pids"] = r.read("compute_pids", "nvmlDeviceGetComputeRunningProcesses",
+                                      convert=lambda procs: tuple(int(p.pid) for p in procs))
+
+
 _GPU_READS: tuple[Callable[[_GpuReads], None], ...] = (
     _read_identity,
     _read_scalars,
     _read_clock_event_reasons,
     _read_remapped_rows,
     _read_retired_pages,
+    _read_processes,
 )
 
 

@@ -148,6 +148,20 @@ def test_retired_pages_use_the_two_call_protocol(nvml_config, make_collector):
     assert (gpu.retired_pages_sbe, gpu.retired_pages_dbe, gpu.retired_pending) == (3, 1, True)
 
 
+def test_compute_processes_through_the_two_call_protocol(nvml_config, make_collector):
+    """pynvml asks for the count with a NULL array, then passes an array of twice that plus five."""
+    gpus = healthy_node(4)
+    gpus[1]["processes"] = ["4242:1048576", "77", "4242"]  # the same PID twice (two contexts): once
+    gpus[2]["processes"] = [str(1000 + i) for i in range(40)]
+    gpus[3]["processes.error"] = 3  # NotSupported
+    write_nvml_config(nvml_config, gpus)
+    got = make_collector().collect(time.time()).gpus
+    assert got[0].compute_pids == ()
+    assert got[1].compute_pids == (77, 4242)
+    assert got[2].compute_pids == tuple(range(1000, 1040))
+    assert got[3].compute_pids is None and "compute_pids" in got[3].no_data
+
+
 # --------------------------------------------------------------------------- links and clocks
 
 
