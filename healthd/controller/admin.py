@@ -258,6 +258,21 @@ class AdminHandler:
     """True when it writes: only root or the admin group may call it."""
 
 
+def inband_handler(view: Callable[[str | None], dict[str, Any]]) -> AdminHandler:
+    """The `inband` read: `view(job or None)` is the controller's in-band summary as of its latest
+    round (healthd.controller.inband.summary), held in memory, not in the ledger."""
+
+    def inband(ledger: Ledger, operator: str, job: Any = None) -> AdminResult:
+        if job is not None and not (isinstance(job, str) and 0 < len(job) <= 64 and job.isprintable()):
+            raise ValueError("job: expected a job id")
+        doc = view(job)
+        n = len(doc.get("jobs") or ())
+        what = f"job {job}" if job is not None else "jobs"
+        return AdminResult(True, f"{n} {what} with in-band data" if n else f"no {what} with in-band data", doc)
+
+    return AdminHandler(inband, False)
+
+
 DEFAULT_HANDLERS: dict[str, AdminHandler] = {
     "approve": AdminHandler(approve, True),
     "reject": AdminHandler(reject, True),

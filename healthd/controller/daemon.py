@@ -621,8 +621,9 @@ class Controller:
 # --------------------------------------------------------------------------- main
 
 
-def _serve_admin(settings: ControllerSettings, ledger: Ledger):
-    """healthctl's unix socket (healthd.controller.admin): changes for root and `admin_group`."""
+def _serve_admin(settings: ControllerSettings, ledger: Ledger, controller: Controller):
+    """healthctl's unix socket (healthd.controller.admin): changes for root and `admin_group`; the
+    reads include the in-band view the controller holds in memory."""
     gid = None
     if settings.admin_group:
         try:
@@ -630,7 +631,9 @@ def _serve_admin(settings: ControllerSettings, ledger: Ledger):
         except KeyError:
             raise KeyError(f"admin_group {settings.admin_group!r}: no such group") from None
     Path(settings.admin_socket).parent.mkdir(parents=True, exist_ok=True)
-    return admin.serve_admin_socket(settings.admin_socket, ledger, admin_gid=gid)
+    handlers = {**admin.DEFAULT_HANDLERS,
+                "inband": admin.inband_handler(lambda job: inband.summary(controller.inband_round, time.time(), job))}
+    return admin.serve_admin_socket(settings.admin_socket, ledger, handlers, admin_gid=gid)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -724,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.once:
             controller.evaluate(time.time())
             return 0
-        admin_server = _serve_admin(settings, ledger)
+        admin_server = _serve_admin(settings, ledger, controller)
         server = ControllerHTTPServer(settings.listen, controller, max_connections=settings.max_connections,
                                       max_connections_per_peer=settings.max_connections_per_peer)
         server.start_background()

@@ -480,11 +480,49 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_text)
         s.add_argument(target, type=kind)
         s.add_argument("--why", type=_why, required=why_required, default=None)
+    s = sub.add_parser("inband", help="the training jobs' in-band view: ranks, slow ranks, hangs (from the controller)")
+    s.add_argument("--job", default=None, help="only this job")
     s = sub.add_parser("breaker", help="the circuit breaker")
     bs = s.add_subparsers(dest="breaker_cmd", required=True, parser_class=_Parser)
     r = bs.add_parser("reset", help="close the breaker")
     r.add_argument("--why", type=_why, required=True)
     return p
+
+
+def inband_lines(doc: dict[str, Any]) -> list[str]:
+    """`healthctl inband` as a person reads it: per job, a line, its slow ranks and hang, then a
+    table of its ranks (where they run, how far and how fast)."""
+    jobs = doc.get("jobs") or []
+    if not jobs:
+        return ["no job with in-band data in the controller's latest round"
+                + (f" ({stamp(doc['evaluated_at'])})" if doc.get("evaluated_at") else "")]
+    lines: list[str] = []
+    for job in jobs:
+        slow = job.get("stragglers") or []
+        hang = job.get("hang")
+        state = "HUNG" if hang else f"{len(slow)} slow rank(s)" if slow else "ok"
+        world = job.get("world_size")
+        lines.append(f"job {job['job']}: {state}; {job['ranks_reported']} of {world if world else '?'} ranks reported "
+                     f"from {fold(job.get('nodes') or []) or '-'}")
+        for f in slow:
+            why = f"; corroborated: {f['corroboration'][0]}" if f.get("corroboration") else "; in-band evidence only"
+            lines.append(f"  slow: rank {f['rank']} on {f['node']} gpu {'?' if f.get('gpu') is None else f['gpu']} "
+                         f"{f['effect']:+.1%} ({f['test']}, windows {f['windows'][0]}-{f['windows'][-1]}, "
+                         f"T{f['tier']}, judged by the {f['judged_by']}){why}")
+        if hang:
+            lines.append(f"  hang: {hang['summary']}")
+        rows = []
+        flagged = {f["rank"] for f in slow}
+        behind = {b["rank"] for b in (hang or {}).get("behind") or []}
+        for r in job.get("ranks") or []:
+            note = "SLOW" if r["rank"] in flagged else "BEHIND" if r["rank"] in behind else ""
+            rows.append([r["rank"], r["node"], "-" if r.get("gpu") is None else r["gpu"], r.get("rail") or "-",
+                         r["last_step"], f"{r['last_step_age_s']:.1f}s", r["phase"],
+                         "-" if r.get("step_median_s") is None else f"{r['step_median_s'] * 1000:.1f}",
+                         "-" if r.get("compute_s") is None else f"{r['compute_s'] * 1000:.1f}", note])
+        lines += ["  " + line for line in table(["rank", "node", "gpu", "rail", "step", "age", "phase", "step_ms",
+                                                   "compute_ms", ""], rows)]
+    return lines
 
 
 def _change_requests(args: argparse.Namespace) -> list[tuple[str | None, dict[str, Any]]]:
@@ -534,6 +572,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print("\n".join(lines))
             return EXIT_OK
+        if args.cmd == "inband":
+            return _inband(args)
         requests = _change_requests(args)
         if len(requests) > 1:
             return _change_many(args, requests)
@@ -552,6 +592,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(EXIT_REFUSED, str(reply.get("message", "refused")).splitlines()[0] if reply.get("message") else "refused")
     if not args.json:
         print(reply.get("message", "ok"))
+    return EXIT_OK
+
+
+def _inband(args: argparse.Namespace) -> int:
+    """A read the controller answers from memory (the ledger does not hold it)."""
+    try:
+        reply = call_admin(args.socket, {"cmd": "inband", "args": {"job": args.job}})
+    except AdminUnreachable as exc:
+        return _fail(EXIT_UNREACHABLE, str(exc))
+    if not reply.get("ok"):
+        if reply.get("error") in ("busy", "timeout"):
+            return _fail(EXIT_UNREACHABLE, str(reply.get("message") or reply.get("error")))
+        return _fail(EXIT_REFUSED, str(reply.get("message") or "refused").splitlines()[0])
+    doc = reply.get("data") or {}
+    print(json.dumps(doc, indent=2, sort_keys=True) if args.json else "\n".join(inband_lines(doc)))
     return EXIT_OK
 
 

@@ -39,6 +39,7 @@ from healthd import progress
 from healthd.model import NODE, Component, Evidence, Finding
 from healthd.progress import Hang, RankProgress, RankWindow, Straggler
 from healthd.settings import DetectorSettings
+from healthd.text import natural_key
 from healthd.slurm.backend import JobInfo, SlurmError
 
 if TYPE_CHECKING:
@@ -556,6 +557,9 @@ class InbandRound:
     """Jobs with in-band data in fresh reports."""
     first_seen: Mapping[tuple[str, str], float] = field(default_factory=dict)
     """(node, finding id) -> when its episode began: hand it to the next round."""
+    views: Mapping[str, JobView] = field(default_factory=dict)
+    """job -> its ranks from every fresh report: what `healthctl inband` shows."""
+    evaluated_at: float | None = None
 
     def flagged_by_tier(self) -> dict[str, int]:
         out = {"T2": 0, "T3": 0}
@@ -583,7 +587,43 @@ def evaluate(reports: Iterable[_Report], groups: Mapping[str, frozenset[str]], s
     episodes = {(node, f.id): f.first_seen if f.first_seen is not None else now
                 for node, fs in found.items() for f in fs}
     return InbandRound(findings=MappingProxyType(found), flags=tuple(flags), hangs=hung, jobs=len(views),
-                       first_seen=MappingProxyType(episodes))
+                       first_seen=MappingProxyType(episodes), views=MappingProxyType(views), evaluated_at=now)
+
+
+MAX_SUMMARY_RANKS = 4096
+"""Ranks listed per job by `summary` (the count says how many more there are)."""
+
+
+def summary(rnd: InbandRound, now: float, job: str | None = None) -> dict[str, Any]:
+    """The fleet's in-band view as of the round `rnd`, for people (`healthctl inband`): each job's
+    nodes, ranks (where, how far, how fast), slow ranks with their tier and test, and hang. `job`:
+    only that job. Ages are as of `now`."""
+    flags: dict[tuple[str, int], Flag] = {(f.job, f.state.rank): f for f in rnd.flags}
+    hung = {h.job: h for h in rnd.hangs}
+    out = []
+    for name, view in sorted(rnd.views.items(), key=lambda kv: natural_key(kv[0])):
+        if job is not None and name != job:
+            continue
+        ranks = []
+        for r, placed in sorted(view.ranks.items())[:MAX_SUMMARY_RANKS]:
+            p = _aged(placed, now)
+            st = placed.state
+            last = st.windows[-1] if st.windows else None
+            ranks.append({"rank": r, "node": placed.node, "gpu": st.gpu, "rail": st.rail, "last_step": p.last_step,
+                          "last_step_age_s": round(p.last_step_age_s, 1), "phase": p.phase,
+                          "step_median_s": p.step_median_s,
+                          "window": last.window if last else None, "compute_s": last.compute_s if last else None,
+                          "wait_s": last.wait_s if last else None})
+        slow = [{"rank": f.state.rank, "node": f.node, "gpu": f.state.gpu, "tier": f.tier, "test": f.straggler.test,
+                 "effect": round(f.straggler.effect, 4), "windows": list(f.straggler.windows),
+                 "judged_by": "agent" if f.by_agent else "controller",
+                 "corroboration": list(f.state.corroboration[:4])}
+                for (j, _), f in sorted(flags.items()) if j == name]
+        h = hung.get(name)
+        out.append({"job": name, "world_size": view.world_size, "nodes": list(view.nodes), "ranks_reported": len(view.ranks),
+                    "ranks": ranks, "stragglers": slow,
+                    "hang": None if h is None else {**h.evidence(), "summary": h.describe()}})
+    return {"evaluated_at": rnd.evaluated_at, "jobs": out}
 
 
 def with_findings(findings: tuple[Finding, ...], extra: Iterable[Finding]) -> tuple[Finding, ...]:

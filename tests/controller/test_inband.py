@@ -6,6 +6,7 @@ opted in (a fake Slurm, a real ledger; the last test sends real signed reports t
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -599,3 +600,50 @@ def test_slow_ranks_on_one_rail_of_two_nodes_no_switch_holds_are_one_fabric_inci
         assert f.summary.startswith("one of 2 slow ranks of job 123 on rail mlx5_3: ")
     [b] = r.findings["node03"]  # rank 9: another rail, alone on it
     assert b.attribution == "unknown"
+
+
+# --------------------------------------------------------------------------- what healthctl inband shows
+
+
+def test_the_summary_places_every_rank_and_names_the_slow_and_the_behind(tmp_path, capsys):
+    """The controller's in-band view as `healthctl inband` gets it: a real admin socket serving the
+    summary of a real round, read by the real CLI (table and --json)."""
+    from healthd.controller import healthctl
+    from healthd.controller.admin import inband_handler, serve_admin_socket, DEFAULT_HANDLERS
+    from tests.support.tmpdirs import shared_tmpdir
+
+    slow = spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125})
+    reports = reports_of(slow, hung_job("77", age=50.0), at=NOW - 20)
+    rnd = run(reports)
+    doc = inband.summary(rnd, NOW)
+    assert [j["job"] for j in doc["jobs"]] == ["77", "123"] and doc["evaluated_at"] == NOW
+    j123 = doc["jobs"][1]
+    assert j123["nodes"] == ["node01", "node02"] and j123["ranks_reported"] == 8 and j123["world_size"] == 8
+    assert [(r["rank"], r["node"], r["gpu"]) for r in j123["ranks"]][4:6] == [(4, "node02", 0), (5, "node02", 1)]
+    assert j123["ranks"][0]["last_step_age_s"] == 21.0  # the report's 1 s, and 20 s since it came
+    [f] = j123["stragglers"]
+    assert (f["rank"], f["node"], f["gpu"], f["tier"], f["test"], f["judged_by"]) == (5, "node02", 1, 3, "magnitude",
+                                                                                     "controller")
+    assert j123["hang"] is None and doc["jobs"][0]["hang"]["behind"] == [{"rank": 3, "node": "node02", "phase": "compute"}]
+    assert inband.summary(rnd, NOW, job="77")["jobs"][0]["job"] == "77" and inband.summary(rnd, NOW, job="9")["jobs"] == []
+
+    handlers = {**DEFAULT_HANDLERS, "inband": inband_handler(lambda job: inband.summary(rnd, NOW, job))}
+    with shared_tmpdir("healthctl-inband-") as sockdir, Ledger(tmp_path / "ledger.db") as led, \
+            serve_admin_socket(str(sockdir / "admin.sock"), led, handlers) as srv:
+        assert healthctl.main(["--socket", srv.path, "inband"]) == 0
+        out = capsys.readouterr().out
+        assert "job 77: HUNG; 4 of 4 ranks reported from node[01-02]" in out, out
+        assert "job 123: 1 slow rank(s); 8 of 8 ranks reported from node[01-02]" in out, out
+        assert "slow: rank 5 on node02 gpu 1 +25.0% (magnitude, windows" in out and "in-band evidence only" in out, out
+        assert "hang: job 77 hung at step 411" in out and "BEHIND" in out and "SLOW" in out, out
+        assert healthctl.main(["--socket", srv.path, "--json", "inband", "--job", "123"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert [j["job"] for j in got["jobs"]] == ["123"] and got["jobs"][0]["stragglers"][0]["rank"] == 5
+        assert healthctl.main(["--socket", srv.path, "inband", "--job", "x" * 65]) == 1
+        assert "job: expected a job id" in capsys.readouterr().err
+    # an older controller without the view: refused, one line
+    with shared_tmpdir("healthctl-inband-") as sockdir, Ledger(tmp_path / "ledger2.db") as led, \
+            serve_admin_socket(str(sockdir / "admin.sock"), led) as srv:
+        assert healthctl.main(["--socket", srv.path, "inband"]) == 1
+        assert "unknown command 'inband'" in capsys.readouterr().err
+    assert healthctl.main(["--socket", str(tmp_path / "none.sock"), "inband"]) == 3

@@ -409,6 +409,14 @@ def test_b_a_slowed_rank_of_a_job_across_nodes_is_flagged_by_the_controller(flee
     # bench/inband_job.py measures: on a busy 2-core machine the ranks' spread varies from run to run
     assert last < STRAGGLE_ONSET + 400, seen
     assert not any(before), before
+    # what an operator reads: `healthctl inband` asks the controller's admin socket for its view
+    p = subprocess.run([str(VENV_BIN / "healthctl"), "--socket", str(fleet.controller_dir / "admin.sock"), "--json",
+                        "inband", "--job", job], capture_output=True, text=True, timeout=60, env=fleet.e2e.cluster.env)
+    assert p.returncode == 0, p.stderr
+    [entry] = json.loads(p.stdout)["jobs"]
+    assert sorted(entry["nodes"]) == sorted(NODES) and entry["ranks_reported"] == 4, entry
+    slow = [(f["rank"], f["tier"], f["judged_by"]) for f in entry["stragglers"]]
+    assert slow == [(3, 3, "controller")], entry
     assert fleet.metric('healthd_controller_inband_straggler_ranks{tier="T2"}') == 0
     assert not findings(fleet, "inband.straggler")  # no agent judges a job it sees one rank of
     assert not drained(fleet)
