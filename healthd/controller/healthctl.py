@@ -28,6 +28,7 @@ from typing import Any
 
 from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 
+from healthd import goodput
 from healthd.config import ConfigError
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
@@ -480,6 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_text)
         s.add_argument(target, type=kind)
         s.add_argument("--why", type=_why, required=why_required, default=None)
+    s = sub.add_parser("goodput", help="where a job's GPU-hours went, by cause, from its event log")
+    s.add_argument("--log", required=True, help="the job's event log (JSONL, ml-goodput-measurement keys)")
+    s.add_argument("--job", default=None, help="only entries of this job_name")
+    s.add_argument("--format", choices=("table", "json"), default="table")
     s = sub.add_parser("inband", help="the training jobs' in-band view: ranks, slow ranks, hangs (from the controller)")
     s.add_argument("--job", default=None, help="only this job")
     s = sub.add_parser("breaker", help="the circuit breaker")
@@ -523,6 +528,77 @@ def inband_lines(doc: dict[str, Any]) -> list[str]:
         lines += ["  " + line for line in table(["rank", "node", "gpu", "rail", "step", "age", "phase", "step_ms",
                                                    "compute_ms", ""], rows)]
     return lines
+
+
+MAX_GOODPUT_LOG_BYTES = 1 << 30
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
+
+
+def goodput_doc(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -> dict[str, Any]:
+    return {"job": acc.job, "held_gpu_s": acc.held_gpu_s, "goodput": acc.goodput, "gpu_s": dict(acc.gpu_s),
+            "runs": acc.runs, "interruptions": acc.interruptions, "mtbi_s": acc.mtbi_s,
+            "incidents": [{"incident": i.incident, "cause": i.cause, "node": i.node, "gpu": i.gpu,
+                           "false_positive": i.false_positive, "gpu_s": dict(i.gpu_s), "total_gpu_s": i.total_gpu_s}
+                          for i in acc.incidents],
+            "checkpoint_interval": None if advice is None else {
+                "checkpoint_s": advice.checkpoint_s, "mtbi_s": advice.mtbi_s, "current_s": advice.current_s,
+                "young_s": advice.young_s, "daly_s": advice.daly_s, "efficiency_current": advice.efficiency_current,
+                "efficiency_daly": advice.efficiency_daly, "gain": advice.gain},
+            "partial": acc.partial, "problems": list(acc.problems)}
+
+
+def goodput_lines(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -> list[str]:
+    """`healthctl goodput` as a person reads it: the share, where the GPU-hours went, what each
+    interruption cost (largest first), and the checkpoint interval against Young's and Daly's."""
+    held = acc.held_gpu_s
+    share = "-" if acc.goodput is None else f"{acc.goodput:.1%}"
+    lines = [f"job {acc.job or '?'}: goodput {share} of {held / 3600:.2f} GPU-h over {acc.runs} run(s), "
+             f"{acc.interruptions} interruption(s)" + (f" (MTBI {_duration(acc.mtbi_s)})" if acc.mtbi_s else "")]
+    rows = [[c, f"{v / 3600:.3f}", f"{v / held:.1%}" if held else "-"] for c, v in acc.gpu_s.items() if v > 0]
+    lines += table(["category", "GPU-h", "share"], rows)
+    if acc.incidents:
+        lines.append("interruptions, by GPU-hours lost:")
+        lines += table(["incident", "cause", "node", "gpu", "GPU-h", "of which"],
+                       [[i.incident, i.cause, i.node or "-", i.gpu or "-", f"{i.total_gpu_s / 3600:.3f}",
+                         ("FALSE POSITIVE " if i.false_positive else "")
+                         + ", ".join(f"{c} {v / 3600:.3f}" for c, v in i.gpu_s.items() if v > 0)]
+                        for i in acc.incidents])
+    if advice is not None:
+        gain = "" if advice.gain is None else f"; at Daly's interval goodput {advice.gain * 100:+.1f} points"
+        lines.append(f"checkpoint interval: now {_duration(advice.current_s)}; blocking save {_duration(advice.checkpoint_s)}, "
+                     f"MTBI {_duration(advice.mtbi_s)}: Young {_duration(advice.young_s)}, "
+                     f"Daly {_duration(advice.daly_s)}{gain}")
+    if acc.problems:
+        lines.append(f"PARTIAL: {len(acc.problems)} problem(s) in the log; the figures assume:")
+        lines += [f"  {p}" for p in acc.problems[:20]]
+    return lines
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    """An offline read of one job's event log; nothing is asked of the controller."""
+    try:
+        with open(args.log, "rb") as f:
+            raw = f.read(MAX_GOODPUT_LOG_BYTES + 1)
+    except OSError as exc:
+        return _fail(EXIT_UNREACHABLE, f"{args.log}: cannot read the event log: {exc.strerror or exc}")
+    text = raw[:MAX_GOODPUT_LOG_BYTES].decode("utf-8", errors="replace")
+    log = goodput.parse_log(text, args.job)
+    if len(raw) > MAX_GOODPUT_LOG_BYTES:
+        log = goodput.Log(log.job, log.events, (*log.problems, f"only the first {MAX_GOODPUT_LOG_BYTES} bytes read"))
+    # no `now`: a run without an end (still going, or its end not written) is counted to its last
+    # event and the answer says so, rather than stretched to this moment
+    acc = goodput.account(log, now=args.now)
+    advice = goodput.interval_advice(log, acc)
+    if args.json or args.format == "json":
+        print(json.dumps(goodput_doc(acc, advice), indent=2, sort_keys=True))
+    else:
+        print("\n".join(goodput_lines(acc, advice)))
+    return EXIT_OK
 
 
 def _change_requests(args: argparse.Namespace) -> list[tuple[str | None, dict[str, Any]]]:
@@ -574,6 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         if args.cmd == "inband":
             return _inband(args)
+        if args.cmd == "goodput":
+            return _goodput(args)
         requests = _change_requests(args)
         if len(requests) > 1:
             return _change_many(args, requests)

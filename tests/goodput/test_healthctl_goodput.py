@@ -1,0 +1,64 @@
+"""`healthctl goodput --log FILE`: the accounting of one job's event log, as a table and as JSON, with
+the checkpoint interval advice; a partial log says so; a missing file is exit 3."""
+
+from __future__ import annotations
+
+import json
+
+from healthd.controller import healthctl
+from tests.goodput.test_accounting import J, ckpt, crash_and_restore, hd, log, start, step
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = healthctl.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table_and_json(tmp_path, capsys):
+    path = tmp_path / "4242.jsonl"
+    path.write_text(crash_and_restore())
+    code, out, err = run(capsys, "goodput", "--log", str(path))
+    assert code == 0 and err == ""
+    assert out.startswith("job 4242: goodput 55.6% of 0.60 GPU-h over 2 run(s), 1 interruption(s) (MTBI 7.5 min)")
+    assert "productive  0.333  55.6%" in out and "waiting     0.111  18.5%" in out
+    assert "7         xid:79  node01  1652000003  0.233  lost 0.061, detection 0.011" in out
+    assert "blocking save 10 s, MTBI 7.5 min: Young 1.6 min, Daly 88 s" in out and "PARTIAL" not in out
+    code, out, _ = run(capsys, "--json", "goodput", "--log", str(path), "--job", J)
+    doc = json.loads(out)
+    assert code == 0 and doc["held_gpu_s"] == 2160 and doc["gpu_s"]["productive"] == 1200 and not doc["partial"]
+    assert doc["incidents"][0]["incident"] == "7" and doc["incidents"][0]["total_gpu_s"] == 840
+    assert doc["checkpoint_interval"]["checkpoint_s"] == 10 and doc["checkpoint_interval"]["current_s"] is None
+
+
+def test_the_interval_against_dalys_and_what_it_would_gain(tmp_path, capsys):
+    """Saves of 60 s every 2 h of a job interrupted every 6 h: Daly's interval is about 26 min."""
+    entries = []
+    t = 0.0
+    for run_no in range(3):
+        entries += start(t, 8)
+        if run_no:
+            entries.append(hd("restored", t + 1, step=0))
+        entries.append(step(0, t + 10))
+        for k in range(3):
+            entries += ckpt(t + 10 + 7200 * k + 7140, t + 10 + 7200 * (k + 1))
+        entries.append(step(3, t + 10 + 21600))
+        entries.append(hd("interrupt", t + 21610, incident=str(run_no), cause="xid:79"))
+        entries.append(hd("run_end", t + 21620, state="NODE_FAIL"))
+        t += 21700
+    path = tmp_path / "j.jsonl"
+    path.write_text(log(*entries))
+    code, out, _ = run(capsys, "--json", "goodput", "--log", str(path))
+    advice = json.loads(out)["checkpoint_interval"]
+    assert code == 0 and advice["checkpoint_s"] == 60 and advice["current_s"] == 7200
+    assert 1500 < advice["daly_s"] < 1700 and advice["gain"] > 0.05
+
+
+def test_a_partial_log_says_what_it_assumed_and_a_missing_one_is_exit_3(tmp_path, capsys):
+    path = tmp_path / "cut.jsonl"
+    path.write_text(crash_and_restore()[:-30])
+    code, out, _ = run(capsys, "goodput", "--log", str(path))
+    assert code == 0 and "PARTIAL: 2 problem(s) in the log; the figures assume:" in out
+    assert "truncated (the last line, no newline)" in out and "no end recorded" in out
+    code, out, err = run(capsys, "goodput", "--log", str(tmp_path / "none.jsonl"))
+    assert code == 3 and out == "" and err.count("\n") == 1 and "cannot read the event log" in err
