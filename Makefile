@@ -17,11 +17,16 @@ APT_PACKAGES += systemd-container debootstrap iproute2
 APT_PACKAGES += python3-apt python3-systemd
 STAMP_APT := $(VENV)/.apt-stamp
 STAMP_PIP := $(VENV)/.pip-stamp
+# ml-goodput-measurement: the oracle of the goodput cross-check (tests/goodput/test_crosscheck.py), in a
+# venv of its own so that its Google Cloud dependencies never enter healthd's
+MLGP_VERSION := 0.2.3
+MLGP_VENV := build/venv-mlgp
+STAMP_MLGP := $(MLGP_VENV)/.stamp-$(MLGP_VERSION)
 # state directory of the local test cluster started by `make slurm-up`
 SLURM_ROOT ?= /tmp/healthd-slurm
 
 .PHONY: all deps test demo demo-node bench clean lint slurm-up slurm-down
-.PHONY: nspawn-rootfs
+.PHONY: nspawn-rootfs mlgp-venv
 
 all: test
 
@@ -44,7 +49,14 @@ $(STAMP_PIP): $(STAMP_APT) pyproject.toml
 
 deps: $(STAMP_PIP)
 
-test: deps lint nspawn-rootfs
+$(STAMP_MLGP): $(STAMP_APT)
+	@test -x $(MLGP_VENV)/bin/python || $(PYTHON) -m venv $(MLGP_VENV)
+	$(MLGP_VENV)/bin/pip install -q ml-goodput-measurement==$(MLGP_VERSION)
+	@touch $@
+
+mlgp-venv: $(STAMP_MLGP)
+
+test: deps lint nspawn-rootfs mlgp-venv
 	$(PY) -m pytest -q
 
 lint: deps

@@ -37,14 +37,15 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from itertools import pairwise
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 CATEGORIES: tuple[str, ...] = ("productive", "checkpoint", "lost", "detection", "decision", "waiting", "restart",
                                "straggler", "false_positive", "other")
 """productive: steps whose work survived (a later restore or durable checkpoint covers them, or the
-job ran to its end); checkpoint: the blocking part of saves; lost: steps redone after an
+job ran to its end, which counts the time after its last step mark); checkpoint: the blocking part of saves; lost: steps redone after an
 interruption; detection: first evidence to detection; decision: detection to the action applied
 (approval waits included); waiting: after the action until the next run starts; restart: a later
 run's start to its first step; straggler: what a flagged slow rank cost the whole job; false_positive:
@@ -156,7 +157,7 @@ def parse_log(text: str, job: str | None = None) -> Log:
         if len(events) >= MAX_EVENTS:
             problems.append(f"more than {MAX_EVENTS} events; the rest not read")
             break
-    if any(b.time < a.time for a, b in zip(events, events[1:])):
+    if any(b.time < a.time for a, b in pairwise(events)):
         problems.append("events out of time order; taken in time order")
         events.sort(key=lambda e: (e.time, _TIE.get(e.kind, 1), e.line))
     if job is None and len(names) > 1:
@@ -229,7 +230,7 @@ def runs_of(log: Log, now: float | None = None) -> tuple[tuple[Run, ...], tuple[
         if len(inside) < len(evs):
             problems.append(f"run {n}: {len(evs) - len(inside)} event(s) outside the run's time; ignored")
         runs.append(Run(n, start, end, gpus or 1, state, inside))
-    for a, b in zip(runs, runs[1:]):
+    for a, b in pairwise(runs):
         if b.start < a.end:
             problems.append(f"run {b.index} starts before run {a.index} ends (a clock step?); the overlap is run {b.index}'s")
     return tuple(runs), tuple(problems)
@@ -339,7 +340,7 @@ def _steps(run: Run, saved: float, problems: list[str]) -> tuple[list[_Piece], f
     of the first and the last mark (None without marks)."""
     marks = [(e.time, e.data["step"]) for e in run.events if e.kind == "step"]
     pieces: list[_Piece] = []
-    for (t0, a), (t1, b) in zip(marks, marks[1:]):
+    for (t0, a), (t1, b) in pairwise(marks):
         n = b - a
         if n <= 0:
             problems.append(f"run {run.index}: step {b} after step {a}; the time between counted as other")
@@ -405,7 +406,10 @@ def account(log: Log, now: float | None = None) -> Account:
                 _label(run_pieces, run.end, nxt.start, "waiting", nxt.gpus, key)
             info["run"] = i
         else:
-            _label(run_pieces, tail_start, run.end, "other", run.gpus)
+            # after the last mark of a run that went on to its end, the steps since that mark ran (a
+            # mark per window leaves up to a window of them there)
+            done = last_mark is not None and saved == math.inf
+            _label(run_pieces, tail_start, run.end, "productive" if done else "other", run.gpus)
             if nxt is not None:
                 _label(run_pieces, run.end, nxt.start, "waiting", nxt.gpus)
         if i > 0:
@@ -428,7 +432,7 @@ def account(log: Log, now: float | None = None) -> Account:
             bucket = per_incident[p.incident]
             bucket[category] = bucket.get(category, 0.0) + gpu_s
     held = sum((r.end - r.start) * r.gpus for r in runs) + sum(
-        max(0.0, b.start - a.end) * b.gpus for a, b in zip(runs, runs[1:]))
+        max(0.0, b.start - a.end) * b.gpus for a, b in pairwise(runs))
     ranked = sorted((Incident(k, v["cause"], v["node"], v["gpu"], k in false_positive, per_incident[k])
                      for k, v in incidents.items()), key=lambda x: (-x.total_gpu_s, x.incident))
     return Account(log.job, held, totals, tuple(ranked), len(runs), interruptions,
@@ -523,7 +527,7 @@ def interval_advice(log: Log, acc: Account) -> IntervalAdvice | None:
         return None
     c = statistics.median([b - a for a, b in saves])
     starts = [a for a, _ in saves]
-    gaps = [b - a for a, b in zip(starts, starts[1:]) if b > a]
+    gaps = [b - a for a, b in pairwise(starts) if b > a]
     current = statistics.median(gaps) if gaps else None
     m = acc.mtbi_s
     daly = daly_interval(c, m)

@@ -20,13 +20,13 @@ def test_table_and_json(tmp_path, capsys):
     path.write_text(crash_and_restore())
     code, out, err = run(capsys, "goodput", "--log", str(path))
     assert code == 0 and err == ""
-    assert out.startswith("job 4242: goodput 55.6% of 0.60 GPU-h over 2 run(s), 1 interruption(s) (MTBI 7.5 min)")
-    assert "productive  0.333  55.6%" in out and "waiting     0.111  18.5%" in out
+    assert out.startswith("job 4242: goodput 57.4% of 0.60 GPU-h over 2 run(s), 1 interruption(s) (MTBI 7.5 min)")
+    assert "productive  0.344  57.4%" in out and "waiting     0.111  18.5%" in out
     assert "7         xid:79  node01  1652000003  0.233  lost 0.061, detection 0.011" in out
     assert "blocking save 10 s, MTBI 7.5 min: Young 1.6 min, Daly 88 s" in out and "PARTIAL" not in out
     code, out, _ = run(capsys, "--json", "goodput", "--log", str(path), "--job", J)
     doc = json.loads(out)
-    assert code == 0 and doc["held_gpu_s"] == 2160 and doc["gpu_s"]["productive"] == 1200 and not doc["partial"]
+    assert code == 0 and doc["held_gpu_s"] == 2160 and doc["gpu_s"]["productive"] == 1240 and not doc["partial"]
     assert doc["incidents"][0]["incident"] == "7" and doc["incidents"][0]["total_gpu_s"] == 840
     assert doc["checkpoint_interval"]["checkpoint_s"] == 10 and doc["checkpoint_interval"]["current_s"] is None
 
