@@ -15,6 +15,8 @@ APT_PACKAGES += systemd-container debootstrap iproute2
 # python3-apt: Ansible's apt module (tests/ansible) runs under /usr/bin/python3; python3-systemd: the
 # distribution's journal binding that the compiler-free rollout test's venvs see (--system-site-packages)
 APT_PACKAGES += python3-apt python3-systemd
+# chromium: the goodput report rendered by a real headless browser (tests/goodput/test_report_html.py)
+APT_PACKAGES += chromium
 STAMP_APT := $(VENV)/.apt-stamp
 STAMP_PIP := $(VENV)/.pip-stamp
 # ml-goodput-measurement: the oracle of the goodput cross-check (tests/goodput/test_crosscheck.py), in a

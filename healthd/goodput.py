@@ -269,6 +269,9 @@ class Account:
     """Wall seconds the job's runs ran."""
     problems: tuple[str, ...] = ()
     """Empty for a complete answer; otherwise what was assumed (a partial answer)."""
+    timeline: tuple[tuple[float, float, str], ...] = ()
+    """(start, end, category) in time order, neighbours of one category merged: where each
+    category's time fell (the report draws it)."""
 
     @property
     def partial(self) -> bool:
@@ -422,10 +425,15 @@ def account(log: Log, now: float | None = None) -> Account:
     pieces = _straggle(pieces, log, problems)
     totals = {c: 0.0 for c in CATEGORIES}
     per_incident: dict[str, dict[str, float]] = {k: {} for k in incidents}
-    for p in pieces:
+    timeline: list[tuple[float, float, str]] = []
+    for p in sorted(pieces, key=lambda p: p.start):
         category = p.category
         if p.incident is not None and p.incident in false_positive and category in INCIDENT_CATEGORIES:
             category = "false_positive"
+        if timeline and timeline[-1][2] == category and abs(timeline[-1][1] - p.start) < 1e-9:
+            timeline[-1] = (timeline[-1][0], p.end, category)
+        else:
+            timeline.append((p.start, p.end, category))
         gpu_s = (p.end - p.start) * p.gpus
         totals[category] += gpu_s
         if p.incident is not None and p.incident in per_incident:
@@ -436,7 +444,7 @@ def account(log: Log, now: float | None = None) -> Account:
     ranked = sorted((Incident(k, v["cause"], v["node"], v["gpu"], k in false_positive, per_incident[k])
                      for k, v in incidents.items()), key=lambda x: (-x.total_gpu_s, x.incident))
     return Account(log.job, held, totals, tuple(ranked), len(runs), interruptions,
-                   sum(r.end - r.start for r in runs), tuple(problems))
+                   sum(r.end - r.start for r in runs), tuple(problems), tuple(timeline))
 
 
 def _straggle(pieces: list[_Piece], log: Log, problems: list[str]) -> list[_Piece]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 
-from healthd import goodput
+from healthd import goodput, goodput_report
 from healthd.config import ConfigError
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
@@ -484,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("goodput", help="where a job's GPU-hours went, by cause, from its event log")
     s.add_argument("--log", required=True, help="the job's event log (JSONL, ml-goodput-measurement keys)")
     s.add_argument("--job", default=None, help="only entries of this job_name")
-    s.add_argument("--format", choices=("table", "json"), default="table")
+    s.add_argument("--format", choices=("table", "json", "html"), default="table")
+    s.add_argument("-o", "--output", default=None, help="where --format html writes the report (one self-contained file)")
+    s.add_argument("--slo", type=_slo, default=0.9, help="the goodput objective the report burns against (default 0.9)")
     s = sub.add_parser("inband", help="the training jobs' in-band view: ranks, slow ranks, hangs (from the controller)")
     s.add_argument("--job", default=None, help="only this job")
     s = sub.add_parser("breaker", help="the circuit breaker")
@@ -537,6 +539,16 @@ def _duration(s: float | None) -> str:
     if s is None:
         return "-"
     return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
+
+
+def _slo(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an objective between 0 and 1 (0.9 is 90 %)")
+    return value
 
 
 def goodput_doc(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -> dict[str, Any]:
@@ -594,11 +606,31 @@ def _goodput(args: argparse.Namespace) -> int:
     # event and the answer says so, rather than stretched to this moment
     acc = goodput.account(log, now=args.now)
     advice = goodput.interval_advice(log, acc)
-    if args.json or args.format == "json":
+    if args.format == "html":
+        if not args.output:
+            return _fail(EXIT_USAGE, "goodput --format html needs -o FILE")
+        page = goodput_report.render(acc, log, advice, slo=args.slo)
+        try:
+            write_atomic(args.output, page)
+        except OSError as exc:
+            return _fail(EXIT_UNREACHABLE, f"{args.output}: cannot write the report: {exc.strerror or exc}")
+        print(f"{args.output}: goodput report of job {acc.job or '?'}" + (" (PARTIAL)" if acc.partial else ""))
+    elif args.json or args.format == "json":
         print(json.dumps(goodput_doc(acc, advice), indent=2, sort_keys=True))
     else:
         print("\n".join(goodput_lines(acc, advice)))
     return EXIT_OK
+
+
+def write_atomic(path: str, text: str) -> None:
+    """`text` into `path` through a temporary file and a rename: a reader never sees half a report."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _change_requests(args: argparse.Namespace) -> list[tuple[str | None, dict[str, Any]]]:
