@@ -14,7 +14,8 @@ library's tools too, and namespaced `healthd_event` records for what it lacks:
     {"job_name": J, "job_end_time": T}                         the job ended (its last run completed)
     {"job_name": J, "healthd_event": KIND, "time": T, ...}     healthd's own, KIND one of:
         allocation   gpus, nodes: what the run holds (at its start)
-        run_end      state: a run ended (Slurm's state: COMPLETED, FAILED, NODE_FAIL, REQUEUED, ...)
+        run_end      state: a run ended (Slurm's state: COMPLETED, FAILED, NODE_FAIL, REQUEUED, ...;
+                     ENDED when the epilog could not tell: the last run's steps then count as done)
         durable      step: the checkpoint of that step is safely on storage
         restored     step: the run loaded the checkpoint of that step
         interrupt    incident, cause, node, gpu, rank: what ended the run, as the ledger has it
@@ -122,15 +123,21 @@ allocation first, its end last."""
 
 
 def parse_log(text: str, job: str | None = None) -> Log:
-    """The events of one job's JSONL log (`job`: only entries of that job_name). Events are put in
-    time order (a problem says so when the file was not)."""
+    """The events of one job's JSONL log (`job`: only entries of that job_name). A line that repeats
+    an earlier one exactly is dropped (no entry can legitimately repeat: each has its own time).
+    Events are put in time order (a problem says so when the file was not)."""
     events: list[Event] = []
     problems: list[str] = []
     names: set[str] = set()
+    seen: set[int] = set()
     lines = text.split("\n")
     for i, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
+        key = hash(raw)
+        if key in seen:
+            continue  # an exact repeat: a writer that crashed between its append and its cursor
+        seen.add(key)
         if len(raw) > MAX_LINE_BYTES:
             problems.append(f"line {i}: longer than {MAX_LINE_BYTES} bytes; skipped")
             continue
@@ -374,8 +381,8 @@ def account(log: Log, now: float | None = None) -> Account:
         if nxt is not None:
             # what survived is what the next run restored; without a restore it started over
             saved = float(restored) if isinstance(restored, int) and not isinstance(restored, bool) else -1.0
-        elif run.state in ("COMPLETED", "RUNNING"):
-            saved = math.inf  # alive at the end
+        elif run.state in ("COMPLETED", "RUNNING", "ENDED"):
+            saved = math.inf  # alive at the end (ENDED: an epilog that could not tell how; nothing says it failed)
         else:
             saved = float(max(durable)) if durable else -1.0
         steps, first_mark, last_mark = _steps(run, saved, problems)
@@ -386,7 +393,7 @@ def account(log: Log, now: float | None = None) -> Account:
         run_pieces += steps
         interrupt = next((e for e in run.events if e.kind == "interrupt"), None)
         tail_start = last_mark if last_mark is not None else begin
-        if interrupt is not None or (nxt is not None and run.state not in ("COMPLETED",)):
+        if interrupt is not None or (nxt is not None and run.state != "COMPLETED"):
             interruptions += 1
             key = str(interrupt.data.get("incident")) if interrupt is not None else f"run-{i}"
             info = incidents.setdefault(key, {

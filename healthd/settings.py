@@ -228,6 +228,11 @@ class DetectorSettings:
     """During the job's first save (no save seen yet to learn from), the bound is at least this."""
 
 
+GOODPUT_LOG_DIR = "goodput"
+"""Under `state_dir`: each job's goodput event log, `<job>.jsonl` (the agent writes it, the epilog adds
+each run's end)."""
+
+
 @dataclass(frozen=True)
 class InbandSettings:
     """In-band signals: the training job's own step records (healthd_inband), read by the agent."""
@@ -243,6 +248,10 @@ class InbandSettings:
     pci_devices: str = "/sys/bus/pci/devices"
     """Where the PCI devices are listed: a GPU's network rail is the HCA (infiniband.sysfs_root)
     behind the same PCIe switch, found by comparing their paths in the PCIe tree."""
+    goodput_log: bool = True
+    """The agent of the node running a job's rank 0 writes the job's goodput event log,
+    `<state_dir>/goodput/<job>.jsonl` (its runs, step marks, saves and restores; the epilog adds each
+    run's end); `healthctl goodput --log` reads it. false: no log."""
     detector: DetectorSettings = field(default_factory=DetectorSettings)
 
 

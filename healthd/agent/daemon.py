@@ -36,6 +36,7 @@ from healthd.agent.classify import Classification, classify
 from healthd.agent.history import History, HistoryError
 from healthd.agent.hookfiles import HookFiles, merge
 from healthd.agent import inband_jobs
+from healthd.agent.goodput_log import GoodputLog
 from healthd.agent.inband_jobs import InbandJobs, JobView
 from healthd.agent.instructions import apply_clears, carry_episodes, clear_scope, merge_clears, parse_clear
 from healthd.model import (
@@ -261,8 +262,11 @@ class Agent:
         self.snapshot: Snapshot | None = None
         self.hook_files = HookFiles()
         """Quick-check results and job bindings the Slurm hooks leave in hooks.run_dir (read only)."""
-        self.inband = InbandJobs(settings.inband, ib_root=settings.infiniband.sysfs_root)
-        """The training jobs' in-band rings under hooks.run_dir/inband (read only)."""
+        self.inband = InbandJobs(settings.inband, ib_root=settings.infiniband.sysfs_root,
+                                 goodput=None if dry_run or not settings.inband.goodput_log else
+                                 GoodputLog(settings.state_dir, settings.inband.detector.window_steps))
+        """The training jobs' in-band rings under hooks.run_dir/inband (read only); rank 0's events go to
+        the job's goodput log in state_dir/goodput (not in dry-run)."""
         self.inband_jobs: tuple[JobView, ...] = ()
         self._inband_first: dict[str, float] = {}
         self._dumps: dict[str, tuple[str, ...]] = {}

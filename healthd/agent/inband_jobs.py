@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from healthd.agent.goodput_log import GoodputLog
 from healthd.agent.inband import CKPT_BEGIN, CKPT_END, DURABLE, RESTORED, STEP, RingError, read_ring
 from healthd.lograte import WarnOnce
 from healthd.model import NODE, Component, Evidence, Finding, GpuSample, Snapshot
@@ -139,6 +140,8 @@ class InbandJobs:
     _flags: dict[str, tuple[tuple, tuple[Straggler, ...]]] = field(default_factory=dict)
     """job -> (each rank's newest window, the stragglers found then): the detector runs when a
     window completes, not every tick."""
+    goodput: GoodputLog | None = None
+    """Where rank 0's events of each job go (healthd.agent.goodput_log); None: nowhere."""
     proc_root: str = "/proc"
     pid_gpus: dict[int, frozenset[int]] = field(default_factory=dict)
     """PID (the agent's namespace, and each process's own innermost one) -> the GPUs it holds a
@@ -192,6 +195,9 @@ class InbandJobs:
             del self._ranks[key]
         for job in [j for j in self._flags if j not in owners]:
             del self._flags[job]
+        if self.goodput is not None:
+            self.goodput.flush()
+            self.goodput.forget(j for j in self.goodput.known() if j not in owners)
         return tuple(views)
 
     def _read_job(self, path: str, job: str, uid: int, now: int, seen: set) -> JobView:
@@ -229,6 +235,8 @@ class InbandJobs:
                 continue
             worlds.append(h.world_size)
             ranks.append(self._rank_view(state, now))
+            if h.rank == 0 and self.goodput is not None:
+                self.goodput.take(job, h, view.records)
         world = max(set(worlds), key=worlds.count) if worlds else -1
         by_rank = {r.rank: r.windows for r in ranks}
         flagged: tuple[Straggler, ...] = ()

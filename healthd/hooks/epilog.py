@@ -32,6 +32,7 @@ the run directory (healthd.trusted); one that cannot be is logged and skipped.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -49,6 +50,7 @@ from healthd.hooks.common import (
     slurm_error,
     take_node,
 )
+from healthd.settings import GOODPUT_LOG_DIR
 from healthd.statedoc import is_t1_hardware, summary
 from healthd.text import clean, iso
 from healthd.trusted import TRUSTED_UID, TrustedDir, split_path
@@ -101,8 +103,35 @@ def epilog(ctx: Context) -> int:
 
     drain_for_t1(ctx, judgement, job)
     if job is not None:
-        archive_inband(ctx, job)
+        archive_inband(ctx, job)  # first: the agent stops reading the run's rings before its end is written
+        end_goodput_run(ctx, job, end)
     return OK
+
+
+def end_goodput_run(ctx: Context, job: str, end: float) -> None:
+    """The run's end, into the job's goodput log where this node keeps one (the node of rank 0,
+    whose agent writes it): Slurm's exit code when the epilog is given one, else `ENDED`."""
+    path = os.path.join(ctx.settings.state_dir, GOODPUT_LOG_DIR, f"{job}.jsonl")
+    code = (ctx.env.get("SLURM_JOB_EXIT_CODE2") or ctx.env.get("SLURM_JOB_EXIT_CODE") or "").strip()[:16]
+    state = "ENDED" if not code else "COMPLETED" if code in ("0", "0:0") else "FAILED"
+    entry = {"job_name": job, "healthd_event": "run_end", "time": end, "state": state}
+    if code:
+        entry["exit_code"] = code
+    try:
+        # no O_CREAT: only the node that has the log adds to it
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        ctx.log.warning(f"job {job}: run end not added to {path}: {clean(e, 200)}")
+        return
+    try:
+        os.write(fd, (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode())
+        ctx.log.info(f"job {job}: run end ({state}) added to its goodput log {path}")
+    except OSError as e:
+        ctx.log.warning(f"job {job}: run end not added to {path}: {clean(e, 200)}")
+    finally:
+        os.close(fd)
 
 
 def drain_for_t1(ctx: Context, judgement: Judgement, job: str | None) -> None:

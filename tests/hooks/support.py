@@ -153,12 +153,14 @@ class Node:
             p.chmod(0o755)
         self.set_slurm()
         self.config = root / "healthd.yaml"
+        self.state_dir = root / "state"
         self.write_config()
 
     def write_config(self, **hooks: Any) -> None:
         doc = {
             "node_name": self.name,
             "state_file": str(self.state_file),
+            "state_dir": str(self.state_dir),
             "nvml": {"expected_gpus": 4},
             "hooks": {
                 "run_dir": str(self.run_dir),

@@ -395,3 +395,31 @@ def test_hooks_import_nothing_heavy(node, hook):
     assert loaded & heavy == set()
     other_rooms = {m for m in loaded if m.startswith(("healthd.agent", "healthd.controller"))}
     assert other_rooms == set()
+
+
+def test_epilog_adds_the_runs_end_to_the_jobs_goodput_log_where_the_node_keeps_one(node):
+    node.write_state(state_doc())
+    logs = node.state_dir / "goodput"
+    logs.mkdir(parents=True)
+    (logs / "40.jsonl").write_text('{"job_name":"40","job_start_time":1.0}\n')
+    bind(node, "40")
+    env = node.epilog_env(job="40")
+    env.update(SLURM_JOB_EXIT_CODE="15", SLURM_JOB_EXIT_CODE2="0:15")  # killed by SIGTERM (a requeue)
+    rc, err, _ = node.run("healthd-epilog", env)
+    assert rc == 0, err
+    lines = [json.loads(line) for line in (logs / "40.jsonl").read_text().splitlines()]
+    assert lines[0] == {"job_name": "40", "job_start_time": 1.0}
+    assert {k: lines[1][k] for k in ("job_name", "healthd_event", "state", "exit_code")} == {
+        "job_name": "40", "healthd_event": "run_end", "state": "FAILED", "exit_code": "0:15"}
+    assert "job 40: run end (FAILED) added to its goodput log" in err
+    bind(node, "41")
+    rc, err, _ = node.run("healthd-epilog", node.epilog_env(job="41"))  # no log on this node: none made
+    assert rc == 0 and not (logs / "41.jsonl").exists(), err
+    (logs / "43.jsonl").write_text("")
+    bind(node, "43")
+    rc, err, _ = node.run("healthd-epilog", node.epilog_env(job="43"))  # exit 0:0: the run completed
+    assert rc == 0 and json.loads((logs / "43.jsonl").read_text())["state"] == "COMPLETED", err
+    (logs / "42.jsonl").symlink_to(node.root / "elsewhere.jsonl")
+    bind(node, "42")
+    rc, err, _ = node.run("healthd-epilog", node.epilog_env(job="42"))  # a link is not followed
+    assert rc == 0 and not (node.root / "elsewhere.jsonl").exists() and "run end not added" in err, err

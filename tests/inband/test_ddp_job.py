@@ -521,3 +521,18 @@ def test_d_crash_requeue_restore(fleet: InbandFleet):
             diagnostics=lambda: fleet.diagnostics(job))
         assert (ring.records[0].kind, ring.records[0].step) == (RESTORED, 49), ring.records[:2]
         assert ring.records[-1].step == 159, ring.records[-1]
+    # the goodput log the agent of rank 0's node wrote, with the epilog's run ends, as healthctl reads it
+    node0 = fleet.e2e.nodes[seen[0][0]]
+    path = node0.state_dir / "goodput" / f"{job}.jsonl"
+    p = subprocess.run([str(VENV_BIN / "healthctl"), "--json", "goodput", "--log", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    acc = json.loads(p.stdout)
+    # the agent may append a run's last marks just after the epilog wrote its end: only that reordering
+    assert set(acc["problems"]) <= {"events out of time order; taken in time order"}, acc["problems"]
+    assert (acc["runs"], acc["interruptions"]) == (2, 1), acc
+    g = acc["gpu_s"]
+    assert g["productive"] > 0 and g["checkpoint"] > 0 and g["restart"] > 0, g
+    assert g["lost"] > 0, g  # steps 50 to 59 of the first run, after its durable save of step 49
+    assert acc["held_gpu_s"] == pytest.approx(sum(g.values())), acc
+    print(f"goodput of job {job}: {acc['goodput']:.1%}; " + ", ".join(f"{k} {v:.1f}" for k, v in g.items() if v))
