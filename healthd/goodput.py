@@ -39,7 +39,7 @@ import json
 import math
 import statistics
 from itertools import pairwise
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +171,16 @@ def parse_log(text: str, job: str | None = None) -> Log:
         problems.append(f"entries of {len(names)} jobs ({', '.join(sorted(names)[:4])}); read together")
     return Log(job if job is not None else (next(iter(names)) if len(names) == 1 else None), tuple(events),
                tuple(problems))
+
+
+def with_entries(log: Log, entries: Iterable[Mapping[str, Any]]) -> Log:
+    """`log` with more entries from another source (the ledger's incident times), in time order:
+    two sources interleave, which says nothing wrong about either."""
+    extra = [e for e in (_event(doc, 0) for doc in entries) if isinstance(e, Event)]
+    if not extra:
+        return log
+    events = sorted((*log.events, *extra), key=lambda e: (e.time, _TIE.get(e.kind, 1), e.line))
+    return Log(log.job, tuple(events), log.problems)
 
 
 def log_line(job: str, **entry: Any) -> str:

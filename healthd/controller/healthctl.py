@@ -30,6 +30,7 @@ from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 
 from healthd import goodput, goodput_report
 from healthd.config import ConfigError
+from healthd.controller import goodput_ledger
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
                                       Ledger, LedgerError)
@@ -600,12 +601,18 @@ def _goodput(args: argparse.Namespace) -> int:
         return _fail(EXIT_UNREACHABLE, f"{args.log}: cannot read the event log: {exc.strerror or exc}")
     text = raw[:MAX_GOODPUT_LOG_BYTES].decode("utf-8", errors="replace")
     log = goodput.parse_log(text, args.job)
+    job = args.job or log.job
+    joined = _ledger_part(args.ledger, job) if job else None
+    if joined:
+        log = goodput.with_entries(log, joined[1])
     if len(raw) > MAX_GOODPUT_LOG_BYTES:
         log = goodput.Log(log.job, log.events, (*log.problems, f"only the first {MAX_GOODPUT_LOG_BYTES} bytes read"))
     # no `now`: a run without an end (still going, or its end not written) is counted to its last
     # event and the answer says so, rather than stretched to this moment
     acc = goodput.account(log, now=args.now)
     advice = goodput.interval_advice(log, acc)
+    where = (f"ledger {args.ledger}: {joined[0]} requeue(s) of job {job} and their incidents joined" if joined
+             else f"ledger {args.ledger}: not read (interruptions are charged to their runs)")
     if args.format == "html":
         if not args.output:
             return _fail(EXIT_USAGE, "goodput --format html needs -o FILE")
@@ -616,10 +623,30 @@ def _goodput(args: argparse.Namespace) -> int:
             return _fail(EXIT_UNREACHABLE, f"{args.output}: cannot write the report: {exc.strerror or exc}")
         print(f"{args.output}: goodput report of job {acc.job or '?'}" + (" (PARTIAL)" if acc.partial else ""))
     elif args.json or args.format == "json":
-        print(json.dumps(goodput_doc(acc, advice), indent=2, sort_keys=True))
+        print(json.dumps({**goodput_doc(acc, advice), "ledger": where}, indent=2, sort_keys=True))
     else:
-        print("\n".join(goodput_lines(acc, advice)))
+        print("\n".join([*goodput_lines(acc, advice), where]))
     return EXIT_OK
+
+
+def _ledger_part(path: str, job: str) -> tuple[int, list[dict[str, Any]]] | None:
+    """The ledger's requeues of `job` with their incidents, as log entries; None when the ledger
+    cannot be read (on a compute node there is none)."""
+    if not Path(path).is_file():
+        return None
+    try:
+        led = Ledger.open_readonly(path)
+    except LedgerError:
+        return None
+    try:
+        requeues = goodput_ledger.requeue_actions(led.actions(), job)
+        pairs = [(a, led.incident(d.incident_id) if (d := led.decision(a.decision_id)) and d.incident_id else None)
+                 for a in requeues]
+    except (LedgerError, sqlite3.Error):
+        return None
+    finally:
+        led.close()
+    return len(requeues), goodput_ledger.entries(job, pairs)
 
 
 def write_atomic(path: str, text: str) -> None:
