@@ -35,10 +35,11 @@ from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
                                       Ledger, LedgerError)
 from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
-from healthd.text import natural_key, stamp, table
+from healthd.text import natural_key, parse_time, stamp, table
 
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
 DEFAULT_SOCKET = "/run/healthd/controller.sock"  # ... and its `admin_socket` default
+DEFAULT_GOODPUT_LOGS = "/var/lib/healthd/goodput"  # the agent's `state_dir` default, and its goodput logs
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
@@ -482,9 +483,15 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_text)
         s.add_argument(target, type=kind)
         s.add_argument("--why", type=_why, required=why_required, default=None)
-    s = sub.add_parser("goodput", help="where a job's GPU-hours went, by cause, from its event log")
-    s.add_argument("--log", required=True, help="the job's event log (JSONL, ml-goodput-measurement keys)")
-    s.add_argument("--job", default=None, help="only entries of this job_name")
+    s = sub.add_parser("goodput", help="where a job's GPU-hours went, by cause, from its event log; or every job's")
+    s.add_argument("--log", default=None, help="one job's event log (JSONL, ml-goodput-measurement keys)")
+    s.add_argument("--job", default=None, help="this job (its log in --logs, unless --log names one)")
+    s.add_argument("--logs", default=os.environ.get("HEALTHCTL_GOODPUT_LOGS", DEFAULT_GOODPUT_LOGS),
+                   help=f"the directory of the jobs' logs (default {DEFAULT_GOODPUT_LOGS})")
+    s.add_argument("--since", type=_since, default=None, metavar="T",
+                   help="every job with a run ending after T (RFC 3339, or a number of days: 7d)")
+    s.add_argument("--by", choices=("cause", "node", "serial"), default="cause",
+                   help="how the jobs' lost GPU-hours are grouped (default cause)")
     s.add_argument("--format", choices=("table", "json", "html"), default="table")
     s.add_argument("-o", "--output", default=None, help="where --format html writes the report (one self-contained file)")
     s.add_argument("--slo", type=_slo, default=0.9, help="the goodput objective the report burns against (default 0.9)")
@@ -592,27 +599,105 @@ def goodput_lines(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -
     return lines
 
 
-def _goodput(args: argparse.Namespace) -> int:
-    """An offline read of one job's event log; nothing is asked of the controller."""
-    try:
-        with open(args.log, "rb") as f:
-            raw = f.read(MAX_GOODPUT_LOG_BYTES + 1)
-    except OSError as exc:
-        return _fail(EXIT_UNREACHABLE, f"{args.log}: cannot read the event log: {exc.strerror or exc}")
-    text = raw[:MAX_GOODPUT_LOG_BYTES].decode("utf-8", errors="replace")
-    log = goodput.parse_log(text, args.job)
-    job = args.job or log.job
-    joined = _ledger_part(args.ledger, job) if job else None
+def _since(text: str) -> float:
+    if text.endswith("d"):
+        try:
+            return time.time() - float(text[:-1]) * 86400
+        except ValueError:
+            pass
+    at = parse_time(text)
+    if at is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RFC 3339 with a time zone, or days (7d)")
+    return at
+
+
+def _account_file(path: str, job: str | None, ledger: str,
+                  now: float | None) -> tuple[goodput.Account, goodput.Log, str]:
+    """One log read, joined with the ledger's part when readable, and accounted. Raises OSError."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_GOODPUT_LOG_BYTES + 1)
+    log = goodput.parse_log(raw[:MAX_GOODPUT_LOG_BYTES].decode("utf-8", errors="replace"), job)
+    name = job or log.job
+    joined = _ledger_part(ledger, name) if name else None
     if joined:
         log = goodput.with_entries(log, joined[1])
     if len(raw) > MAX_GOODPUT_LOG_BYTES:
         log = goodput.Log(log.job, log.events, (*log.problems, f"only the first {MAX_GOODPUT_LOG_BYTES} bytes read"))
+    where = (f"ledger {ledger}: {joined[0]} requeue(s) of job {name} and their incidents joined" if joined
+             else f"ledger {ledger}: not read (interruptions are charged to their runs)")
     # no `now`: a run without an end (still going, or its end not written) is counted to its last
     # event and the answer says so, rather than stretched to this moment
-    acc = goodput.account(log, now=args.now)
+    return goodput.account(log, now=now), log, where
+
+
+def _goodput_fleet(args: argparse.Namespace) -> int:
+    """Every job's log in --logs (with a run ending after --since): the jobs, the categories over all
+    of them, and the lost GPU-hours grouped --by cause, node or GPU serial, largest first."""
+    if args.format == "html":
+        return _fail(EXIT_USAGE, "--format html is one job's report: name it with --job or --log")
+    try:
+        names = sorted((n for n in os.listdir(args.logs) if n.endswith(".jsonl")), key=natural_key)
+    except OSError as exc:
+        return _fail(EXIT_UNREACHABLE, f"{args.logs}: cannot list the goodput logs: {exc.strerror or exc}")
+    jobs: list[goodput.Account] = []
+    totals = dict.fromkeys(goodput.CATEGORIES, 0.0)
+    groups: dict[str, dict[str, float]] = {}
+    unreadable: list[str] = []
+    for name in names:
+        try:
+            acc, log, _ = _account_file(os.path.join(args.logs, name), None, args.ledger, args.now)
+        except OSError as exc:
+            unreadable.append(f"{name}: {exc.strerror or exc}")
+            continue
+        runs, _ = goodput.runs_of(log)
+        if args.since is not None and not any(r.end >= args.since for r in runs):
+            continue
+        jobs.append(acc)
+        for c, v in acc.gpu_s.items():
+            totals[c] += v
+        for inc in acc.incidents:
+            key = {"cause": inc.cause, "node": inc.node, "serial": inc.gpu}[args.by] or "unknown"
+            g = groups.setdefault(key, {"interruptions": 0, "gpu_s": 0.0})
+            g["interruptions"] += 1
+            g["gpu_s"] += inc.total_gpu_s
+    held = sum(totals.values())
+    ranked = sorted(groups.items(), key=lambda kv: (-kv[1]["gpu_s"], kv[0]))
+    if args.json or args.format == "json":
+        print(json.dumps({"jobs": [{"job": a.job, "goodput": a.goodput, "held_gpu_s": a.held_gpu_s,
+                                    "interruptions": a.interruptions, "partial": a.partial} for a in jobs],
+                          "held_gpu_s": held, "gpu_s": totals, "goodput": totals["productive"] / held if held else None,
+                          "by": args.by, "lost": [{args.by: k, **v} for k, v in ranked], "unreadable": unreadable},
+                         indent=2, sort_keys=True))
+        return EXIT_OK
+    share = f"{totals['productive'] / held:.1%}" if held else "-"
+    lines = [f"{len(jobs)} job(s) in {args.logs}: goodput {share} of {held / 3600:.2f} GPU-h"]
+    if jobs:
+        lines += table(["job", "goodput", "GPU-h", "interruptions", ""],
+                       [[a.job or "?", "-" if a.goodput is None else f"{a.goodput:.1%}", f"{a.held_gpu_s / 3600:.2f}",
+                         a.interruptions, "PARTIAL" if a.partial else ""] for a in jobs])
+        lines += table(["category", "GPU-h", "share"],
+                       [[c, f"{v / 3600:.3f}", f"{v / held:.1%}"] for c, v in totals.items() if v > 0])
+    if ranked:
+        lines.append(f"lost GPU-hours by {args.by}:")
+        lines += table([args.by, "interruptions", "GPU-h"],
+                       [[k, int(v["interruptions"]), f"{v['gpu_s'] / 3600:.3f}"] for k, v in ranked])
+    lines += [f"unreadable: {u}" for u in unreadable]
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    """An offline read of one job's event log, or of every job's; nothing is asked of the controller."""
+    if args.log is None and args.job is None:
+        return _goodput_fleet(args)
+    if args.log is None and not re.fullmatch(r"[0-9][0-9_+]{0,63}", args.job):
+        return _fail(EXIT_USAGE, f"--job {args.job!r}: not a Slurm job id")
+    path = args.log or os.path.join(args.logs, f"{args.job}.jsonl")
+    try:
+        acc, log, where = _account_file(path, args.job, args.ledger, args.now)
+    except OSError as exc:
+        return _fail(EXIT_UNREACHABLE, f"{path}: cannot read the event log: {exc.strerror or exc}")
     advice = goodput.interval_advice(log, acc)
-    where = (f"ledger {args.ledger}: {joined[0]} requeue(s) of job {job} and their incidents joined" if joined
-             else f"ledger {args.ledger}: not read (interruptions are charged to their runs)")
     if args.format == "html":
         if not args.output:
             return _fail(EXIT_USAGE, "goodput --format html needs -o FILE")

@@ -62,3 +62,34 @@ def test_a_partial_log_says_what_it_assumed_and_a_missing_one_is_exit_3(tmp_path
     assert "truncated (the last line, no newline)" in out and "no end recorded" in out
     code, out, err = run(capsys, "goodput", "--log", str(tmp_path / "none.jsonl"))
     assert code == 3 and out == "" and err.count("\n") == 1 and "cannot read the event log" in err
+
+
+def test_every_jobs_log_in_a_directory_with_lost_hours_by_cause_node_or_serial(tmp_path, capsys):
+    logs = tmp_path / "goodput"
+    logs.mkdir()
+    (logs / "4242.jsonl").write_text(crash_and_restore())
+    (logs / "77.jsonl").write_text(log(*start(10, 8), step(0, 20), step(100, 1020), {"job_end_time": 1100})
+                                   .replace('"4242"', '"77"'))
+    other = crash_and_restore(decided=300, end=310, restart=400).replace('"4242"', '"5"').replace("xid:79", "nvlink:down")
+    (logs / "5.jsonl").write_text(other.replace('"node01"', '"node02"'))
+    (logs / "9.jsonl").mkdir()  # not a file: said, and the others still read
+    code, out, err = run(capsys, "--ledger", str(tmp_path / "none.db"), "goodput", "--logs", str(logs))
+    assert code == 0 and err == "", err
+    assert out.startswith(f"3 job(s) in {logs}: goodput")
+    assert [line.split()[0] for line in out.splitlines()[2:5]] == ["5", "77", "4242"]  # natural order
+    lost = out[out.index("lost GPU-hours by cause:"):].splitlines()
+    assert lost[2].startswith("nvlink:down  1") and lost[3].startswith("xid:79       1"), lost  # the larger first
+    assert "unreadable: 9.jsonl" in out
+    code, out, _ = run(capsys, "--json", "goodput", "--logs", str(logs), "--by", "node")
+    doc = json.loads(out)
+    assert [x["node"] for x in doc["lost"]] == ["node02", "node01"] and doc["held_gpu_s"] == sum(doc["gpu_s"].values())
+    code, out, _ = run(capsys, "--json", "goodput", "--logs", str(logs), "--since", "2030-01-01T00:00:00+00:00")
+    assert code == 0 and json.loads(out)["jobs"] == []  # every run ended long before
+    code, out, _ = run(capsys, "--json", "goodput", "--logs", str(logs), "--since", "7d")
+    assert code == 0 and json.loads(out)["jobs"] == []  # ... and more than 7 days ago
+    code, out, _ = run(capsys, "--json", "goodput", "--logs", str(logs), "--job", "77")
+    assert code == 0 and json.loads(out)["job"] == "77" and json.loads(out)["interruptions"] == 0
+    code, _, err = run(capsys, "goodput", "--logs", str(logs), "--job", "../77")
+    assert code == 2 and "not a Slurm job id" in err
+    code, _, err = run(capsys, "goodput", "--logs", str(tmp_path / "none"))
+    assert code == 3 and "cannot list the goodput logs" in err
