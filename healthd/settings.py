@@ -252,6 +252,9 @@ class InbandSettings:
     """The agent of the node running a job's rank 0 writes the job's goodput event log,
     `<state_dir>/goodput/<job>.jsonl` (its runs, step marks, saves and restores; the epilog adds each
     run's end); `healthctl goodput --log` reads it. false: no log."""
+    goodput_keep_days: float = 30.0
+    """Goodput logs (and their cursors) not written for this many days are deleted by the agent, at
+    most once an hour; a job still on the node keeps its log."""
     detector: DetectorSettings = field(default_factory=DetectorSettings)
 
 

@@ -264,7 +264,8 @@ class Agent:
         """Quick-check results and job bindings the Slurm hooks leave in hooks.run_dir (read only)."""
         self.inband = InbandJobs(settings.inband, ib_root=settings.infiniband.sysfs_root,
                                  goodput=None if dry_run or not settings.inband.goodput_log else
-                                 GoodputLog(settings.state_dir, settings.inband.detector.window_steps))
+                                 GoodputLog(settings.state_dir, settings.inband.detector.window_steps,
+                                            settings.inband.goodput_keep_days))
         """The training jobs' in-band rings under hooks.run_dir/inband (read only); rank 0's events go to
         the job's goodput log in state_dir/goodput (not in dry-run)."""
         self.inband_jobs: tuple[JobView, ...] = ()

@@ -66,12 +66,18 @@ class _Cursor:
     first_step: bool
 
 
+PRUNE_EVERY_S = 3600.0
+
+
 @dataclass
 class GoodputLog:
     """Appends rank 0's events of each job on this node to the job's log (I/O at the edge)."""
 
     state_dir: str
     window_steps: int
+    keep_days: float = 30.0
+    """Logs not written for this long are deleted (prune)."""
+    _pruned_at: float | None = None
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
     _pending: dict[str, list[str]] = field(default_factory=dict)
     _warn: WarnOnce = field(default_factory=lambda: WarnOnce(log))
@@ -116,6 +122,36 @@ class GoodputLog:
                 self._save(job)
             except OSError as e:
                 self._warn(f"goodput log {path} not written: {clean(e, 200)}")
+
+    def prune(self, now: float, running: Iterable[str] = ()) -> list[str]:
+        """Delete the logs and cursors not written for `keep_days` (a job in `running` keeps its
+        own), at most once per PRUNE_EVERY_S. Returns the files deleted."""
+        if self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S:
+            return []
+        self._pruned_at = now
+        keep = {f"{job}.jsonl" for job in running} | {f"{job}.cursor" for job in running}
+        gone = []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            self._warn(f"goodput log directory {self.directory} not listed: {clean(e, 200)}")
+            return []
+        for name in names:
+            if name in keep or not name.endswith((".jsonl", ".cursor")):
+                continue
+            path = os.path.join(self.directory, name)
+            try:
+                st = os.lstat(path)
+                if now - st.st_mtime > self.keep_days * 86400:
+                    os.unlink(path)
+                    gone.append(name)
+            except OSError:
+                continue
+        if gone:
+            log.info("goodput logs older than %g days deleted: %d file(s)", self.keep_days, len(gone))
+        return gone
 
     def forget(self, jobs: Iterable[str]) -> None:
         """Jobs no longer on this node: their cursors leave memory (the files stay)."""

@@ -20,6 +20,7 @@ import os
 import re
 import statistics
 import stat
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -198,6 +199,7 @@ class InbandJobs:
         if self.goodput is not None:
             self.goodput.flush()
             self.goodput.forget(j for j in self.goodput.known() if j not in owners)
+            self.goodput.prune(time.time(), owners)
         return tuple(views)
 
     def _read_job(self, path: str, job: str, uid: int, now: int, seen: set) -> JobView:

@@ -121,3 +121,19 @@ def test_no_log_in_dry_run_or_when_disabled(tmp_path):
     quiet = InbandJobs(InbandSettings(goodput_log=False))
     quiet.read(str(run_dir), 0)
     assert quiet.goodput is None and not any(tmp_path.rglob("*.jsonl"))
+
+
+def test_old_logs_are_pruned_once_an_hour_and_a_running_jobs_is_kept(tmp_path):
+    import os
+    g = GoodputLog(str(tmp_path), W, keep_days=30)
+    d = tmp_path / "goodput"
+    d.mkdir()
+    now = time.time()
+    for name, age_days in (("1.jsonl", 40), ("1.cursor", 40), ("2.jsonl", 10), ("3.jsonl", 40), ("notes.txt", 90)):
+        (d / name).write_text("x")
+        os.utime(d / name, (now - age_days * 86400,) * 2)
+    assert sorted(g.prune(now, running=["3"])) == ["1.cursor", "1.jsonl"]
+    assert sorted(p.name for p in d.iterdir()) == ["2.jsonl", "3.jsonl", "notes.txt"]
+    os.utime(d / "2.jsonl", (now - 40 * 86400,) * 2)
+    assert g.prune(now + 60) == []  # not again within the hour
+    assert g.prune(now + 3601, running=["3"]) == ["2.jsonl"]
