@@ -12,14 +12,16 @@ from typing import Any
 from healthd.controller.ledger import Action, Incident
 
 
-def requeue_actions(actions: Iterable[Action], job: str) -> list[Action]:
-    """The applied requeues of `job` (a drain-and-requeue of its node, or a hang requeue), oldest first."""
-    out = []
+def requeues_by_job(actions: Iterable[Action]) -> dict[str, list[Action]]:
+    """job -> its applied requeues (a drain-and-requeue of its node, or a hang requeue), oldest first."""
+    out: dict[str, list[Action]] = {}
     for a in actions:
         evidence = a.evidence if isinstance(a.evidence, dict) else {}
-        if a.kind == "requeue" and a.applied_at is not None and str(evidence.get("job")) == job:
-            out.append(a)
-    return sorted(out, key=lambda a: (a.applied_at, a.id))
+        if a.kind == "requeue" and a.applied_at is not None and evidence.get("job") is not None:
+            out.setdefault(str(evidence["job"]), []).append(a)
+    for requeues in out.values():
+        requeues.sort(key=lambda a: (a.applied_at, a.id))
+    return out
 
 
 def entries(job: str, requeues: Iterable[tuple[Action, Incident | None]]) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
                                       Ledger, LedgerError)
 from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
+from healthd.slurm.backend import validate_job_id
 from healthd.text import natural_key, parse_time, stamp, table
 
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
@@ -611,19 +612,20 @@ def _since(text: str) -> float:
     return at
 
 
-def _account_file(path: str, job: str | None, ledger: str,
+def _account_file(path: str, job: str | None, requeues: Requeues | None, ledger: str,
                   now: float | None) -> tuple[goodput.Account, goodput.Log, str]:
-    """One log read, joined with the ledger's part when readable, and accounted. Raises OSError."""
+    """One log read, joined with the job's requeues from the ledger when it was readable, and
+    accounted. Raises OSError."""
     with open(path, "rb") as f:
         raw = f.read(MAX_GOODPUT_LOG_BYTES + 1)
     log = goodput.parse_log(raw[:MAX_GOODPUT_LOG_BYTES].decode("utf-8", errors="replace"), job)
     name = job or log.job
-    joined = _ledger_part(ledger, name) if name else None
-    if joined:
-        log = goodput.with_entries(log, joined[1])
+    mine = requeues.get(name, []) if requeues is not None and name else []
+    if mine:
+        log = goodput.with_entries(log, goodput_ledger.entries(name, mine))  # type: ignore[arg-type]
     if len(raw) > MAX_GOODPUT_LOG_BYTES:
         log = goodput.Log(log.job, log.events, (*log.problems, f"only the first {MAX_GOODPUT_LOG_BYTES} bytes read"))
-    where = (f"ledger {ledger}: {joined[0]} requeue(s) of job {name} and their incidents joined" if joined
+    where = (f"ledger {ledger}: {len(mine)} requeue(s) of job {name} and their incidents joined" if requeues is not None
              else f"ledger {ledger}: not read (interruptions are charged to their runs)")
     # no `now`: a run without an end (still going, or its end not written) is counted to its last
     # event and the answer says so, rather than stretched to this moment
@@ -639,13 +641,14 @@ def _goodput_fleet(args: argparse.Namespace) -> int:
         names = sorted((n for n in os.listdir(args.logs) if n.endswith(".jsonl")), key=natural_key)
     except OSError as exc:
         return _fail(EXIT_UNREACHABLE, f"{args.logs}: cannot list the goodput logs: {exc.strerror or exc}")
+    requeues = _ledger_requeues(args.ledger)
     jobs: list[goodput.Account] = []
     totals = dict.fromkeys(goodput.CATEGORIES, 0.0)
     groups: dict[str, dict[str, float]] = {}
     unreadable: list[str] = []
     for name in names:
         try:
-            acc, log, _ = _account_file(os.path.join(args.logs, name), None, args.ledger, args.now)
+            acc, log, _ = _account_file(os.path.join(args.logs, name), None, requeues, args.ledger, args.now)
         except OSError as exc:
             unreadable.append(f"{name}: {exc.strerror or exc}")
             continue
@@ -690,11 +693,14 @@ def _goodput(args: argparse.Namespace) -> int:
     """An offline read of one job's event log, or of every job's; nothing is asked of the controller."""
     if args.log is None and args.job is None:
         return _goodput_fleet(args)
-    if args.log is None and not re.fullmatch(r"[0-9][0-9_+]{0,63}", args.job):
-        return _fail(EXIT_USAGE, f"--job {args.job!r}: not a Slurm job id")
+    if args.log is None:
+        try:
+            validate_job_id(args.job)
+        except ValueError:
+            return _fail(EXIT_USAGE, f"--job {args.job!r}: not a Slurm job id")
     path = args.log or os.path.join(args.logs, f"{args.job}.jsonl")
     try:
-        acc, log, where = _account_file(path, args.job, args.ledger, args.now)
+        acc, log, where = _account_file(path, args.job, _ledger_requeues(args.ledger), args.ledger, args.now)
     except OSError as exc:
         return _fail(EXIT_UNREACHABLE, f"{path}: cannot read the event log: {exc.strerror or exc}")
     advice = goodput.interval_advice(log, acc)
@@ -714,9 +720,12 @@ def _goodput(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _ledger_part(path: str, job: str) -> tuple[int, list[dict[str, Any]]] | None:
-    """The ledger's requeues of `job` with their incidents, as log entries; None when the ledger
-    cannot be read (on a compute node there is none)."""
+Requeues = dict[str, list[tuple[Any, Incident | None]]]
+
+
+def _ledger_requeues(path: str) -> Requeues | None:
+    """Every job's applied requeues with their incidents, read from the ledger once; None when the
+    ledger cannot be read (on a compute node there is none)."""
     if not Path(path).is_file():
         return None
     try:
@@ -724,14 +733,13 @@ def _ledger_part(path: str, job: str) -> tuple[int, list[dict[str, Any]]] | None
     except LedgerError:
         return None
     try:
-        requeues = goodput_ledger.requeue_actions(led.actions(), job)
-        pairs = [(a, led.incident(d.incident_id) if (d := led.decision(a.decision_id)) and d.incident_id else None)
-                 for a in requeues]
+        return {job: [(a, led.incident(d.incident_id) if (d := led.decision(a.decision_id)) and d.incident_id else None)
+                      for a in actions]
+                for job, actions in goodput_ledger.requeues_by_job(led.actions()).items()}
     except (LedgerError, sqlite3.Error):
         return None
     finally:
         led.close()
-    return len(requeues), goodput_ledger.entries(job, pairs)
 
 
 def write_atomic(path: str, text: str) -> None:
