@@ -113,6 +113,30 @@ class JobInfo:
     comment: str
     restarts: int = 0
     """Slurm's restart count: a requeue Slurm kept leaves the job with a higher count, elsewhere."""
+    state: str = ""
+    """Slurm's job state (RUNNING, PENDING, COMPLETED, ...); empty when the backend did not say."""
+    partition: str = ""
+    account: str = ""
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """One run of a job as Slurm's accounting has it (`sacct --duplicates`): a requeued job has one
+    per start."""
+
+    job_id: str
+    state: str
+    """How the run ended (COMPLETED, FAILED, REQUEUED, NODE_FAIL, ...), or RUNNING / PENDING."""
+    start: float | None
+    """None: the run has not started (a requeued job waiting)."""
+    end: float | None
+    """None: the run has not ended."""
+    partition: str = ""
+    account: str = ""
+    gpus: int | None = None
+    """GPUs allocated (AllocTRES gres/gpu); None when accounting does not track them."""
+    nodes: str = ""
+    admin_comment: str = ""
 
 
 @dataclass(frozen=True)
@@ -203,6 +227,15 @@ class SlurmBackend(Protocol):
     def jobs_on(self, node: str) -> list[JobInfo]: ...
 
     def job(self, job_id: int | str) -> JobInfo | None: ...
+
+    def job_runs(self, job_id: int | str) -> list[JobRun] | None:
+        """The job's runs from Slurm's accounting (slurmdbd), oldest first; None where the site keeps
+        none; [] when accounting has no record of the job."""
+        ...
+
+    def set_admin_comment(self, job_id: int | str, text: str) -> None:
+        """Set the AdminComment of a job in Slurm's accounting (after it ended: `sacctmgr modify job`)."""
+        ...
 
     def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]: ...
 
@@ -319,6 +352,17 @@ def validate_reason(reason: str) -> str:
             "of printable text"
         )
     return reason
+
+
+ADMIN_COMMENT_MAX = 200
+_ADMIN_COMMENT_RE = re.compile(r"[\x20-\x7e]{1,200}")
+
+
+def validate_admin_comment(text: str) -> str:
+    """A comment healthd writes: printable ASCII, one line, at most ADMIN_COMMENT_MAX characters."""
+    if not isinstance(text, str) or not _ADMIN_COMMENT_RE.fullmatch(text):
+        raise ValueError(f"invalid AdminComment {str(text)[:40]!r}: printable ASCII, 1-{ADMIN_COMMENT_MAX} characters")
+    return text
 
 
 def validate_job_id(job_id: int | str) -> str:

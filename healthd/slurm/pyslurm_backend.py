@@ -38,6 +38,7 @@ from typing import Any
 
 from healthd.slurm.backend import (
     JobInfo,
+    JobRun,
     NodeInfo,
     SlurmRefused,
     SlurmUnavailable,
@@ -46,6 +47,7 @@ from healthd.slurm.backend import (
     guarded_state_write,
     parse_state_string,
     slurm_hostlist,
+    validate_admin_comment,
     validate_argv,
     validate_duration,
     validate_job_id,
@@ -404,6 +406,19 @@ class PyslurmBackend:
     def job(self, job_id: int | str) -> JobInfo | None:
         validate_job_id(job_id)
         return self._need_fallback("job").job(job_id)
+
+    def job_runs(self, job_id: int | str) -> list[JobRun] | None:
+        validate_job_id(job_id)
+        return self._need_fallback("job_runs").job_runs(job_id)
+
+    def set_admin_comment(self, job_id: int | str, text: str) -> None:
+        validate_job_id(job_id)
+        validate_admin_comment(text)
+        fb = self._need_fallback("set_admin_comment")
+        fb.dry_run = self.dry_run
+        fb.set_admin_comment(job_id, text)
+        if self.dry_run:
+            self.planned.extend(fb.planned[-1:])
 
     def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
         if names is not None:

@@ -42,6 +42,7 @@ from typing import Any
 
 from healthd.slurm.backend import (
     JobInfo,
+    JobRun,
     NodeInfo,
     SlurmError,
     SlurmOutputError,
@@ -52,6 +53,7 @@ from healthd.slurm.backend import (
     guarded_state_write,
     parse_state_string,
     slurm_hostlist,
+    validate_admin_comment,
     validate_argv,
     validate_duration,
     validate_job_id,
@@ -97,8 +99,16 @@ RESERVATION_GONE_MARKERS = ("Requested reservation is invalid", "not found")
 _BOOT_TIME_RE = re.compile(r"^BOOT_TIME\s*=\s*(\S+)", re.MULTILINE)
 # squeue's answer to a job id slurmctld no longer holds (ESLURM_INVALID_JOB_ID)
 JOB_GONE_MARKER = "Invalid job id"
-SQUEUE_FORMAT = "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000"
-"""The batch flag (sbatch, not salloc/srun) is only in --Format; fields padded, '|' ends the first three."""
+SQUEUE_FORMAT = "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,State:24|,Partition:64|,Account:64|,Comment:1000"
+"""The batch flag (sbatch, not salloc/srun) is only in --Format; fields padded, '|' ends all but the
+free-text comment, which comes last (Slurm refuses '|' in partition and account names)."""
+SACCT_FORMAT = "--format=JobIDRaw,State,Start,End,Partition,Account,AllocTRES,NodeList,AdminComment"
+"""With --parsable2: '|' between fields; the free-text AdminComment comes last."""
+ACCOUNTING_DISABLED_MARKER = "accounting storage is disabled"
+DBD_UNAVAILABLE_MARKERS = ("Problem talking to the database", "persistent connection", "Connection refused",
+                           "Unable to contact")
+"""sacct's words when slurmdbd (or its database) does not answer."""
+_GPU_TRES_RE = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
 STEP_PATH = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin"
 """PATH of a validation step (with bin_dir first when one is given): the system's, not the daemon's."""
 
@@ -500,12 +510,33 @@ def parse_squeue_jobs(text: str) -> list[JobInfo]:
     """The lines of `squeue --noheader` with SQUEUE_FORMAT (pure); lines without a job id are skipped."""
     out = []
     for line in text.splitlines():
-        parts = line.split("|", 3)
-        if len(parts) != 4 or not parts[0].strip():
+        parts = line.split("|", 6)
+        if len(parts) != 7 or not parts[0].strip():
             continue
-        restarts = parts[2].strip()
-        out.append(JobInfo(parts[0].strip(), parts[1].strip() == "1", parts[3].strip(),
-                           int(restarts) if restarts.isdigit() else 0))
+        job, batch, restarts, state, partition, account, comment = (p.strip() for p in parts)
+        out.append(JobInfo(job, batch == "1", comment, int(restarts) if restarts.isdigit() else 0,
+                           state, partition, account))
+    return out
+
+
+def _sacct_time(text: str) -> float | None:
+    return None if text in ("", "Unknown", "None") else _local_epoch(text)
+
+
+def parse_sacct_runs(text: str) -> list[JobRun]:
+    """The lines of `sacct --duplicates --allocations --parsable2 --noheader` with SACCT_FORMAT
+    (pure): one run per line, in sacct's order (oldest first); lines that are not a run are skipped."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split("|", 8)
+        if len(parts) != 9 or not parts[0].strip():
+            continue
+        job, state, start, end, partition, account, tres, nodes, comment = parts
+        words = state.split()
+        m = _GPU_TRES_RE.search(tres)
+        out.append(JobRun(job.strip(), words[0].rstrip("+") if words else "", _sacct_time(start.strip()),
+                          _sacct_time(end.strip()), partition.strip(), account.strip(),
+                          int(m.group(1)) if m else None, nodes.strip(), comment.strip()))
     return out
 
 
@@ -675,6 +706,10 @@ class ScontrolBackend:
     def _argv_requeue(self, job_id: int | str) -> list[str]:
         return [self._bin("scontrol"), "requeue", validate_job_id(job_id)]
 
+    def _argv_set_admin_comment(self, job_id: int | str, text: str) -> list[str]:
+        return [self._bin("sacctmgr"), "--immediate", "modify", "job", "where", f"jobid={validate_job_id(job_id)}",
+                "set", f"AdminComment={validate_admin_comment(text)}"]
+
     def _argv_create_reservation(
         self,
         name: str,
@@ -821,6 +856,27 @@ class ScontrolBackend:
 
     def requeue(self, job_id: int | str) -> None:
         self._write(self._argv_requeue(job_id))
+
+    def set_admin_comment(self, job_id: int | str, text: str) -> None:
+        """`sacctmgr --immediate modify job where jobid=J set AdminComment=TEXT` (slurmdbd)."""
+        self._write(self._argv_set_admin_comment(job_id, text))
+
+    def job_runs(self, job_id: int | str) -> list[JobRun] | None:
+        """Every run of the job from `sacct --duplicates` (a requeued job's earlier runs included);
+        None when the site keeps no accounting; SlurmUnavailable when slurmdbd does not answer."""
+        argv = [self._bin("sacct"), f"--jobs={validate_job_id(job_id)}", "--duplicates", "--allocations",
+                "--parsable2", "--noheader", SACCT_FORMAT]
+        try:
+            out = self._run(argv)
+        except SlurmRefused as exc:
+            said = exc.stderr + str(exc)
+            if ACCOUNTING_DISABLED_MARKER in said:
+                return None
+            if any(m in said for m in DBD_UNAVAILABLE_MARKERS):
+                raise SlurmUnavailable(f"sacct: slurmdbd unreachable: {said.strip().splitlines()[-1][:200]}",
+                                       argv=argv, returncode=exc.returncode, stderr=exc.stderr) from None
+            raise
+        return parse_sacct_runs(out)
 
     def create_reservation(
         self,

@@ -225,8 +225,8 @@ class StandinScontrol:
         else:
             jobs = {j: job for j, job in cluster.jobs.items()
                     if job["node"] == opts["--nodelist"] and job["state"] == "RUNNING"}
-        lines = [f"{j:<40}|{'1' if job['batch'] else '0':<4}|{job.get('restarts', 0):<10}|{job.get('comment', ''):<1000}"
-                 for j, job in sorted(jobs.items())]
+        lines = [f"{j:<40}|{'1' if job['batch'] else '0':<4}|{job.get('restarts', 0):<10}|{job['state']:<24}|"
+                 f"{'debug':<64}|{'root':<64}|{job.get('comment', ''):<1000}" for j, job in sorted(jobs.items())]
         return CommandResult(0, "".join(line + "\n" for line in lines), "")
 
     def _srun(self, argv, timeout_s):

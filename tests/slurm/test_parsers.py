@@ -612,15 +612,80 @@ def test_hostlists_slurm_rejects_are_rendered_so_it_accepts_them():
 # ----------------------------------------------------------------------------- jobs, addresses, validation steps
 
 SQUEUE_LINES = (
-    f"{'41':<40}|{'1':<4}|{'0':<10}|{'x healthd:requeue y':<1000}\n"
-    f"{'42_3':<40}|{'0':<4}|{'2':<10}|{'':<1000}\n"
+    f"{'41':<40}|{'1':<4}|{'0':<10}|{'RUNNING':<24}|{'gpu':<64}|{'ml':<64}|{'x healthd:requeue y|z':<1000}\n"
+    f"{'42_3':<40}|{'0':<4}|{'2':<10}|{'COMPLETED':<24}|{'debug':<64}|{'':<64}|{'':<1000}\n"
     "\n"
     "not a job line\n"
 )
 
 
 def test_squeue_lines_are_jobs():
-    assert parse_squeue_jobs(SQUEUE_LINES) == [JobInfo("41", True, "x healthd:requeue y", 0), JobInfo("42_3", False, "", 2)]
+    assert parse_squeue_jobs(SQUEUE_LINES) == [
+        JobInfo("41", True, "x healthd:requeue y|z", 0, "RUNNING", "gpu", "ml"),
+        JobInfo("42_3", False, "", 2, "COMPLETED", "debug", "")]
+
+
+SACCT_LINES = (
+    "41|REQUEUED|2026-11-30T10:00:00|2026-11-30T10:05:00|gpu|ml|billing=8,cpu=8,gres/gpu=8,node=1|node01|\n"
+    "41|CANCELLED by 0|2026-11-30T10:06:00|2026-11-30T10:07:00|gpu|ml|billing=8,cpu=8,gres/gpu:a100=8,gres/gpu=8|node02|"
+    "healthd: goodput=50% | x\n"
+    "41|PENDING|Unknown|Unknown|gpu|ml||None assigned|\n"
+    "not a run\n"
+)
+
+
+def test_sacct_lines_are_runs(utc):
+    from healthd.slurm.backend import JobRun
+    from healthd.slurm.scontrol import parse_sacct_runs
+
+    t = 1796032800.0  # 2026-11-30T10:00:00Z
+    assert parse_sacct_runs(SACCT_LINES) == [
+        JobRun("41", "REQUEUED", t, t + 300, "gpu", "ml", 8, "node01", ""),
+        JobRun("41", "CANCELLED", t + 360, t + 420, "gpu", "ml", 8, "node02", "healthd: goodput=50% | x"),
+        JobRun("41", "PENDING", None, None, "gpu", "ml", None, "None assigned", ""),
+    ]
+
+
+@hsettings(max_examples=300)
+@given(st.text(alphabet=st.sampled_from("41|REQUEDPNGIKWco-:T0123456789 ,=/gpu\n"), max_size=300))
+def test_sacct_parser_never_raises(text):
+    from healthd.slurm.scontrol import parse_sacct_runs
+
+    for run in parse_sacct_runs(text):
+        assert run.job_id and (run.gpus is None or run.gpus >= 0)
+
+
+def test_job_runs_reads_accounting_and_says_when_there_is_none():
+    from healthd.slurm.scontrol import SACCT_FORMAT
+
+    backend, runner = _backend(
+        CommandResult(0, SACCT_LINES, ""),
+        CommandResult(1, "", "sacct: error: Slurm accounting storage is disabled\n"),
+        CommandResult(1, "", "sacct: error: slurm_persist_conn_open_without_init: failed to open persistent connection "
+                             "to host:127.0.0.1:6819: Connection refused\nsacct: error: Problem talking to the database: "
+                             "Connection refused\n"),
+    )
+    assert [r.state for r in backend.job_runs("41")] == ["REQUEUED", "CANCELLED", "PENDING"]
+    assert backend.job_runs(41) is None
+    with pytest.raises(SlurmUnavailable):
+        backend.job_runs("41")
+    assert runner.calls[0][0] == ["sacct", "--jobs=41", "--duplicates", "--allocations", "--parsable2", "--noheader",
+                                  SACCT_FORMAT]
+
+
+@pytest.mark.parametrize("text", ["", "a\nb", "x" * 201, "\u00fcn\u00efcode", "a\x00b", "a\tb"])
+def test_an_admin_comment_that_is_not_one_printable_line_never_reaches_sacctmgr(text):
+    backend, runner = _backend()
+    with pytest.raises(ValueError):
+        backend.set_admin_comment("41", text)
+    assert runner.calls == []
+
+
+def test_the_admin_comment_is_one_argv_word():
+    backend, runner = _backend(CommandResult(0, " Modified jobs...\n", ""))
+    backend.set_admin_comment("41", "healthd: goodput=57.4%; $(reboot) `x` 'y'")
+    assert runner.calls[0][0] == ["sacctmgr", "--immediate", "modify", "job", "where", "jobid=41", "set",
+                                  "AdminComment=healthd: goodput=57.4%; $(reboot) `x` 'y'"]
 
 
 def test_node_addresses_come_from_before_the_reason():
@@ -638,11 +703,11 @@ def test_job_reads_argv_and_a_forgotten_job():
         CommandResult(1, "", "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n"),
     )
     assert [j.job_id for j in backend.jobs_on("node02")] == ["41", "42_3"]
-    assert backend.job("42_3") == JobInfo("42_3", False, "", 2)
+    assert backend.job("42_3") == JobInfo("42_3", False, "", 2, "COMPLETED", "debug", "")
     assert backend.job(7) is None
     with pytest.raises(SlurmUnavailable):
         backend.job(8)
-    fmt = "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,Comment:1000"
+    fmt = "--Format=JobID:40|,BatchFlag:4|,RestartCnt:10|,State:24|,Partition:64|,Account:64|,Comment:1000"
     assert [a for a, _ in runner.calls] == [
         ["squeue", "--noheader", "--nodelist=node02", "--states=RUNNING", fmt],
         ["squeue", "--noheader", "--jobs=42_3", "--states=all", fmt],

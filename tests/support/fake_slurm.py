@@ -9,11 +9,13 @@ from collections.abc import Callable, Iterable, Sequence
 
 from healthd.slurm.backend import (
     JobInfo,
+    JobRun,
     NodeInfo,
     SlurmRefused,
     StepResult,
     filter_nodes,
     slurm_hostlist,
+    validate_admin_comment,
     validate_argv,
     validate_job_id,
 )
@@ -43,6 +45,9 @@ class FakeBackend:
         self.reservations: set[str] = set()
         self.running: dict[str, list[JobInfo]] = {}
         """node -> the jobs running on it (jobs_on)."""
+        self.runs: dict[str, list[JobRun]] | None = None
+        """job id -> its runs in accounting (job_runs); None: the site keeps no accounting."""
+        self.admin_comments: dict[str, str] = {}
         self.known_jobs: dict[str, JobInfo] = {}
         """job id -> a job in any state (job), besides those running."""
         self.addresses = {n: "127.0.0.1" for n in self.state}
@@ -126,6 +131,25 @@ class FakeBackend:
         self.nodes()
         running = {j.job_id: j for jobs in self.running.values() for j in jobs}
         return running.get(text) or self.known_jobs.get(text)
+
+    def job_runs(self, job_id) -> list[JobRun] | None:
+        text = validate_job_id(job_id)
+        self.nodes()
+        if self.runs is None:
+            return None
+        return [dataclasses.replace(r, admin_comment=self.admin_comments.get(text, r.admin_comment))
+                for r in self.runs.get(text, [])]
+
+    def set_admin_comment(self, job_id, text: str) -> None:
+        job = validate_job_id(job_id)
+        validate_admin_comment(text)
+        argv = ["sacctmgr", "--immediate", "modify", "job", "where", f"jobid={job}", "set", f"AdminComment={text}"]
+        if self.dry_run:
+            self.planned.append(argv)
+            return
+        self.nodes()
+        self.writes.append(("admin_comment", job, text))
+        self.admin_comments[job] = text
 
     def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
         wanted = {n.name for n in self.nodes(names)}
