@@ -59,7 +59,9 @@ MAX_LINE_BYTES = 64 * 1024
 MAX_EVENTS = 5_000_000
 
 HEALTHD_KINDS = frozenset({"allocation", "run_end", "durable", "restored", "interrupt", "evidence", "detected",
-                           "decided", "straggler", "false_positive"})
+                           "decided", "straggler", "false_positive", "ranks", "windows"})
+"""`ranks` (where each rank runs) and `windows` (each rank's step compute time in one window) are
+the controller's, for the report's heatmap; they are not accounted."""
 
 
 # --------------------------------------------------------------------------- the log
@@ -180,6 +182,59 @@ def with_entries(log: Log, entries: Iterable[Mapping[str, Any]]) -> Log:
     if not extra:
         return log
     events = sorted((*log.events, *extra), key=lambda e: (e.time, _TIE.get(e.kind, 1), e.line))
+    return Log(log.job, tuple(events), log.problems)
+
+
+def merge(logs: Iterable[tuple[str, Log]]) -> Log:
+    """One job's log from its parts (named: the node each came from), in time order; each part's
+    problems keep its name. Parts of several jobs are noted as a problem, like one file's."""
+    named = list(logs)
+    events = sorted((e for _, log in named for e in log.events), key=lambda e: (e.time, _TIE.get(e.kind, 1), e.line))
+    problems = tuple(f"{name}: {p}" for name, log in named for p in log.problems)
+    jobs = {log.job for _, log in named if log.job is not None}
+    if len(jobs) > 1:
+        problems += (f"parts of {len(jobs)} jobs ({', '.join(sorted(jobs)[:4])}); read together",)
+    return Log(next(iter(jobs)) if len(jobs) == 1 else None, tuple(events), problems)
+
+
+@dataclass(frozen=True)
+class SlurmRun:
+    """One run of the job as Slurm's accounting has it."""
+
+    start: float
+    end: float | None
+    """None: still running."""
+    state: str
+    gpus: int | None = None
+    """None: accounting does not track GPUs (the log's allocation record is used)."""
+
+
+SKELETON_KINDS = frozenset({"job_start", "job_end", "run_end", "allocation"})
+"""The events that say when runs start and end and what they hold."""
+
+
+def with_runs(log: Log, runs: Iterable[SlurmRun]) -> Log:
+    """`log` with its runs as Slurm's accounting has them (sacct, each requeue a run): each run's start,
+    end, end state and GPUs replace the log's own (rank 0's process start, the epilog's end), so the
+    time from the allocation to the job's first process counts too. Where accounting does not track
+    GPUs, a run holds what the log's allocation record within it says."""
+    started = sorted((r for r in runs if r.start is not None), key=lambda r: r.start)
+    if not started:
+        return Log(log.job, log.events, (*log.problems, "Slurm's accounting has no run that started; the log's runs used"))
+    allocations = [(e.time, e.data.get("gpus")) for e in log.events if e.kind == "allocation"]
+    kept = [e for e in log.events if e.kind not in SKELETON_KINDS]
+    extra: list[Event] = []
+    gpus: Any = None
+    for r in started:
+        end = math.inf if r.end is None else r.end
+        inside = [g for t, g in allocations if r.start - 60 <= t <= end]
+        gpus = r.gpus or (inside[0] if inside else gpus)
+        extra.append(Event(r.start, "job_start", {"from": "accounting"}))
+        if gpus:
+            extra.append(Event(r.start, "allocation", {"gpus": gpus, "from": "accounting"}))
+        if r.end is not None:
+            extra.append(Event(r.end, "run_end", {"state": r.state, "from": "accounting"}))
+    events = sorted((*kept, *extra), key=lambda e: (e.time, _TIE.get(e.kind, 1), e.line))
     return Log(log.job, tuple(events), log.problems)
 
 

@@ -3,7 +3,8 @@ fetched (its Content-Security-Policy forbids it), for one job's accounting (heal
 
 Charts, each an `<svg id=...>`: the SLO and its burn (`slo`), GPU-hours by category (`categories`),
 a Pareto of lost GPU-hours by cause (`pareto`), the job's time coloured by category, with its runs,
-interruptions and restores (`timeline`), GPU serials and nodes by interruptions and GPU-hours lost (`offenders`),
+interruptions and restores (`timeline`), each rank's step compute time per window against the window's median (`heatmap`),
+GPU serials and nodes by interruptions and GPU-hours lost (`offenders`),
 and the goodput curve against the checkpoint interval with the job's own, Young's and Daly's
 (`interval`). Every text from the log is escaped: a job can name itself anything.
 """
@@ -181,6 +182,82 @@ def interval_chart(advice: IntervalAdvice | None) -> str:
     return _svg("interval", 214, body, "goodput against the checkpoint interval")
 
 
+HEAT_COLUMNS = 180
+HEAT_ROWS = 128
+"""At most this many columns (windows) and rows (ranks); past them a cell holds several, the slowest."""
+HEAT_SCALE = 0.3
+"""A cell's colour is full at this much faster (blue) or slower (red) than its window's median."""
+
+
+def _num(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _heat_colour(ratio: float) -> str:
+    k = max(-1.0, min(1.0, (ratio - 1.0) / HEAT_SCALE))
+    base, far = (245, 245, 245), ((198, 40, 40) if k > 0 else (21, 101, 192))
+    r, g, b = (round(a + (z - a) * abs(k)) for a, z in zip(base, far, strict=True))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def heatmap_chart(log: Log) -> str:
+    """Each rank's step compute time in each window against the window's median (the controller's
+    `windows` records), rows labelled rank, node, GPU and rail (its `ranks` records): a slow GPU or
+    rail is a red row, a job-wide slowdown a column that stays pale."""
+    cells: dict[tuple[int, int], float] = {}
+    where: dict[int, str] = {}
+    for e in log.events:
+        if e.kind == "ranks" and isinstance(e.data.get("ranks"), list):
+            for r in e.data["ranks"]:
+                if isinstance(r, dict) and isinstance(r.get("rank"), int):
+                    place = "/".join(str(v) for v in (r.get("node"), None if r.get("gpu") is None else f"gpu{r['gpu']}",
+                                                        r.get("rail")) if v)
+                    where[r["rank"]] = place[:40]
+        elif e.kind == "windows" and isinstance(e.data.get("window"), int) and isinstance(e.data.get("compute"), list):
+            for pair in e.data["compute"]:
+                if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and \
+                        (c := _num(pair[1])) is not None and c >= 0:
+                    cells[(e.data["window"], pair[0])] = c
+    if not cells:
+        return _svg("heatmap", 30, [_text(0, 20, "no rank windows in this log (the controller writes them while the "
+                                                 "job runs)")], "step compute time by rank and window")
+    windows = sorted({w for w, _ in cells})
+    ranks = sorted({r for _, r in cells})
+    medians = {}
+    for w in windows:
+        values = sorted(c for (cw, _), c in cells.items() if cw == w)
+        medians[w] = values[len(values) // 2] or 1e-9
+    ncol, nrow = min(len(windows), HEAT_COLUMNS), min(len(ranks), HEAT_ROWS)
+    col = {w: i * ncol // len(windows) for i, w in enumerate(windows)}
+    row = {r: i * nrow // len(ranks) for i, r in enumerate(ranks)}
+    worst: dict[tuple[int, int], float] = {}
+    for (w, r), c in cells.items():
+        key = (col[w], row[r])
+        ratio = c / medians[w]
+        if abs(ratio - 1) >= abs(worst.get(key, 1.0) - 1):
+            worst[key] = ratio
+    left, top = 220, 16
+    cw = (WIDTH - left - 10) / ncol
+    ch = max(3.0, min(16.0, 420.0 / nrow))
+    tips = ncol * nrow <= 4000
+    body = [_text(left, 11, f"window {windows[0]}", size=10, fill="#666"),
+            _text(WIDTH - 10, 11, f"window {windows[-1]}", size=10, anchor="end", fill="#666")]
+    for (cx, ry), ratio in sorted(worst.items()):
+        body.append(_rect(left + cx * cw, top + ry * ch, cw + 0.3, ch + 0.3, _heat_colour(ratio),
+                          f"{ratio - 1:+.1%} against the window's median" if tips else ""))
+    labelled = nrow == len(ranks) and ch >= 9
+    for r in ranks:
+        if labelled:
+            body.append(_text(left - 6, top + row[r] * ch + ch - 2, f"rank {r} {where.get(r, '')}".strip(), size=10,
+                              anchor="end"))
+    if not labelled:
+        body.append(_text(left - 6, top + 12, f"ranks {ranks[0]}-{ranks[-1]}", size=10, anchor="end"))
+    y = top + nrow * ch + 16
+    body.append(_text(left, y, f"blue: faster, red: slower than the window's median (full colour at "
+                               f"{HEAT_SCALE:.0%}); {len(ranks)} rank(s), {len(windows)} window(s)", size=11, fill="#666"))
+    return _svg("heatmap", int(y + 8), body, "step compute time by rank and window")
+
+
 def render(acc: Account, log: Log, advice: IntervalAdvice | None, slo: float = 0.9,
            title: str | None = None) -> str:
     """The whole report, as one HTML document."""
@@ -202,6 +279,7 @@ def render(acc: Account, log: Log, advice: IntervalAdvice | None, slo: float = 0
             "<table><tr><th>incident</th><th>cause</th><th>node</th><th>GPU serial</th><th>GPU-h</th><th></th></tr>"
             f"{incidents}</table>" if incidents else "")),
         ("Timeline", timeline_chart(acc, log)),
+        ("Step compute time by rank and window", heatmap_chart(log)),
         ("Repeat offenders", offenders_chart(acc)),
         ("Checkpoint interval", interval_chart(advice)),
     )

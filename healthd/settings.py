@@ -272,6 +272,9 @@ class ControllerClientSettings:
     """The node's munged socket that signs reports; None: libmunge's default socket."""
     backoff_max_s: float = 300.0
     """Longest wait between retries while the controller is unreachable (exponential backoff with jitter)."""
+    ship_goodput: bool = True
+    """Send the goodput logs this node writes (`inband.goodput_log`) to the controller, which gathers
+    each job's on the head node (POST /v1/goodput)."""
 
 
 @dataclass(frozen=True)

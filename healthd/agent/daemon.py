@@ -37,6 +37,7 @@ from healthd.agent.history import History, HistoryError
 from healthd.agent.hookfiles import HookFiles, merge
 from healthd.agent import inband_jobs
 from healthd.agent.goodput_log import GoodputLog
+from healthd.agent.goodput_ship import GoodputShipper
 from healthd.agent.inband_jobs import InbandJobs, JobView
 from healthd.agent.instructions import apply_clears, carry_episodes, clear_scope, merge_clears, parse_clear
 from healthd.model import (
@@ -237,6 +238,7 @@ class Agent:
         clock: Callable[[], float] = time.time,
         metrics: Any = None,
         reporter: Any = None,
+        shipper: Any = None,
     ):
         self.settings = settings
         self.catalog = catalog
@@ -274,6 +276,9 @@ class Agent:
         """job -> what asking its ranks for a flight recorder dump did (once per hang)."""
         self._clears: list[tuple[str, dict[str, float]]] = []
         self._clears_lock = threading.Lock()
+        self.shipper = shipper
+        """healthd.agent.goodput_ship.GoodputShipper when the goodput logs go to the controller: nudged
+        after each tick's in-band read."""
         if reporter is not None:
             reporter.on_instruction = self.receive_instruction
 
@@ -301,6 +306,8 @@ class Agent:
         except Exception:  # noqa: BLE001 - a job's files must never stop the agent
             log.exception("reading the in-band rings failed")
             self.inband_jobs = ()
+        if self.shipper is not None:
+            self.shipper.nudge()  # this tick's goodput lines, and the epilog's since the last
         self._request_dumps()
         self.timings["inband"] = time.perf_counter() - start
 
@@ -539,10 +546,13 @@ def build_agent(config_path: str | None, *, dry_run: bool) -> Agent:
     memory = Memory.load(settings.state_dir, readonly=dry_run)
     sources = build_sources(settings, memory)
     metrics = None if dry_run else Metrics(settings.metrics)
-    reporter = None
+    reporter = shipper = None
     if not dry_run and settings.controller.url:
         reporter = Reporter(settings.controller, settings.node_name)
-    return Agent(settings, catalog, sources, memory, dry_run=dry_run, metrics=metrics, reporter=reporter)
+        if settings.controller.ship_goodput and settings.inband.goodput_log:
+            shipper = GoodputShipper(settings.controller, settings.node_name, settings.state_dir)
+    return Agent(settings, catalog, sources, memory, dry_run=dry_run, metrics=metrics, reporter=reporter,
+                 shipper=shipper)
 
 
 def run_loop(agent: Agent, config_path: str | None, on_tick: Callable[[Agent], None],
@@ -618,6 +628,8 @@ def run_loop(agent: Agent, config_path: str | None, on_tick: Callable[[Agent], N
         agent.sources.close()
         if agent.reporter is not None:
             agent.reporter.stop(flush_s=min(2.0, agent.settings.controller.timeout_s))
+        if agent.shipper is not None:
+            agent.shipper.stop()
         log.info("healthd stopped")
     return 0
 

@@ -124,12 +124,12 @@ class GoodputLog:
                 self._warn(f"goodput log {path} not written: {clean(e, 200)}")
 
     def prune(self, now: float, running: Iterable[str] = ()) -> list[str]:
-        """Delete the logs and cursors not written for `keep_days` (a job in `running` keeps its
+        """Delete the logs, cursors and shipped offsets not written for `keep_days` (a job in `running` keeps its
         own), at most once per PRUNE_EVERY_S. Returns the files deleted."""
         if self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S:
             return []
         self._pruned_at = now
-        keep = {f"{job}.jsonl" for job in running} | {f"{job}.cursor" for job in running}
+        keep = {f"{job}.{ext}" for job in running for ext in ("jsonl", "cursor", "shipped")}
         gone = []
         try:
             names = os.listdir(self.directory)
@@ -139,7 +139,7 @@ class GoodputLog:
             self._warn(f"goodput log directory {self.directory} not listed: {clean(e, 200)}")
             return []
         for name in names:
-            if name in keep or not name.endswith((".jsonl", ".cursor")):
+            if name in keep or not name.endswith((".jsonl", ".cursor", ".shipped")):
                 continue
             path = os.path.join(self.directory, name)
             try:

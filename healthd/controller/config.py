@@ -14,6 +14,7 @@ from typing import Any
 
 
 from healthd.config import ConfigError, build, convert, read_config_text, yaml_mapping
+from healthd.controller.goodput_jobs import GoodputSettings
 from healthd.controller.policy import MODES, ControllerPolicySettings
 from healthd.controller.reintegrate import ReintegrationSettings
 from healthd.settings import DetectorSettings
@@ -77,6 +78,9 @@ class ControllerSettings:
     """Validation in a maintenance reservation, probation and escalation (see ReintegrationSettings)."""
     inband: ControllerInbandSettings = field(default_factory=ControllerInbandSettings)
     """The job-wide comparison of training jobs' in-band progress (see ControllerInbandSettings)."""
+    goodput: GoodputSettings = field(default_factory=GoodputSettings)
+    """The jobs' goodput logs gathered from the agents, their accounting and the goodput SLO (see
+    GoodputSettings)."""
 
 
 # ControllerPolicySettings uses types the generic mapper does not know (Literal, frozenset values):
@@ -140,6 +144,21 @@ def _check_detector(file: str, d: DetectorSettings) -> None:
         raise ConfigError(file, "inband.detector.rank_order_p", "a probability in (0, 1]", d.rank_order_p)
 
 
+def _check_goodput(file: str, g: GoodputSettings) -> None:
+    if g.directory is not None and not g.directory.startswith("/"):
+        raise ConfigError(file, "goodput.directory", "an absolute path or null", g.directory)
+    for key, value in (("goodput.objective", g.objective), *((f"goodput.objectives.{p}", v) for p, v in g.objectives.items())):
+        if not 0 < value < 1:
+            raise ConfigError(file, key, "a share between 0 and 1 (0.9: 90% of the GPU time productive)", value)
+    for key in ("interval_s", "keep_days"):
+        if not 0 < getattr(g, key) < float("inf"):
+            raise ConfigError(file, f"goodput.{key}", "a positive number", getattr(g, key))
+    if not 0 <= g.settle_s < float("inf"):
+        raise ConfigError(file, "goodput.settle_s", "a non-negative number of seconds", g.settle_s)
+    if g.max_log_bytes < 65536:
+        raise ConfigError(file, "goodput.max_log_bytes", "at least 65536", g.max_log_bytes)
+
+
 def parse_controller_settings(text: str, file: str = "<controller config>") -> ControllerSettings:
     raw = yaml_mapping(text, file)
     policy_raw = raw.pop("policy", None)
@@ -163,6 +182,7 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
                           settings.max_connections_per_peer)
     _check_hostport(file, "metrics_listen", settings.metrics_listen)
     _check_detector(file, settings.inband.detector)
+    _check_goodput(file, settings.goodput)
     if settings.slurm_backend not in BACKENDS:
         raise ConfigError(file, "slurm_backend", f"one of {', '.join(BACKENDS)}", settings.slurm_backend)
     for key in ("ledger", "slurm_conf", "admin_socket"):

@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from healthd import munge, sdnotify
-from healthd.controller import admin, inband
+from healthd.controller import admin, goodput_gather, inband
 from healthd.controller.auth import ReportRejected, verify_report
 from healthd.controller.config import ControllerSettings, load_controller_settings
 from healthd.controller.executor import ExecResult, Executor
 from healthd.controller.gates import BreakerState, GroupIncident, GateResult, apply_gates, build_context
+from healthd.controller.goodput_jobs import GoodputAccountant
 from healthd.controller.ledger import Ledger, LedgerError
 from healthd.controller.metrics import INCIDENT_WINDOW_S, ControllerMetrics, IncidentTimings, RoundFigures
 from healthd.controller.policy import (
@@ -137,6 +138,13 @@ class Controller:
         self.inband_round = inband.InbandRound()
         """What the latest round made of the in-band data (the round gauges read it)."""
         self._inband_started = False
+        g = settings.goodput
+        self.goodput_store = (goodput_gather.GoodputStore(g.directory, g.max_log_bytes)
+                              if g.directory is not None else None)
+        self.stragglers = goodput_gather.StragglerEpisodes(self._write_own) if self.goodput_store else None
+        """Slow ranks' episodes, written to their jobs' goodput logs as they end."""
+        self.windows = goodput_gather.WindowRecords(self._write_own) if self.goodput_store else None
+        """Each job's rank x window compute time, written to its goodput log for the report's heatmap."""
 
     # -- node addresses ------------------------------------------------------------------------------
 
@@ -228,6 +236,30 @@ class Controller:
             return 200, {"granted": False, "reason": reason}
         _log.info("drain request from %s (job %s): granted=%s: %s", verified.node, doc.get("job"), granted, reason)
         return 200, {"granted": granted, "reason": reason}
+
+    def receive_goodput(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]:
+        """A node's goodput log lines (healthd.controller.goodput_gather), appended to the job's
+        gathered log; off the event loop (a disk write and fsync)."""
+        if self.goodput_store is None:
+            return 404, {"accepted": False, "error": "this controller takes no goodput logs (goodput.directory)"}
+        try:
+            verified, _ = self._verify(body, "goodput shipment", peer)
+        except ReportRejected as exc:
+            return exc.http_status, {"accepted": False, "error": exc.reason}
+        try:
+            shipment = goodput_gather.parse_shipment(verified.report)
+            through = self.goodput_store.append(verified.node, shipment)
+        except goodput_gather.ShipmentRefused as exc:
+            self._limited.warning(f"refused-goodput-{exc.status}", "goodput shipment from %s refused: %d %s",
+                                  verified.node, exc.status, exc.reason)
+            self.metrics.goodput_shipments.labels(result=str(exc.status)).inc()
+            return exc.status, {"accepted": False, "error": exc.reason}
+        except OSError as exc:
+            self._limited.error("goodput-store", "goodput shipment from %s not stored: %s", verified.node, exc)
+            self.metrics.goodput_shipments.labels(result="503").inc()
+            return 503, {"accepted": False, "error": f"not stored: {exc.strerror or exc}"}
+        self.metrics.goodput_shipments.labels(result="accepted").inc()
+        return 200, {"accepted": True, "through": through}
 
     def _evaluate_request(self, node: str, finding: Any, job: Any, now: float) -> tuple[bool, str]:
         with self.reports_lock:
@@ -473,6 +505,7 @@ class Controller:
         still flagged that an operator had dismissed (undo, close) keeps the dismissed episode."""
         if not any(r.inband for r in reports.values()):
             self.inband_round = inband.InbandRound()
+            self._straggler_episodes(now)
             return self.inband_round
         carried = dict(self.inband_round.first_seen)
         if not self._inband_started:
@@ -489,12 +522,36 @@ class Controller:
             self._limited.warning("inband", "in-band signals not evaluated this round: %s: %s", type(exc).__name__, exc)
             self.inband_round = inband.InbandRound(first_seen=self.inband_round.first_seen)
             return self.inband_round
+        self._straggler_episodes(now)
         for node, found in sorted(self.inband_round.findings.items()):
             for f in found:
                 if (node, f.id) not in carried:  # a new episode: said once, whatever the tier decides
                     _log.warning("%s: in-band straggler (T%d%s): %s", node, f.tier,
                                  ", recorded only" if f.tier == 3 else "", f.summary)
         return self.inband_round
+
+    def _straggler_episodes(self, now: float) -> None:
+        """The round's slow ranks and rank windows, to the jobs' goodput logs."""
+        if self.stragglers is None or self.windows is None:
+            return
+        try:
+            self.stragglers.observe(now, [(f.job, f.state.rank, f.node, f.state.gpu, f.straggler.effect)
+                                          for f in self.inband_round.flags])
+            self.windows.observe(now, {
+                job: [goodput_gather.RankWindows(rank, p.node, p.state.gpu, p.state.rail,
+                                                 tuple((w.window, w.compute_s) for w in p.state.windows))
+                      for rank, p in view.ranks.items()]
+                for job, view in self.inband_round.views.items()},
+                {job: view.world_size for job, view in self.inband_round.views.items()})
+        except Exception as exc:  # the goodput log must never stop the round
+            self._limited.warning("straggler-log", "in-band records not written to the goodput logs: %s", exc)
+
+    def _write_own(self, job: str, lines: list[str]) -> None:
+        assert self.goodput_store is not None
+        try:
+            goodput_gather.append_own(self.goodput_store, job, lines)
+        except ValueError:  # a job id a report carried that is not Slurm's: nothing to charge it to
+            _log.debug("straggler episodes of %r not written: not a job id", job)
 
     def _respond_hangs(self, cases, mode: str, breaker_open: bool, approved: Iterable[str], now: float) -> None:
         try:
@@ -616,6 +673,11 @@ class Controller:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.stragglers is not None:
+            try:
+                self.stragglers.close()
+            except OSError as exc:
+                _log.warning("open straggler episodes not written to the goodput logs: %s", exc)
 
 
 # --------------------------------------------------------------------------- main
@@ -722,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
               settings.ledger, " (dry run)" if args.dry_run else "")
     controller.refresh_node_addrs(time.time())
     controller.recover(time.time())
-    server = admin_server = None
+    server = admin_server = accountant = None
     try:
         if args.once:
             controller.evaluate(time.time())
@@ -733,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
         server.start_background()
         if settings.metrics_listen:
             controller.metrics.serve(settings.metrics_listen)
+        if settings.goodput.directory is not None:
+            accountant = GoodputAccountant(settings.goodput, backend, settings.ledger, controller.metrics.goodput.publish)
+            accountant.start()
         ready = False
         status = ""
         # a round at least every quarter watchdog period: with feeds at most every half period, the
@@ -781,6 +846,8 @@ def main(argv: list[str] | None = None) -> int:
             server.server_close()
         if admin_server is not None:
             admin_server.close()
+        if accountant is not None:
+            accountant.stop()
         controller.close()
         ledger.close()
 

@@ -6,10 +6,16 @@ them to the log it reads when it can open the ledger."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from healthd.controller.ledger import Action, Incident
+from healthd import goodput
+from healthd.controller.ledger import Action, Incident, Ledger, LedgerError
+
+Requeues = dict[str, list[tuple[Action, Incident | None]]]
+"""job -> its applied requeues, each with its incident (None when the ledger has none)."""
 
 
 def requeues_by_job(actions: Iterable[Action]) -> dict[str, list[Action]]:
@@ -44,3 +50,28 @@ def entries(job: str, requeues: Iterable[tuple[Action, Incident | None]]) -> lis
                             "incident": key})
         out.append({"healthd_event": "decided", "time": applied, "incident": key})
     return out
+
+
+def ledger_requeues(path: str) -> Requeues | None:
+    """Every job's applied requeues with their incidents, read from the ledger at `path` once (read
+    only); None when it cannot be read (on a compute node there is none)."""
+    if not Path(path).is_file():
+        return None
+    try:
+        led = Ledger.open_readonly(path)
+    except LedgerError:
+        return None
+    try:
+        return {job: [(a, led.incident(d.incident_id) if (d := led.decision(a.decision_id)) and d.incident_id else None)
+                      for a in actions]
+                for job, actions in requeues_by_job(led.actions()).items()}
+    except (LedgerError, sqlite3.Error):
+        return None
+    finally:
+        led.close()
+
+
+def joined(log: goodput.Log, requeues: Requeues | None) -> tuple[goodput.Log, int]:
+    """`log` with its job's requeues and their incidents added; and how many were."""
+    mine = requeues.get(log.job, []) if requeues is not None and log.job else []
+    return (goodput.with_entries(log, entries(log.job, mine)) if mine else log), len(mine)  # type: ignore[arg-type]

@@ -31,16 +31,23 @@ from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 from healthd import goodput, goodput_report
 from healthd.config import ConfigError
 from healthd.controller import goodput_ledger
+from healthd.controller.goodput_gather import job_parts, read_parts
+from healthd.controller.goodput_jobs import UNKNOWN, GoodputSettings
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
                                       Ledger, LedgerError)
 from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
-from healthd.slurm.backend import validate_job_id
+from healthd.slurm.backend import SlurmError, validate_job_id
+from healthd.slurm.scontrol import ScontrolBackend
 from healthd.text import natural_key, parse_time, stamp, table
 
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
 DEFAULT_SOCKET = "/run/healthd/controller.sock"  # ... and its `admin_socket` default
-DEFAULT_GOODPUT_LOGS = "/var/lib/healthd/goodput"  # the agent's `state_dir` default, and its goodput logs
+GATHERED_GOODPUT_LOGS = GoodputSettings().directory
+"""Where the controller gathers the jobs' goodput logs by default (on the head node)."""
+NODE_GOODPUT_LOGS = "/var/lib/healthd/goodput"  # the agent's `state_dir` default, and its goodput logs
+DEFAULT_GOODPUT_LOGS = (GATHERED_GOODPUT_LOGS if GATHERED_GOODPUT_LOGS and os.path.isdir(GATHERED_GOODPUT_LOGS)
+                        else NODE_GOODPUT_LOGS)
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
@@ -488,14 +495,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log", default=None, help="one job's event log (JSONL, ml-goodput-measurement keys)")
     s.add_argument("--job", default=None, help="this job (its log in --logs, unless --log names one)")
     s.add_argument("--logs", default=os.environ.get("HEALTHCTL_GOODPUT_LOGS", DEFAULT_GOODPUT_LOGS),
-                   help=f"the directory of the jobs' logs (default {DEFAULT_GOODPUT_LOGS})")
+                   help="the directory of the jobs' logs: the controller's gathered copies (<job>/<node>.jsonl) "
+                        f"or a node's own (<job>.jsonl) (default {GATHERED_GOODPUT_LOGS} when it exists, "
+                        f"else {NODE_GOODPUT_LOGS})")
     s.add_argument("--since", type=_since, default=None, metavar="T",
                    help="every job with a run ending after T (RFC 3339, or a number of days: 7d)")
-    s.add_argument("--by", choices=("cause", "node", "serial"), default="cause",
-                   help="how the jobs' lost GPU-hours are grouped (default cause)")
+    s.add_argument("--by", choices=("cause", "node", "serial", "partition", "account"), default="cause",
+                   help="how the jobs' lost GPU-hours are grouped (cause, node, serial), or the jobs "
+                        "themselves (partition, account: as the controller recorded them) (default cause)")
     s.add_argument("--format", choices=("table", "json", "html"), default="table")
     s.add_argument("-o", "--output", default=None, help="where --format html writes the report (one self-contained file)")
     s.add_argument("--slo", type=_slo, default=0.9, help="the goodput objective the report burns against (default 0.9)")
+    s.add_argument("--sacct", action="store_true",
+                   help="with --job: the job's runs from Slurm's accounting (sacct, where the site runs slurmdbd; "
+                        "slurm.conf from the controller's config), as the controller accounts them")
     s = sub.add_parser("inband", help="the training jobs' in-band view: ranks, slow ranks, hangs (from the controller)")
     s.add_argument("--job", default=None, help="only this job")
     s = sub.add_parser("breaker", help="the circuit breaker")
@@ -612,24 +625,57 @@ def _since(text: str) -> float:
     return at
 
 
-def _account_file(path: str, job: str | None, requeues: Requeues | None, ledger: str,
-                  now: float | None) -> tuple[goodput.Account, goodput.Log, str]:
-    """One log read, joined with the job's requeues from the ledger when it was readable, and
-    accounted. Raises OSError."""
-    with open(path, "rb") as f:
-        raw = f.read(MAX_GOODPUT_LOG_BYTES + 1)
-    log = goodput.parse_log(raw[:MAX_GOODPUT_LOG_BYTES].decode("utf-8", errors="replace"), job)
-    name = job or log.job
-    mine = requeues.get(name, []) if requeues is not None and name else []
-    if mine:
-        log = goodput.with_entries(log, goodput_ledger.entries(name, mine))  # type: ignore[arg-type]
-    if len(raw) > MAX_GOODPUT_LOG_BYTES:
-        log = goodput.Log(log.job, log.events, (*log.problems, f"only the first {MAX_GOODPUT_LOG_BYTES} bytes read"))
-    where = (f"ledger {ledger}: {len(mine)} requeue(s) of job {name} and their incidents joined" if requeues is not None
+def _is_job(name: str) -> bool:
+    try:
+        validate_job_id(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _job_paths(logs: str, name: str) -> list[str]:
+    """The files of one job's log in `logs`: the controller's gathered parts (`<job>/`) or a node's
+    own file (`<job>.jsonl`). Raises OSError."""
+    path = os.path.join(logs, name)
+    if os.path.isdir(path):
+        parts = job_parts(path)
+        if not parts:
+            raise FileNotFoundError(f"{path}: no part of the log")
+        return parts
+    return [path if name.endswith(".jsonl") else f"{path}.jsonl"]
+
+
+def _account_file(paths: list[str], job: str | None, requeues: goodput_ledger.Requeues | None, ledger: str,
+                  now: float | None, runs: list | None = None) -> tuple[goodput.Account, goodput.Log, str]:
+    """One job's log read (its parts merged), joined with the job's requeues from the ledger when it
+    was readable, with its runs from Slurm's accounting when given, and accounted. Raises OSError."""
+    log = read_parts(paths, job, MAX_GOODPUT_LOG_BYTES)
+    log, joined = goodput_ledger.joined(log, requeues)
+    where = (f"ledger {ledger}: {joined} requeue(s) of job {log.job} and their incidents joined" if requeues is not None
              else f"ledger {ledger}: not read (interruptions are charged to their runs)")
+    if runs is not None:
+        log = goodput.with_runs(log, [goodput.SlurmRun(r.start, r.end, r.state.split()[0] if r.state else "", r.gpus)
+                                      for r in runs if r.start is not None])
+        where += f"; {len(runs)} run(s) from Slurm's accounting"
     # no `now`: a run without an end (still going, or its end not written) is counted to its last
     # event and the answer says so, rather than stretched to this moment
     return goodput.account(log, now=now), log, where
+
+
+def _recorded_jobs(logs: str) -> dict[str, tuple[str, str]]:
+    """job -> (partition, account) as the controller recorded them beside its gathered logs (empty
+    without them)."""
+    path = os.path.join(logs, "accounted.sqlite")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+        try:
+            return {job: (p, a) for job, p, a in db.execute("SELECT job, partition, account FROM jobs")}
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return {}
 
 
 def _goodput_fleet(args: argparse.Namespace) -> int:
@@ -638,17 +684,21 @@ def _goodput_fleet(args: argparse.Namespace) -> int:
     if args.format == "html":
         return _fail(EXIT_USAGE, "--format html is one job's report: name it with --job or --log")
     try:
-        names = sorted((n for n in os.listdir(args.logs) if n.endswith(".jsonl")), key=natural_key)
+        names = sorted((n for n in os.listdir(args.logs)
+                        if n.endswith(".jsonl") or (_is_job(n) and os.path.isdir(os.path.join(args.logs, n)))),
+                       key=natural_key)
     except OSError as exc:
         return _fail(EXIT_UNREACHABLE, f"{args.logs}: cannot list the goodput logs: {exc.strerror or exc}")
-    requeues = _ledger_requeues(args.ledger)
+    requeues = goodput_ledger.ledger_requeues(args.ledger)
+    recorded = _recorded_jobs(args.logs) if args.by in ("partition", "account") else {}
     jobs: list[goodput.Account] = []
     totals = dict.fromkeys(goodput.CATEGORIES, 0.0)
     groups: dict[str, dict[str, float]] = {}
     unreadable: list[str] = []
     for name in names:
         try:
-            acc, log, _ = _account_file(os.path.join(args.logs, name), None, requeues, args.ledger, args.now)
+            acc, log, _ = _account_file(_job_paths(args.logs, name), None if name.endswith(".jsonl") else name,
+                                        requeues, args.ledger, args.now)
         except OSError as exc:
             unreadable.append(f"{name}: {exc.strerror or exc}")
             continue
@@ -658,6 +708,17 @@ def _goodput_fleet(args: argparse.Namespace) -> int:
         jobs.append(acc)
         for c, v in acc.gpu_s.items():
             totals[c] += v
+        if args.by in ("partition", "account"):
+            where = recorded.get(acc.job or name.removesuffix(".jsonl"), (UNKNOWN, UNKNOWN))
+            g = groups.setdefault(where[0 if args.by == "partition" else 1] or UNKNOWN,
+                                  {"jobs": 0, "held_gpu_s": 0.0, "productive_gpu_s": 0.0, "interruptions": 0,
+                                   "gpu_s": 0.0})
+            g["jobs"] += 1
+            g["held_gpu_s"] += acc.held_gpu_s
+            g["productive_gpu_s"] += acc.gpu_s["productive"]
+            g["interruptions"] += acc.interruptions
+            g["gpu_s"] += sum(inc.total_gpu_s for inc in acc.incidents)
+            continue
         for inc in acc.incidents:
             key = {"cause": inc.cause, "node": inc.node, "serial": inc.gpu}[args.by] or "unknown"
             g = groups.setdefault(key, {"interruptions": 0, "gpu_s": 0.0})
@@ -680,7 +741,13 @@ def _goodput_fleet(args: argparse.Namespace) -> int:
                          a.interruptions, "PARTIAL" if a.partial else ""] for a in jobs])
         lines += table(["category", "GPU-h", "share"],
                        [[c, f"{v / 3600:.3f}", f"{v / held:.1%}"] for c, v in totals.items() if v > 0])
-    if ranked:
+    if ranked and args.by in ("partition", "account"):
+        lines.append(f"by {args.by}:")
+        lines += table([args.by, "jobs", "GPU-h", "goodput", "interruptions", "lost GPU-h"],
+                       [[k, int(v["jobs"]), f"{v['held_gpu_s'] / 3600:.2f}",
+                         f"{v['productive_gpu_s'] / v['held_gpu_s']:.1%}" if v["held_gpu_s"] else "-",
+                         int(v["interruptions"]), f"{v['gpu_s'] / 3600:.3f}"] for k, v in ranked])
+    elif ranked:
         lines.append(f"lost GPU-hours by {args.by}:")
         lines += table([args.by, "interruptions", "GPU-h"],
                        [[k, int(v["interruptions"]), f"{v['gpu_s'] / 3600:.3f}"] for k, v in ranked])
@@ -698,9 +765,21 @@ def _goodput(args: argparse.Namespace) -> int:
             validate_job_id(args.job)
         except ValueError:
             return _fail(EXIT_USAGE, f"--job {args.job!r}: not a Slurm job id")
-    path = args.log or os.path.join(args.logs, f"{args.job}.jsonl")
+    path = args.log or os.path.join(args.logs, args.job)
+    runs: list | None = None
+    if args.sacct:
+        if args.job is None:
+            return _fail(EXIT_USAGE, "--sacct needs --job (the job whose runs to ask Slurm for)")
+        try:
+            runs = ScontrolBackend(load_controller_settings(args.config).slurm_conf).job_runs(args.job)
+        except (ConfigError, OSError, SlurmError, ValueError) as exc:
+            return _fail(EXIT_UNREACHABLE, f"sacct: {exc}")
+        if runs is None:
+            return _fail(EXIT_UNREACHABLE, "sacct: Slurm keeps no job accounting here (no slurmdbd)")
     try:
-        acc, log, where = _account_file(path, args.job, _ledger_requeues(args.ledger), args.ledger, args.now)
+        paths = [args.log] if args.log else _job_paths(args.logs, args.job)
+        acc, log, where = _account_file(paths, args.job, goodput_ledger.ledger_requeues(args.ledger), args.ledger,
+                                        args.now, runs)
     except OSError as exc:
         return _fail(EXIT_UNREACHABLE, f"{path}: cannot read the event log: {exc.strerror or exc}")
     advice = goodput.interval_advice(log, acc)
@@ -718,28 +797,6 @@ def _goodput(args: argparse.Namespace) -> int:
     else:
         print("\n".join([*goodput_lines(acc, advice), where]))
     return EXIT_OK
-
-
-Requeues = dict[str, list[tuple[Any, Incident | None]]]
-
-
-def _ledger_requeues(path: str) -> Requeues | None:
-    """Every job's applied requeues with their incidents, read from the ledger once; None when the
-    ledger cannot be read (on a compute node there is none)."""
-    if not Path(path).is_file():
-        return None
-    try:
-        led = Ledger.open_readonly(path)
-    except LedgerError:
-        return None
-    try:
-        return {job: [(a, led.incident(d.incident_id) if (d := led.decision(a.decision_id)) and d.incident_id else None)
-                      for a in actions]
-                for job, actions in goodput_ledger.requeues_by_job(led.actions()).items()}
-    except (LedgerError, sqlite3.Error):
-        return None
-    finally:
-        led.close()
 
 
 def write_atomic(path: str, text: str) -> None:

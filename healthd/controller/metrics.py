@@ -21,7 +21,11 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 
 from healthd.controller.ledger import REINTEGRATION_STATES
 from healthd.gauges import Family, Samples, SnapshotGauges
@@ -80,6 +84,21 @@ class RoundFigures:
     """Jobs whose progress has stalled past their bound."""
 
 
+@dataclass(frozen=True)
+class GoodputFigures:
+    """What the goodput metrics export: the totals over the accounted jobs (healthd.controller.goodput_jobs)."""
+
+    gpu_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(partition, category) -> GPU-seconds."""
+    lost: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(partition, cause) -> GPU-seconds an interruption cost (lost work, detection, decision,
+    waiting and restart), charged to its cause."""
+    jobs: Mapping[str, int] = field(default_factory=dict)
+    """partition -> jobs accounted."""
+    objective: Mapping[str, float] = field(default_factory=dict)
+    """partition -> its goodput objective."""
+
+
 ROUND_GAUGES: tuple[Family, ...] = (
     ("healthd_controller_last_round_timestamp_seconds",
      "When the last full control round completed (Slurm reachable)", ()),
@@ -134,6 +153,48 @@ BEFORE_FIRST_ROUND: tuple[Samples, ...] = (
 """What the gauges show until the first full round: zeros, no open incidents."""
 
 
+class GoodputCollector:
+    """The accounted jobs' goodput (healthd.controller.goodput_jobs): counters by partition, set whole
+    after each accounting pass; nothing until the first pass."""
+
+    def __init__(self) -> None:
+        self._figures: GoodputFigures | None = None
+
+    def publish(self, figures: GoodputFigures) -> None:
+        self._figures = figures
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(self._figures))
+
+    @staticmethod
+    def _families(f: GoodputFigures | None) -> list[Metric]:
+        held = CounterMetricFamily(
+            "healthd_goodput_gpu_seconds", "GPU-seconds held by the jobs that ended, by partition and category "
+            "(productive, checkpoint, lost, detection, decision, waiting, restart, straggler, false_positive, other)",
+            labels=("partition", "category"))
+        lost = CounterMetricFamily(
+            "healthd_goodput_lost_gpu_seconds", "GPU-seconds interruptions cost the jobs that ended (lost work, "
+            "detection, decision, waiting, restart), by partition and cause", labels=("partition", "cause"))
+        jobs = CounterMetricFamily("healthd_goodput_jobs", "Jobs accounted after they ended, by partition",
+                                   labels=("partition",))
+        objective = GaugeMetricFamily("healthd_goodput_objective",
+                                      "The goodput objective: the share of held GPU time meant to be productive",
+                                      labels=("partition",))
+        if f is not None:
+            for (partition, category), v in sorted(f.gpu_s.items()):
+                held.add_metric((partition, category), v)
+            for (partition, cause), v in sorted(f.lost.items()):
+                lost.add_metric((partition, cause), v)
+            for partition, n in sorted(f.jobs.items()):
+                jobs.add_metric((partition,), float(n))
+            for partition, v in sorted(f.objective.items()):
+                objective.add_metric((partition,), v)
+        return [held, lost, jobs, objective]
+
+
 class ControllerMetrics:
     """The controller's counters and fleet gauges; one instance per daemon (tests make their own)."""
 
@@ -157,6 +218,11 @@ class ControllerMetrics:
                                           registry=r)
         for stage in INCIDENT_STAGES:
             self.incident_latency.labels(stage)
+        self.goodput_shipments = Counter("healthd_controller_goodput_shipments_total",
+                                         "Goodput log shipments from the agents, by result (accepted or the "
+                                         "HTTP status of the refusal)", ["result"], registry=r)
+        self.goodput = GoodputCollector()
+        r.register(self.goodput)
         self._lock = threading.Lock()
         """One round's figures are taken in whole before the next's."""
         self._started_at: float | None = None

@@ -4,6 +4,9 @@
                       "instructions": []} or the refusal's HTTP status with {"accepted": false, "error"}
     POST /v1/request  a signed envelope whose report is {"kind": "drain-request", "node", "finding",
                       "job"} from a prolog in `controller` gating mode; 200 {"granted": bool, "reason"}
+    POST /v1/goodput  a signed envelope whose report is a node's goodput log lines {"kind":
+                      "goodput-lines", "job", "offset", "data"} (healthd.controller.goodput_gather);
+                      200 {"accepted": true, "through": N} or the refusal's status
     GET  /healthz     200 {"ok": true}
 
 Why not http.server: every agent opens a new connection per report (a fleet of 10k nodes must not
@@ -163,6 +166,8 @@ class Handler(Protocol):
     def receive_report(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]: ...
 
     def receive_request(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]: ...
+
+    def receive_goodput(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]: ...
 
 
 class _BadRequest(Exception):
@@ -404,7 +409,7 @@ class _Connection(FlowControlled):
                 raise _BadRequest(413, "body too large")
             req.length = req.length or 0
             return
-        if req.target not in ("/v1/report", "/v1/request"):
+        if req.target not in ("/v1/report", "/v1/request", "/v1/goodput"):
             self._refuse(404, {"error": f"no such endpoint {req.target[:80]!r}"})
             return
         if req.length is None:
@@ -445,11 +450,14 @@ class _Connection(FlowControlled):
             status, payload = self._call(self.server.controller.receive_report, req, body)
             self._finish(status, payload, close=not req.keep_alive)
             return
-        # /v1/request may wait on Slurm for ~20 s: off the loop, and this connection stops reading
+        # /v1/request may wait on Slurm for ~20 s, /v1/goodput on the disk: off the loop, and this
+        # connection stops reading
         self.state = "busy"
         self._cancel_timer()
         self._pause_reading()
-        fut = self.loop.run_in_executor(self.server._pool, self._call, self.server.controller.receive_request, req, body)
+        route = (self.server.controller.receive_request if req.target == "/v1/request"
+                 else self.server.controller.receive_goodput)
+        fut = self.loop.run_in_executor(self.server._pool, self._call, route, req, body)
         fut.add_done_callback(lambda f: self._request_done(req, f))
 
     def _call(self, route: Callable[[bytes, str], tuple[int, dict[str, Any]]], req: _Request,

@@ -17,7 +17,7 @@ from tests.goodput.test_accounting import crash_and_restore, hd, log_line
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "build" / "test-artifacts"
-CHARTS = ("slo", "categories", "pareto", "timeline", "offenders", "interval")
+CHARTS = ("slo", "categories", "pareto", "timeline", "heatmap", "offenders", "interval")
 HOSTILE = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
 
 
@@ -54,6 +54,13 @@ def test_the_report_renders_in_chromium_with_every_chart_and_no_console_message(
     assert hostile != crash_and_restore()
     lines = hostile.splitlines()  # the straggler before the job's end: the log stays in time order
     lines.insert(-2, log_line("4242", **hd("straggler", 400, end=500, share=0.1, rank=3, node="node02", gpu=3)))
+    # the controller's records of where the 4 ranks ran (one rail named by a hostile agent) and their windows
+    lines.insert(-2, log_line("4242", **hd("ranks", 405, ranks=[
+        {"rank": r, "node": f"node0{1 + r // 2}", "gpu": r % 2, "rail": HOSTILE if r == 2 else f"mlx5_{r % 2}/1"}
+        for r in range(4)])))
+    for w in range(12):
+        lines.insert(-2, log_line("4242", **hd("windows", 410 + w, window=w,
+                                                compute=[[r, 0.1 * (1.3 if r == 3 and w >= 4 else 1.0)] for r in range(4)])))
     hostile = "\n".join(lines) + "\n"
     page = report(tmp_path, hostile, "job")
     html = page.read_text()
@@ -73,6 +80,9 @@ def test_the_report_renders_in_chromium_with_every_chart_and_no_console_message(
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a page of charts, not a blank one
     assert "(PARTIAL)" not in capsys.readouterr().out
+    # the heatmap: a row per rank labelled where it ran, rank 3 red from window 4 on
+    assert "rank 3 node02/gpu1/mlx5_1/1" in dom.stdout and "rank 0 node01/gpu0/mlx5_0/1" in dom.stdout
+    assert "+30.0% against the window" in dom.stdout and "4 rank(s), 12 window(s)" in dom.stdout
 
 
 def test_the_console_check_sees_a_page_that_fetches(chromium, tmp_path):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -106,6 +107,11 @@ class InbandFleet:
         return self.root / "controller"
 
     @property
+    def gathered(self) -> Path:
+        """Where the controller gathers the jobs' goodput logs."""
+        return self.controller_dir / "gathered"
+
+    @property
     def controller_log(self) -> Path:
         return self.controller_dir / "controller.log"
 
@@ -126,6 +132,7 @@ class InbandFleet:
             "policy": {"mode": "auto"},
             "requeue_opt_in": REQUEUE_TAG,
             "inband": {"detector": {"hang_min_s": HANG_MIN_S}},
+            "goodput": {"directory": str(self.gathered), "interval_s": 1, "settle_s": 3},
         }, indent=1))
         env = dict(self.e2e.cluster.env, PATH=f"{VENV_BIN}:{self.e2e.cluster.env['PATH']}")
         with open(self.controller_log, "ab") as out:
@@ -421,6 +428,30 @@ def test_b_a_slowed_rank_of_a_job_across_nodes_is_flagged_by_the_controller(flee
     assert not findings(fleet, "inband.straggler")  # no agent judges a job it sees one rank of
     assert not drained(fleet)
     fleet.e2e.run("scancel", job)
+    # the episode ends with the job's data in the reports, and goes to the job's goodput log as one
+    # straggler record (rank 3, its node and GPU, the slowdown): the job's straggler tax
+    own = fleet.gathered / job / "_controller.jsonl"
+
+    def straggler_records() -> list[dict] | None:
+        records = [json.loads(x) for x in own.read_text().splitlines()] if own.exists() else []
+        return [r for r in records if r["healthd_event"] == "straggler"] or None
+
+    [record] = wait_for(straggler_records, 60, f"the controller's straggler record for job {job}",
+                        diagnostics=lambda: fleet.diagnostics(job))
+    assert (record["rank"], record["node"]) == (3, seen[3][0]), record
+    assert record["end"] > record["time"] and record["share"] > 0, record
+    # and while the job ran, where its ranks ran and their windows: the report's heatmap
+    records = [json.loads(x) for x in own.read_text().splitlines()]
+    placed = {p["rank"]: p["node"] for r in records if r["healthd_event"] == "ranks" for p in r["ranks"]}
+    assert placed == {r: node for r, (node, _) in seen.items()}, placed
+    windows = [r for r in records if r["healthd_event"] == "windows"]
+    assert len(windows) >= 3 and all(len(w["compute"]) == 4 for w in windows), windows[:3]
+    page = fleet.controller_dir / f"goodput-{job}.html"
+    p = subprocess.run([str(VENV_BIN / "healthctl"), "--ledger", str(fleet.controller_dir / "ledger.sqlite"), "goodput",
+                        "--job", job, "--logs", str(fleet.gathered), "--format", "html", "-o", str(page)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert f"rank 3 {seen[3][0]}/gpu" in page.read_text() and "4 rank(s)" in page.read_text()
 
 
 # ----------------------------------------------------------------------------- c
@@ -536,3 +567,29 @@ def test_d_crash_requeue_restore(fleet: InbandFleet):
     assert g["lost"] > 0, g  # steps 50 to 59 of the first run, after its durable save of step 49
     assert acc["held_gpu_s"] == pytest.approx(sum(g.values())), acc
     print(f"goodput of job {job}: {acc['goodput']:.1%}; " + ", ".join(f"{k} {v:.1f}" for k, v in g.items() if v))
+    # the agent shipped the log to the controller, which has it byte for byte
+    copy = fleet.gathered / job / f"{node0.name}.jsonl"
+    wait_for(lambda: copy.exists() and copy.read_bytes() == path.read_bytes(), 30,
+             f"the controller's copy of job {job}'s goodput log", diagnostics=lambda: fleet.diagnostics(job))
+    # and accounted the job once it ended, by the partition Slurm gave it
+    db = fleet.gathered / "accounted.sqlite"
+
+    def accounted() -> tuple | None:
+        if not db.exists():
+            return None
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+            row = c.execute("SELECT partition, gpu_s, last_write FROM jobs WHERE job = ? AND accounted_at IS NOT NULL",
+                            (job,)).fetchone()
+        return row if row and row[2] >= copy.stat().st_mtime else None
+
+    partition, gpu_s, _ = wait_for(accounted, 60, f"the controller to account job {job}",
+                                   diagnostics=lambda: fleet.diagnostics(job))
+    assert partition == "debug"
+    assert json.loads(gpu_s) == pytest.approx(g), (gpu_s, g)
+    assert fleet.metric('healthd_goodput_jobs_total{partition="debug"}') >= 1
+    # on the head node, healthctl reads the gathered copy, joined with the controller's ledger
+    p = subprocess.run([str(VENV_BIN / "healthctl"), "--ledger", str(fleet.controller_dir / "ledger.sqlite"), "--json",
+                        "goodput", "--job", job, "--logs", str(fleet.gathered)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    head = json.loads(p.stdout)
+    assert head["gpu_s"] == pytest.approx(g) and "0 requeue(s)" in head["ledger"], head

@@ -100,8 +100,13 @@ def controller_scrape(tmp_path_factory) -> str:
 
     if munged_path() is None:
         pytest.skip("munged not installed (apt-get install munge): the controller scrape needs real MUNGE")
+    from healthd.agent.goodput_ship import GoodputShipper
     from healthd.envelope import sign_report
     from healthd.controller.config import ControllerSettings
+    from healthd.controller.goodput_jobs import GoodputAccountant, GoodputSettings
+    from healthd.settings import ControllerClientSettings
+    from healthd.slurm.backend import JobInfo
+    from tests.goodput.test_ledger_join import node_log
     from healthd.controller.daemon import Controller
     from healthd.controller.ledger import Ledger
     from healthd.controller.metrics import ControllerMetrics
@@ -114,9 +119,11 @@ def controller_scrape(tmp_path_factory) -> str:
         ledger = Ledger(root / "ledger.sqlite")
         settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(root / "ledger.sqlite"),
                                       munge_socket=fleet.controller_socket, node_addrs=fleet.node_addrs,
-                                      policy=ControllerPolicySettings(mode="supervised"))
+                                      policy=ControllerPolicySettings(mode="supervised"),
+                                      goodput=GoodputSettings(directory=str(root / "gathered"), settle_s=0))
         metrics = ControllerMetrics()
-        controller = Controller(settings, ledger, FakeBackend(NODES), metrics=metrics)
+        backend = FakeBackend(NODES)
+        controller = Controller(settings, ledger, backend, metrics=metrics)
         server = ControllerHTTPServer(settings.listen, controller)
         server.start_background()
         port = free_port()
@@ -136,6 +143,16 @@ def controller_scrape(tmp_path_factory) -> str:
             assert post("node01", {"node": "node01", "verdict": "healthy", "findings": []}, "node01") == 200
             assert post("node02", {"node": "node02", "verdict": "failed", "findings": [_xid79(now)]}, "node02") == 200
             assert post("node03", {"node": "node03", "verdict": "healthy", "findings": []}, "node04") != 200
+            # a job's goodput log shipped by node01's agent, and accounted once Slurm says it ended
+            (root / "node01/goodput").mkdir(parents=True)
+            (root / "node01/goodput/4242.jsonl").write_text(node_log())
+            shipper = GoodputShipper(ControllerClientSettings(url=server.url, munge_socket=fleet.socket("node01")),
+                                     "node01", str(root / "node01"), start=False)
+            assert shipper.ship_once() and shipper.counters["shipments"] == 1
+            backend.known_jobs["4242"] = JobInfo("4242", True, "", 1, "COMPLETED", "gpu", "ml")
+            accountant = GoodputAccountant(settings.goodput, backend, settings.ledger, metrics.goodput.publish)
+            assert accountant.pass_once() == ["4242"]
+            accountant.jobs.close()
             for _ in range(3):
                 controller.evaluate(time.time())
                 # the one line daemon.py's evaluate runs after a full round; called here too so this

@@ -55,8 +55,17 @@ def test_alerts_are_written_for_the_on_call_admin():
         assert len(ann["description"]) > 80, a["alert"]  # what it means and what to do
 
 
+def recordings() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "record" in r]
+
+
 def test_rules_use_only_metrics_the_scrapes_have(agent_scrapes, controller_scrape):
-    have = metric_names(agent_scrapes["http"]) | metric_names(controller_scrape) | NOT_OURS
+    scraped = metric_names(agent_scrapes["http"]) | metric_names(controller_scrape) | NOT_OURS
+    recorded = {r["record"] for r in recordings()}
+    have = scraped | recorded
+    for r in recordings():
+        used = promql_names(r["expr"])
+        assert used and used <= have, f"{r['record']}: unknown metric(s) {used - have}"
     for a in alerts():
         used = promql_names(a["expr"])
         assert used, a["alert"]

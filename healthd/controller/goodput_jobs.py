@@ -1,0 +1,372 @@
+"""The controller's goodput accounting of finished jobs, for its metrics and the goodput SLO.
+
+Every `goodput.interval_s` (on a thread of its own, never on the report path or in the control
+round) the accountant looks at the jobs gathered under `goodput.directory`
+(healthd.controller.goodput_gather). A job whose log has not grown for `settle_s` is looked up in
+Slurm: its partition and account are remembered, and once Slurm says it has ended (or no longer
+knows it) its log is joined with the ledger's requeues and incidents and accounted
+(healthd.goodput). The result is one row of `<directory>/accounted.sqlite`; a job whose log grows
+again later (a requeue after its end) is accounted again and its row replaced.
+
+The metrics are the sums of those rows (`GoodputFigures`): GPU-seconds by partition and category,
+lost GPU-seconds by partition and cause, jobs by partition, and each partition's objective. They are
+counters that only grow while rows are added, so Prometheus's `rate` over them is the share of the
+GPU time of the jobs that ended in a window; prometheus/healthd-alerts.yml turns that into the
+error budget's burn rate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from healthd import goodput
+from healthd.controller import goodput_ledger
+from healthd.controller.goodput_gather import job_parts, read_parts
+from healthd.controller.metrics import GoodputFigures
+from healthd.slurm.backend import JobInfo, JobRun, SlurmBackend, SlurmError
+
+_log = logging.getLogger("healthd.controller")
+
+ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                          "DEADLINE", "OUT_OF_MEMORY"})
+"""Slurm job states after which a job runs no more (a requeued job is PENDING or REQUEUED again)."""
+UNKNOWN = "unknown"
+"""The partition (or account) of a job Slurm had forgotten before the accountant first asked."""
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9:._-]{0,63}")
+MAX_CAUSES = 64
+"""Distinct `cause` label values exported; the rest are summed as `other` (a bounded label set)."""
+MAX_LOG_BYTES = 64 * 1024 * 1024
+FORGOTTEN_S = 86400.0
+"""A job neither Slurm's accounting nor slurmctld knows is accounted from its log alone once its log
+has not grown for this long."""
+
+
+@dataclass(frozen=True)
+class GoodputSettings:
+    """Goodput at the controller: the gathered logs, the accounting of ended jobs and the SLO."""
+
+    directory: str | None = "/var/lib/healthd/goodput-gathered"
+    """Where the agents' goodput logs are gathered (`<job>/<node>.jsonl`) and the accounted jobs kept;
+    None: the controller takes no goodput logs (POST /v1/goodput is answered 404) and exports none."""
+    max_log_bytes: int = MAX_LOG_BYTES
+    """One node's part of one job's log stops growing here (a shipment past it is refused)."""
+    interval_s: float = 60.0
+    """How often the accountant looks for jobs that ended."""
+    settle_s: float = 120.0
+    """A job's log must not have grown for this long before it is accounted (the epilog's run end
+    arrives after the job ends). Keep it under Slurm's MinJobAge (300 s by default), so the job's
+    partition and account are read while slurmctld still holds it."""
+    objective: float = 0.9
+    """The goodput objective of every partition not in `objectives`: the share of held GPU time
+    that should be productive. The error budget is 1 - objective."""
+    objectives: Mapping[str, float] = field(default_factory=dict)
+    """partition -> its own objective."""
+    keep_days: float = 90.0
+    """A job's gathered log and its row are deleted this long after it was accounted."""
+    sacct: bool = True
+    """Read each job's runs from Slurm's accounting (`sacct --duplicates`) where the site runs
+    slurmdbd: their starts, ends, end states, GPUs, partition and account replace the log's own. Where
+    sacct says accounting is disabled, the log's runs and squeue are used."""
+    admin_comment: bool = True
+    """With Slurm's accounting, write `healthd: goodput=...` to the ended job's AdminComment
+    (`sacctmgr modify job`), only when it is empty or healthd's own; not in --dry-run."""
+
+    def objective_of(self, partition: str) -> float:
+        return self.objectives.get(partition, self.objective)
+
+
+def label(value: str | None) -> str:
+    """A partition, account or cause as a label value: itself when it looks like one, else `other`."""
+    return value if value and LABEL.fullmatch(value) else ("other" if value else UNKNOWN)
+
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS jobs (
+        job TEXT PRIMARY KEY,
+        partition TEXT NOT NULL,
+        account TEXT NOT NULL,
+        accounted_at REAL,
+        last_write REAL,
+        held_gpu_s REAL,
+        gpu_s TEXT,
+        lost TEXT,
+        problems TEXT)""",
+    # what the counters export: only ever increased, so deleting an old job or accounting one again
+    # never makes a counter go down (which Prometheus would read as a reset)
+    """CREATE TABLE IF NOT EXISTS totals (
+        partition TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value REAL NOT NULL,
+        PRIMARY KEY (partition, kind, key))""",
+)
+
+
+class AccountedJobs:
+    """`<directory>/accounted.sqlite`: one row per job (its partition as soon as it is known, its
+    account once it ended) and the running totals the metrics export. Used by one thread."""
+
+    def __init__(self, path: str):
+        self.db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        for statement in _SCHEMA:
+            self.db.execute(statement)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def known(self) -> dict[str, tuple[str, str, float | None, float | None]]:
+        """job -> (partition, account, accounted_at, the newest write it was accounted with)."""
+        return {job: (p, a, at, lw) for job, p, a, at, lw in
+                self.db.execute("SELECT job, partition, account, accounted_at, last_write FROM jobs")}
+
+    def seen(self, job: str, partition: str, account: str) -> None:
+        self.db.execute("INSERT INTO jobs (job, partition, account) VALUES (?, ?, ?) ON CONFLICT(job) DO UPDATE "
+                        "SET partition = excluded.partition, account = excluded.account", (job, partition, account))
+
+    def accounted(self, job: str, partition: str, account: str, at: float, last_write: float,
+                  acc: goodput.Account) -> None:
+        """Record the job's account and add what it adds to the totals: all of it the first time; when
+        it is accounted again, what grew (a category that shrank keeps its total)."""
+        lost: dict[str, float] = {}
+        for inc in acc.incidents:
+            lost[inc.cause] = lost.get(inc.cause, 0.0) + inc.total_gpu_s
+        before = self.db.execute("SELECT partition, gpu_s, lost FROM jobs WHERE job = ? AND accounted_at IS NOT NULL",
+                                 (job,)).fetchone()
+        old_part = label(before[0]) if before else None
+        old_cats, old_lost = (_floats(before[1]), _floats(before[2])) if before else ({}, {})
+        part = label(partition)
+        same = old_part == part
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute(
+                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(job) DO UPDATE SET "
+                "partition = excluded.partition, account = excluded.account, accounted_at = excluded.accounted_at, "
+                "last_write = excluded.last_write, held_gpu_s = excluded.held_gpu_s, gpu_s = excluded.gpu_s, "
+                "lost = excluded.lost, problems = excluded.problems",
+                (job, partition, account, at, last_write, acc.held_gpu_s, json.dumps(dict(acc.gpu_s)),
+                 json.dumps(lost), json.dumps(list(acc.problems))))
+            if not before or not same:
+                self._add(part, "jobs", "", 1.0)
+            for c, v in acc.gpu_s.items():
+                self._add(part, "gpu_s", c, v - (old_cats.get(c, 0.0) if same else 0.0))
+            for cause, v in lost.items():
+                self._add(part, "lost", cause, v - (old_lost.get(cause, 0.0) if same else 0.0))
+
+    def _add(self, partition: str, kind: str, key: str, value: float) -> None:
+        if value <= 0:
+            return
+        self.db.execute("INSERT INTO totals VALUES (?, ?, ?, ?) ON CONFLICT(partition, kind, key) DO UPDATE "
+                        "SET value = value + excluded.value", (partition, kind, key, value))
+
+    def forget(self, job: str) -> None:
+        """Delete the job's row; the totals keep what it added."""
+        self.db.execute("DELETE FROM jobs WHERE job = ?", (job,))
+
+    def figures(self, settings: GoodputSettings) -> GoodputFigures:
+        gpu_s: dict[tuple[str, str], float] = {}
+        lost_raw: dict[tuple[str, str], float] = {}
+        jobs: dict[str, int] = {}
+        for partition, kind, key, value in self.db.execute("SELECT partition, kind, key, value FROM totals"):
+            if kind == "jobs":
+                jobs[partition] = int(value)
+            elif kind == "gpu_s" and key in goodput.CATEGORIES:
+                gpu_s[(partition, key)] = value
+            elif kind == "lost":
+                cause = label(key)
+                lost_raw[(partition, cause)] = lost_raw.get((partition, cause), 0.0) + value
+        for part in jobs:
+            for c in goodput.CATEGORIES:
+                gpu_s.setdefault((part, c), 0.0)
+        weight: dict[str, float] = {}
+        for (_, cause), v in lost_raw.items():
+            weight[cause] = weight.get(cause, 0.0) + v
+        kept = set(sorted(weight, key=lambda c: (-weight[c], c))[:MAX_CAUSES])
+        lost: dict[tuple[str, str], float] = {}
+        for (part, cause), v in lost_raw.items():
+            key = (part, cause if cause in kept else "other")
+            lost[key] = lost.get(key, 0.0) + v
+        partitions = set(jobs) | {label(p) for p in settings.objectives}
+        return GoodputFigures(gpu_s, lost, jobs, {p: settings.objective_of(p) for p in sorted(partitions)})
+
+
+def _floats(text: str | None) -> dict[str, float]:
+    try:
+        doc = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return {str(k): float(v) for k, v in doc.items() if isinstance(v, (int, float))} if isinstance(doc, dict) else {}
+
+
+def _newest_write(directory: str) -> float:
+    return max((os.stat(p).st_mtime for p in job_parts(directory)), default=0.0)
+
+
+class GoodputAccountant:
+    """Accounts the ended jobs under `settings.directory` (module doc). `publish` receives the
+    figures after each pass that changed them (and after the first)."""
+
+    def __init__(self, settings: GoodputSettings, backend: SlurmBackend, ledger_path: str,
+                 publish: Callable[[GoodputFigures], None], clock: Callable[[], float] = time.time):
+        assert settings.directory is not None
+        self.settings = settings
+        self.backend = backend
+        self.ledger_path = ledger_path
+        self.publish = publish
+        self.clock = clock
+        os.makedirs(settings.directory, mode=0o750, exist_ok=True)
+        self.jobs = AccountedJobs(os.path.join(settings.directory, "accounted.sqlite"))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._no_accounting = False
+        self._published = False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="healthd-goodput", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+        self.jobs.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.pass_once()
+            except Exception:  # a bad pass must not end the accounting for the daemon's lifetime
+                _log.exception("goodput accounting pass failed")
+            self._stop.wait(self.settings.interval_s)
+
+    def pass_once(self) -> list[str]:
+        """One look at every gathered job; returns the jobs accounted in it."""
+        now = self.clock()
+        directory = self.settings.directory
+        assert directory is not None
+        known = self.jobs.known()
+        done: list[str] = []
+        requeues: goodput_ledger.Requeues | None = None
+        requeues_read = False
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if not os.path.isdir(path) or os.path.islink(path):
+                continue
+            try:
+                last_write = _newest_write(path)
+            except OSError:
+                continue
+            row = known.get(name)
+            if row is not None and row[2] is not None:
+                if row[3] is not None and last_write <= row[3]:
+                    if now - row[2] > self.settings.keep_days * 86400:
+                        self._delete(name, path)
+                    continue
+            if now - last_write < self.settings.settle_s:
+                continue
+            partition, account = (row[0], row[1]) if row is not None else (UNKNOWN, UNKNOWN)
+            try:
+                runs = self._runs(name)
+                # no accounting, or none of this job yet (slurmdbd behind): ask slurmctld
+                info = self.backend.job(name) if not runs else None
+            except (SlurmError, ValueError) as exc:
+                _log.debug("goodput: job %s not looked up: %s", name, exc)
+                continue
+            if runs:
+                last = runs[-1]
+                partition, account = last.partition or partition, last.account or account
+                self.jobs.seen(name, partition, account)
+                if _state(last.state) not in ENDED_STATES:
+                    continue  # running, or requeued and waiting to start again
+            elif info is not None:
+                partition, account = info.partition or partition, info.account or account
+                self.jobs.seen(name, partition, account)
+                if not _ended(info):
+                    continue
+            elif runs == [] and now - last_write < FORGOTTEN_S:
+                continue  # neither accounting nor slurmctld knows it yet (slurmdbd behind)
+            if not requeues_read:
+                requeues, requeues_read = goodput_ledger.ledger_requeues(self.ledger_path), True
+            try:
+                log = read_parts(job_parts(path), name, self.settings.max_log_bytes)
+            except OSError as exc:
+                _log.warning("goodput: job %s's log not read: %s", name, exc)
+                continue
+            log, _ = goodput_ledger.joined(log, requeues)
+            if runs:
+                log = goodput.with_runs(log, [goodput.SlurmRun(r.start, r.end, _state(r.state), r.gpus)
+                                              for r in runs if r.start is not None])
+            acc = goodput.account(log)
+            self.jobs.accounted(name, partition, account, now, last_write, acc)
+            done.append(name)
+            if runs and self.settings.admin_comment:
+                self._comment(name, runs[-1], acc)
+            _log.info("goodput: job %s (partition %s) accounted: %s of %.2f GPU-h%s", name, partition,
+                      "-" if acc.goodput is None else f"{acc.goodput:.1%}", acc.held_gpu_s / 3600,
+                      " (partial)" if acc.partial else "")
+        if done or not self._published:
+            self.publish(self.jobs.figures(self.settings))
+            self._published = True
+        return done
+
+    def _runs(self, job: str) -> list[JobRun] | None:
+        """The job's runs from sacct; None without Slurm accounting (asked once: a site that starts
+        slurmdbd restarts the controller with its new slurm.conf)."""
+        if not self.settings.sacct or self._no_accounting:
+            return None
+        runs = self.backend.job_runs(job)
+        if runs is None:
+            self._no_accounting = True
+            _log.info("goodput: Slurm keeps no job accounting here (sacct); runs are read from the logs")
+        return runs
+
+    def _comment(self, job: str, last: JobRun, acc: goodput.Account) -> None:
+        """`healthd: goodput=...` in the job's AdminComment, unless it holds someone else's text."""
+        if acc.goodput is None:
+            return
+        if last.admin_comment and not last.admin_comment.startswith(ADMIN_COMMENT_PREFIX):
+            _log.info("goodput: job %s's AdminComment is not healthd's; left as it is", job)
+            return
+        text = admin_comment(acc)
+        if text == last.admin_comment:
+            return
+        try:
+            self.backend.set_admin_comment(job, text)
+        except (SlurmError, ValueError) as exc:
+            _log.warning("goodput: job %s's AdminComment not written: %s", job, exc)
+
+    def _delete(self, job: str, path: str) -> None:
+        try:
+            for part in os.listdir(path):
+                os.unlink(os.path.join(path, part))
+            os.rmdir(path)
+        except OSError as exc:
+            _log.warning("goodput: job %s's gathered log not deleted: %s", job, exc)
+            return
+        self.jobs.forget(job)
+
+
+def _state(state: str) -> str:
+    return state.split()[0].rstrip("+") if state.strip() else ""
+
+
+def _ended(info: JobInfo) -> bool:
+    return _state(info.state) in ENDED_STATES
+
+
+ADMIN_COMMENT_PREFIX = "healthd:"
+
+
+def admin_comment(acc: goodput.Account) -> str:
+    """The job's one line for `sacct -o AdminComment` (pure)."""
+    share = "-" if acc.goodput is None else f"{acc.goodput:.1%}"
+    return (f"{ADMIN_COMMENT_PREFIX} goodput={share} of {acc.held_gpu_s / 3600:.2f} GPU-h, {acc.runs} run(s), "
+            f"{acc.interruptions} interruption(s)" + (" (partial)" if acc.partial else ""))
