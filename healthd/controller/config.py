@@ -146,7 +146,7 @@ def _check_detector(file: str, d: DetectorSettings) -> None:
 
 def _check_goodput(file: str, g: GoodputSettings) -> None:
     if g.directory is not None and not g.directory.startswith("/"):
-        raise ConfigError(file, "goodput.directory", "an absolute path or null", g.directory)
+        raise ConfigError(file, "goodput.directory", "an absolute path or null (beside the ledger)", g.directory)
     for key, value in (("goodput.objective", g.objective), *((f"goodput.objectives.{p}", v) for p, v in g.objectives.items())):
         if not 0 < value < 1:
             raise ConfigError(file, key, "a share between 0 and 1 (0.9: 90% of the GPU time productive)", value)

@@ -138,9 +138,10 @@ class Controller:
         self.inband_round = inband.InbandRound()
         """What the latest round made of the in-band data (the round gauges read it)."""
         self._inband_started = False
-        g = settings.goodput
-        self.goodput_store = (goodput_gather.GoodputStore(g.directory, g.max_log_bytes)
-                              if g.directory is not None else None)
+        self.goodput = settings.goodput.at(settings.ledger)
+        """The goodput settings with the directory resolved; None when goodput is not enabled."""
+        self.goodput_store = (goodput_gather.GoodputStore(self.goodput.directory, self.goodput.max_log_bytes)
+                              if self.goodput is not None and self.goodput.directory else None)
         self.stragglers = goodput_gather.StragglerEpisodes(self._write_own) if self.goodput_store else None
         """Slow ranks' episodes, written to their jobs' goodput logs as they end."""
         self.windows = goodput_gather.WindowRecords(self._write_own) if self.goodput_store else None
@@ -241,7 +242,7 @@ class Controller:
         """A node's goodput log lines (healthd.controller.goodput_gather), appended to the job's
         gathered log; off the event loop (a disk write and fsync)."""
         if self.goodput_store is None:
-            return 404, {"accepted": False, "error": "this controller takes no goodput logs (goodput.directory)"}
+            return 404, {"accepted": False, "error": "this controller takes no goodput logs (goodput.enabled)"}
         try:
             verified, _ = self._verify(body, "goodput shipment", peer)
         except ReportRejected as exc:
@@ -795,8 +796,9 @@ def main(argv: list[str] | None = None) -> int:
         server.start_background()
         if settings.metrics_listen:
             controller.metrics.serve(settings.metrics_listen)
-        if settings.goodput.directory is not None:
-            accountant = GoodputAccountant(settings.goodput, backend, settings.ledger, controller.metrics.goodput.publish)
+        if controller.goodput is not None:
+            accountant = GoodputAccountant(controller.goodput, backend, settings.ledger,
+                                           controller.metrics.goodput.publish)
             accountant.start()
         ready = False
         status = ""

@@ -17,6 +17,7 @@ error budget's burn rate.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -44,6 +45,8 @@ LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9:._-]{0,63}")
 MAX_CAUSES = 64
 """Distinct `cause` label values exported; the rest are summed as `other` (a bounded label set)."""
 MAX_LOG_BYTES = 64 * 1024 * 1024
+GATHERED_NAME = "goodput-gathered"
+"""The default directory of the gathered logs, beside the ledger."""
 FORGOTTEN_S = 86400.0
 """A job neither Slurm's accounting nor slurmctld knows is accounted from its log alone once its log
 has not grown for this long."""
@@ -53,9 +56,12 @@ has not grown for this long."""
 class GoodputSettings:
     """Goodput at the controller: the gathered logs, the accounting of ended jobs and the SLO."""
 
-    directory: str | None = "/var/lib/healthd/goodput-gathered"
+    enabled: bool = True
+    """false: the controller takes no goodput logs (POST /v1/goodput is answered 404), accounts no
+    job and exports no goodput metrics."""
+    directory: str | None = None
     """Where the agents' goodput logs are gathered (`<job>/<node>.jsonl`) and the accounted jobs kept;
-    None: the controller takes no goodput logs (POST /v1/goodput is answered 404) and exports none."""
+    None: `goodput-gathered` beside the ledger (/var/lib/healthd/goodput-gathered by default)."""
     max_log_bytes: int = MAX_LOG_BYTES
     """One node's part of one job's log stops growing here (a shipment past it is refused)."""
     interval_s: float = 60.0
@@ -78,6 +84,14 @@ class GoodputSettings:
     admin_comment: bool = True
     """With Slurm's accounting, write `healthd: goodput=...` to the ended job's AdminComment
     (`sacctmgr modify job`), only when it is empty or healthd's own; not in --dry-run."""
+
+    def at(self, ledger: str) -> GoodputSettings | None:
+        """These settings with the directory resolved for a controller whose ledger is `ledger`; None
+        when goodput is not enabled."""
+        if not self.enabled:
+            return None
+        return dataclasses.replace(self, directory=self.directory or os.path.join(os.path.dirname(ledger),
+                                                                                  GATHERED_NAME))
 
     def objective_of(self, partition: str) -> float:
         return self.objectives.get(partition, self.objective)

@@ -32,7 +32,7 @@ from healthd import goodput, goodput_report
 from healthd.config import ConfigError
 from healthd.controller import goodput_ledger
 from healthd.controller.goodput_gather import job_parts, read_parts
-from healthd.controller.goodput_jobs import UNKNOWN, GoodputSettings
+from healthd.controller.goodput_jobs import GATHERED_NAME, UNKNOWN
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
                                       Ledger, LedgerError)
@@ -43,7 +43,7 @@ from healthd.text import natural_key, parse_time, stamp, table
 
 DEFAULT_LEDGER = "/var/lib/healthd/ledger.sqlite"  # the controller config's `ledger` default
 DEFAULT_SOCKET = "/run/healthd/controller.sock"  # ... and its `admin_socket` default
-GATHERED_GOODPUT_LOGS = GoodputSettings().directory
+GATHERED_GOODPUT_LOGS = os.path.join(os.path.dirname(DEFAULT_LEDGER), GATHERED_NAME)
 """Where the controller gathers the jobs' goodput logs by default (on the head node)."""
 NODE_GOODPUT_LOGS = "/var/lib/healthd/goodput"  # the agent's `state_dir` default, and its goodput logs
 DEFAULT_GOODPUT_LOGS = (GATHERED_GOODPUT_LOGS if GATHERED_GOODPUT_LOGS and os.path.isdir(GATHERED_GOODPUT_LOGS)

@@ -362,3 +362,33 @@ def test_the_report_heatmap_reads_the_gathered_records(tmp_path):
     assert not goodput.account(log).problems  # the controller's records are read, not accounted
     svg = goodput_report.heatmap_chart(log)
     assert "rank 1 node02/gpu7" in svg and "2 rank(s), 1 window(s)" in svg
+
+
+def test_the_gathered_logs_live_beside_the_ledger_unless_configured(tmp_path):
+    from healthd.controller.config import parse_controller_settings
+
+    s = parse_controller_settings(f"ledger: {tmp_path}/lib/ledger.sqlite\n")
+    assert s.goodput.at(s.ledger).directory == f"{tmp_path}/lib/goodput-gathered"
+    s = parse_controller_settings(f"ledger: {tmp_path}/l.sqlite\ngoodput: {{directory: /srv/goodput}}\n")
+    assert s.goodput.at(s.ledger).directory == "/srv/goodput"
+    s = parse_controller_settings("goodput: {enabled: false}\n")
+    assert s.goodput.at(s.ledger) is None
+
+
+def test_a_controller_without_goodput_takes_no_shipment(tmp_path):
+    from healthd.controller.config import ControllerSettings
+    from healthd.controller.daemon import Controller
+    from healthd.controller.goodput_jobs import GoodputSettings
+    from healthd.controller.ledger import Ledger
+    from tests.support.fake_slurm import FakeBackend
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    try:
+        c = Controller(ControllerSettings(ledger=str(tmp_path / "ledger.sqlite"), goodput=GoodputSettings(enabled=False)),
+                       ledger, FakeBackend())
+        assert c.receive_goodput(b"{}")[0] == 404
+        assert c.stragglers is None and c.windows is None
+        c.close()
+    finally:
+        ledger.close()
+    assert sorted(os.listdir(tmp_path)) == ["ledger.sqlite"]
