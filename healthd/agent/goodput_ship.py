@@ -35,6 +35,8 @@ GOODPUT_PATH = "/v1/goodput"
 MAX_SHIPMENT_BYTES = 512 * 1024
 """What the controller takes in one shipment (healthd.controller.goodput_gather)."""
 MAX_SHIPPED_BYTES = 64
+MAX_SHIPMENTS_PER_PASS = 64
+"""Shipments of one log in one pass (32 MiB); the rest goes at the next tick."""
 
 
 class GoodputShipper:
@@ -55,6 +57,8 @@ class GoodputShipper:
         self.clock = clock
         self.rand = rand
         self.counters = {"shipments": 0, "bytes": 0, "refused": 0, "unreachable": 0}
+        self._shipped: dict[str, int] = {}
+        """job -> the shipped offset, once read from its file (or written)."""
         self._refused_at: dict[str, int] = {}
         """job -> the size of its log when the controller refused it as malformed."""
         self._failures = 0
@@ -105,11 +109,14 @@ class GoodputShipper:
         except OSError as exc:
             self._warn(f"goodput logs in {self.directory} not listed: {one_line(exc)}")
             return True
-        for name in names:
-            job = name[:-len(".jsonl")]
+        jobs = [n[:-len(".jsonl")] for n in names]
+        for gone in set(self._shipped) - set(jobs):  # deleted by the agent's pruning
+            del self._shipped[gone]
+            self._refused_at.pop(gone, None)
+        for job in jobs:
             if not JOB_NAME.fullmatch(job):
                 continue
-            while True:
+            for _ in range(MAX_SHIPMENTS_PER_PASS):
                 sent = self._ship(job)
                 if sent is None:
                     return False
@@ -123,13 +130,17 @@ class GoodputShipper:
         path = os.path.join(self.directory, f"{job}.jsonl")
         shipped = self.shipped(job)
         try:
+            size = os.lstat(path).st_size  # one call for a log with nothing new: the usual case
+        except OSError:
+            return False
+        if size <= shipped or self._refused_at.get(job) == size:
+            return False
+        try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return False
         try:
             size = os.fstat(fd).st_size
-            if size <= shipped or self._refused_at.get(job) == size:
-                return False
             raw = os.pread(fd, min(MAX_SHIPMENT_BYTES, size - shipped), shipped)
         finally:
             os.close(fd)
@@ -190,6 +201,12 @@ class GoodputShipper:
 
     def shipped(self, job: str) -> int:
         """How far into the job's log the controller has it (0 when unknown)."""
+        if job in self._shipped:
+            return self._shipped[job]
+        self._shipped[job] = offset = self._read_shipped(job)
+        return offset
+
+    def _read_shipped(self, job: str) -> int:
         try:
             fd = os.open(self._shipped_path(job), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -204,6 +221,7 @@ class GoodputShipper:
         return os.path.join(self.directory, f"{job}.shipped")
 
     def _save(self, job: str, through: int) -> None:
+        self._shipped[job] = through
         path = self._shipped_path(job)
         tmp = f"{path}.tmp"
         try:

@@ -538,12 +538,17 @@ class Controller:
         try:
             self.stragglers.observe(now, [(f.job, f.state.rank, f.node, f.state.gpu, f.straggler.effect)
                                           for f in self.inband_round.flags])
+            views = self.inband_round.views
+            # only the jobs with a window every rank has newly completed (O(ranks) for the others)
+            changed = {job: view for job, view in views.items()
+                       if self.windows.wants(job, min((p.state.windows[-1].window if p.state.windows else -1)
+                                                      for p in view.ranks.values()) if view.ranks else -1)}
             self.windows.observe(now, {
                 job: [goodput_gather.RankWindows(rank, p.node, p.state.gpu, p.state.rail,
                                                  tuple((w.window, w.compute_s) for w in p.state.windows))
                       for rank, p in view.ranks.items()]
-                for job, view in self.inband_round.views.items()},
-                {job: view.world_size for job, view in self.inband_round.views.items()})
+                for job, view in changed.items()},
+                {job: view.world_size for job, view in changed.items()}, present=views)
         except Exception as exc:  # the goodput log must never stop the round
             self._limited.warning("straggler-log", "in-band records not written to the goodput logs: %s", exc)
 

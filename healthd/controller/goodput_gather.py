@@ -299,10 +299,17 @@ class WindowRecords:
         self._done: dict[str, int] = {}
         self._where: dict[str, dict[int, tuple]] = {}
 
-    def observe(self, now: float, jobs: dict[str, list[RankWindows]], world: dict[str, int | None] | None = None) -> None:
+    def wants(self, job: str, complete: int) -> bool:
+        """Whether a job whose ranks have all completed window `complete` has anything to write: a
+        new job, or a new window (the round skips building the ranks of the others)."""
+        return job not in self._done or complete > self._done[job]
+
+    def observe(self, now: float, jobs: dict[str, list[RankWindows]], world: dict[str, int | None] | None = None,
+                present: Iterable[str] | None = None) -> None:
         """One round's ranks of each job; `world`: job -> its world size, when known (a window is only
         written once every rank of the job has reported, so a job starting node by node loses none)."""
-        for job in [j for j in self._done if j not in jobs]:
+        still = set(jobs) if present is None else set(present)
+        for job in [j for j in self._done if j not in still]:
             del self._done[job]  # gone from the reports (ended, or requeued: its windows start over)
             self._where.pop(job, None)
         for job, ranks in jobs.items():
@@ -327,7 +334,6 @@ class WindowRecords:
             for w in sorted(by_window):
                 lines.append(goodput.log_line(job, healthd_event="windows", time=now, window=w,
                                               compute=sorted(by_window[w])))
-            if complete > done:
-                self._done[job] = complete
+            self._done[job] = max(complete, done)
             if lines:
                 self.write(job, lines)

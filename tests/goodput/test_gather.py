@@ -392,3 +392,18 @@ def test_a_controller_without_goodput_takes_no_shipment(tmp_path):
     finally:
         ledger.close()
     assert sorted(os.listdir(tmp_path)) == ["ledger.sqlite"]
+
+
+def test_a_round_with_no_new_window_builds_nothing():
+    from healthd.controller.goodput_gather import RankWindows, WindowRecords
+
+    written: list[str] = []
+    rec = WindowRecords(lambda job, lines: written.extend(lines))
+    assert rec.wants("4242", 3)  # a job not seen yet
+    rec.observe(1.0, {"4242": [RankWindows(r, "node01", r, None, ((3, 0.1),)) for r in range(2)]}, {"4242": 2})
+    assert not rec.wants("4242", 3) and rec.wants("4242", 4)
+    # the job is still in the reports but had nothing new: it is not forgotten
+    rec.observe(2.0, {}, present=["4242"])
+    assert not rec.wants("4242", 3)
+    rec.observe(3.0, {}, present=[])
+    assert rec.wants("4242", 3)
