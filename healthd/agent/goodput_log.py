@@ -21,6 +21,7 @@ from typing import Any
 from healthd.agent.inband import CKPT_BEGIN, CKPT_END, DURABLE, RESTORED, STEP, RingHeader, RingRecord
 from healthd.goodput import log_line
 from healthd.lograte import WarnOnce
+from healthd.persist import write_json_atomic
 from healthd.settings import GOODPUT_LOG_DIR
 from healthd.text import clean
 
@@ -186,14 +187,8 @@ class GoodputLog:
         if c is None:
             return
         path = self._cursor_path(job)
-        tmp = f"{path}.{os.getpid()}.tmp"
         doc = {"pid": c.identity[0], "start_mono_ns": c.identity[1], "seq": c.seq, "first_step": c.first_step}
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-            try:
-                os.write(fd, json.dumps(doc).encode())
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            write_json_atomic(path, doc, mode=0o640)
         except OSError as e:
             self._warn(f"goodput cursor {path} not written: {clean(e, 200)}")

@@ -27,6 +27,7 @@ from healthd import envelope
 from healthd.agent.inband_jobs import JOB_NAME
 from healthd.client import Poster, one_line, refusal_reason, urllib_post
 from healthd.lograte import WarnOnce
+from healthd.persist import write_json_atomic
 from healthd.settings import GOODPUT_LOG_DIR, ControllerClientSettings
 
 log = logging.getLogger("healthd")
@@ -223,13 +224,7 @@ class GoodputShipper:
     def _save(self, job: str, through: int) -> None:
         self._shipped[job] = through
         path = self._shipped_path(job)
-        tmp = f"{path}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-            try:
-                os.write(fd, f"{through}\n".encode())
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            write_json_atomic(path, through, mode=0o640)
         except OSError as exc:
             self._warn(f"goodput shipped offset {path} not written: {one_line(exc)}")

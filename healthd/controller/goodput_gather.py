@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from healthd import goodput
 from healthd.envelope import NODE_NAME
+from healthd.persist import write_json_atomic
 from healthd.goodput import MAX_LINE_BYTES
 from healthd.slurm.backend import validate_job_id
 
@@ -156,15 +157,7 @@ class GoodputStore:
             return end
 
     def _write_offset(self, directory: str, node: str, end: int) -> None:
-        path = os.path.join(directory, f"{node}.offset")
-        tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-        try:
-            os.write(fd, f"{end}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_json_atomic(os.path.join(directory, f"{node}.offset"), end, mode=0o640)
 
 
 def job_parts(directory: str) -> list[str]:
