@@ -83,7 +83,8 @@ class Log:
     problems: tuple[str, ...] = ()
 
 
-def _num(v: Any) -> float | None:
+def number(v: Any) -> float | None:
+    """A finite JSON number as a float; None for anything else (booleans included)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return None
     return float(v)
@@ -92,20 +93,20 @@ def _num(v: Any) -> float | None:
 def _event(doc: Mapping[str, Any], line: int) -> Event | str:
     """One entry as an Event, or the reason it is not one."""
     if "healthd_event" in doc:
-        kind, t = doc.get("healthd_event"), _num(doc.get("time"))
+        kind, t = doc.get("healthd_event"), number(doc.get("time"))
         if kind not in HEALTHD_KINDS:
             return f"unknown healthd_event {str(kind)[:40]!r}"
         if t is None:
             return f"healthd_event {kind} without a time"
         return Event(t, kind, {k: v for k, v in doc.items() if k not in ("healthd_event", "time", "job_name")}, line)
     if "step_count" in doc:
-        n, t = doc.get("step_count"), _num(doc.get("step_start_time"))
+        n, t = doc.get("step_count"), number(doc.get("step_start_time"))
         if not isinstance(n, int) or isinstance(n, bool) or t is None:
             return "step entry without an integer step_count and a step_start_time"
         return Event(t, "step", {"step": n}, line)
     if "custom_badput_event_type" in doc:
         what = doc.get("custom_badput_event_type")
-        start, end = _num(doc.get("custom_badput_event_start_time")), _num(doc.get("custom_badput_event_end_time"))
+        start, end = number(doc.get("custom_badput_event_start_time")), number(doc.get("custom_badput_event_end_time"))
         if what != "checkpoint_save":
             return ""  # another custom event: not one healthd accounts for (it stays in `other`)
         if (start is None) == (end is None):
@@ -114,7 +115,7 @@ def _event(doc: Mapping[str, Any], line: int) -> Event | str:
                      {}, line)  # type: ignore[arg-type]
     for key, kind in (("job_start_time", "job_start"), ("job_end_time", "job_end")):
         if key in doc:
-            t = _num(doc.get(key))
+            t = number(doc.get(key))
             return Event(t, kind, {}, line) if t is not None else f"{key} is not a number"
     return ""  # an entry of another kind (tpu_init, data_loading): not accounted
 
@@ -525,7 +526,7 @@ def _straggle(pieces: list[_Piece], log: Log, problems: list[str]) -> list[_Piec
     for e in log.events:
         if e.kind != "straggler":
             continue
-        end, share = _num(e.data.get("end")), _num(e.data.get("share"))
+        end, share = number(e.data.get("end")), number(e.data.get("share"))
         if end is None or share is None or not 0 <= share or end < e.time:
             problems.append(f"line {e.line}: straggler record without a valid end and share; ignored")
             continue

@@ -15,7 +15,7 @@ import html
 import math
 from collections.abc import Iterable, Sequence
 
-from healthd.goodput import CATEGORIES, Account, IntervalAdvice, Log, efficiency, runs_of
+from healthd.goodput import CATEGORIES, Account, IntervalAdvice, Log, efficiency, number, runs_of
 
 COLOURS = {"productive": "#2e7d32", "checkpoint": "#1565c0", "lost": "#c62828", "detection": "#ef6c00",
            "decision": "#f9a825", "waiting": "#6d4c41", "restart": "#8e24aa", "straggler": "#00838f",
@@ -189,10 +189,6 @@ HEAT_SCALE = 0.3
 """A cell's colour is full at this much faster (blue) or slower (red) than its window's median."""
 
 
-def _num(v: object) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
 def _heat_colour(ratio: float) -> str:
     k = max(-1.0, min(1.0, (ratio - 1.0) / HEAT_SCALE))
     base, far = (245, 245, 245), ((198, 40, 40) if k > 0 else (21, 101, 192))
@@ -216,7 +212,7 @@ def heatmap_chart(log: Log) -> str:
         elif e.kind == "windows" and isinstance(e.data.get("window"), int) and isinstance(e.data.get("compute"), list):
             for pair in e.data["compute"]:
                 if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and \
-                        (c := _num(pair[1])) is not None and c >= 0:
+                        (c := number(pair[1])) is not None and c >= 0:
                     cells[(e.data["window"], pair[0])] = c
     if not cells:
         return _svg("heatmap", 30, [_text(0, 20, "no rank windows in this log (the controller writes them while the "

@@ -654,7 +654,7 @@ def _account_file(paths: list[str], job: str | None, requeues: goodput_ledger.Re
     where = (f"ledger {ledger}: {joined} requeue(s) of job {log.job} and their incidents joined" if requeues is not None
              else f"ledger {ledger}: not read (interruptions are charged to their runs)")
     if runs is not None:
-        log = goodput.with_runs(log, [goodput.SlurmRun(r.start, r.end, r.state.split()[0] if r.state else "", r.gpus)
+        log = goodput.with_runs(log, [goodput.SlurmRun(r.start, r.end, r.state, r.gpus)
                                       for r in runs if r.start is not None])
         where += f"; {len(runs)} run(s) from Slurm's accounting"
     # no `now`: a run without an end (still going, or its end not written) is counted to its last
