@@ -57,6 +57,10 @@ class ControllerSettings:
     version) or `pyslurm` (in-process, only when the installed pyslurm is built for this Slurm's
     major.minor; otherwise scontrol all the same). pyslurm is opt-in: it has been proven against a
     stand-in of its API, not yet against a real Slurm of its version."""
+    fleet_refresh_s: float = 5.0
+    """How often a thread of its own re-reads Slurm's node list (only the changed nodes are parsed).
+    Control rounds act on the latest read and never wait for one; the node about to be written is
+    re-read first all the same. A round is skipped while the latest read failed."""
     node_addrs: Mapping[str, str] = field(default_factory=dict)
     """node -> the IPv4 address its munged encodes credentials as. When empty, each node's NodeAddr
     from Slurm is used."""
@@ -183,6 +187,8 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
     _check_hostport(file, "metrics_listen", settings.metrics_listen)
     _check_detector(file, settings.inband.detector)
     _check_goodput(file, settings.goodput)
+    if not 0.5 <= settings.fleet_refresh_s <= 300:
+        raise ConfigError(file, "fleet_refresh_s", "between 0.5 and 300 seconds", settings.fleet_refresh_s)
     if settings.slurm_backend not in BACKENDS:
         raise ConfigError(file, "slurm_backend", f"one of {', '.join(BACKENDS)}", settings.slurm_backend)
     for key in ("ledger", "slurm_conf", "admin_socket"):

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from healthd import munge, sdnotify
@@ -30,6 +31,7 @@ from healthd.controller import admin, goodput_gather, inband
 from healthd.controller.auth import ReportRejected, verify_report
 from healthd.controller.config import ControllerSettings, load_controller_settings
 from healthd.controller.executor import ExecResult, Executor
+from healthd.controller.fleetcache import FleetCache, SlurmSnapshot
 from healthd.controller.gates import BreakerState, GroupIncident, GateResult, apply_gates, build_context
 from healthd.controller.goodput_jobs import GoodputAccountant
 from healthd.controller.ledger import Ledger, LedgerError
@@ -50,7 +52,7 @@ from healthd.controller.reintegrate import Reintegrator
 from healthd.report_schema import MAX_ERROR_CHARS, validate_report, validate_request
 from healthd.controller.server import ControllerHTTPServer
 from healthd.slurm import default_backend
-from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
+from healthd.slurm.backend import SlurmBackend, SlurmError
 
 _log = logging.getLogger("healthd.controller")
 
@@ -114,6 +116,11 @@ class Controller:
         self.decode = decode
         self.executor = executor or Executor(backend, ledger, dry_run=dry_run, requeue_opt_in=settings.requeue_opt_in,
                                              clock=clock, out=out)
+        self.fleet = FleetCache(backend, clock=clock)
+        """Slurm's node list: refreshed by a thread of its own in the daemon (start_fleet_refresh),
+        else read (incrementally) at the start of each round."""
+        self.executor.on_node_read = self.fleet.note
+        self._fleet_period_s: float | None = None
         self.reconciler = Reconciler(self.executor)
         self._limited = RateLimitedLog(_log)
         self.reintegrator = Reintegrator(settings.reintegration, self.executor, slurm_conf=settings.slurm_conf,
@@ -168,6 +175,41 @@ class Controller:
         if addrs:
             self._addr_cache = addrs
             self._addr_read_at = now
+
+    def start_fleet_refresh(self, period_s: float) -> None:
+        """Read Slurm's node list once now, then every `period_s` in a thread of its own (which also
+        refreshes NodeAddr when due): from then on a round acts on the latest read and never waits
+        for Slurm. A first read that fails is retried by the thread; rounds wait for it."""
+        try:
+            self.fleet.refresh()
+        except SlurmError as exc:
+            _log.warning("cannot read Slurm's node list yet (retried every %.1f s): %s", period_s, exc)
+        self._fleet_period_s = period_s
+        # the refresh right after a write confirms its hold (the reconciler): the round does not wait for it
+        self.executor.read_back = False
+        self.executor.on_write = lambda _node: self.fleet.poke()
+        self.fleet.start(period_s, after=lambda: self.refresh_node_addrs(self.clock()))
+
+    def _fleet_snapshot(self) -> SlurmSnapshot | None:
+        """The fleet as the round may act on it; None when Slurm could not be read (latest read failed,
+        or none succeeded for three refresh periods)."""
+        if self._fleet_period_s is None:
+            try:
+                self.fleet.refresh()
+            except SlurmError as exc:
+                _log.warning("Slurm unreachable, skipping this round: %s", exc)
+                return None
+            return self.fleet.snapshot()
+        snap = self.fleet.snapshot()
+        if snap is None or not self.fleet.healthy:
+            self._limited.warning("fleet", "Slurm unreachable, skipping this round: %s",
+                                  self.fleet.error or "its node list not read yet")
+            return None
+        if self.clock() - snap.read_at > max(3 * self._fleet_period_s, 30.0):
+            self._limited.warning("fleet-stale", "Slurm unreachable, skipping this round: its node list was last "
+                                  "read %.0f s ago", self.clock() - snap.read_at)
+            return None
+        return snap
 
     # -- HTTP entry points -----------------------------------------------------------------------------
 
@@ -288,11 +330,7 @@ class Controller:
     def _load_incidents(self) -> None:
         """(node, finding id) -> open ledger incident, re-read each round so an incident an operator
         closed (resolved, false positive) is not reused."""
-        incidents: dict[tuple[str, str], int] = {}
-        for inc in self.ledger.incidents(status="open"):
-            for node in inc.nodes:
-                incidents[(node, inc.signature)] = inc.id
-        self._incidents = incidents
+        self._incidents = self.ledger.open_incident_keys()
 
     def _ensure_incidents(self, reports: Mapping[str, NodeReport], now: float, jobs: Mapping[str, str] | None) -> None:
         """An open incident for every fresh T1/T2 finding; at most MAX_OPEN_INCIDENTS_PER_NODE per node
@@ -437,15 +475,21 @@ class Controller:
         Order: read the fleet; reconcile the ledger with it (adopt writes that landed, notice writes
         Slurm lost or someone took over); then decide from the reports, gate, record and apply. One
         node's bad data is logged and skipped; every other node's decisions still happen."""
+        started = self.clock()
+
+        def moment() -> float:
+            """`now` moved on by the time this round has taken: when a decision or a write really
+            happened, on the round's own clock (tests hand in a `now` of their own)."""
+            return now + max(0.0, self.clock() - started)
+
         with self.round_lock:
-            try:
-                nodes: list[NodeInfo] = self.backend.nodes()
-            except SlurmError as exc:
-                _log.warning("Slurm unreachable, skipping this round: %s", exc)
+            snap = self._fleet_snapshot()
+            if snap is None:
                 return None
             mode = self.policy.mode
             if only is None:
-                for change in self.reconciler.round({n.name: n for n in nodes}, now, mode):
+                for change in self.reconciler.round(snap.nodes, now, mode, read_at=(
+                        snap.read_at if self._fleet_period_s is not None else None)):
                     self.metrics.actions.labels(kind="reconcile", status=change.what).inc()
             with self.reports_lock:
                 reports = dict(self.reports)
@@ -463,19 +507,20 @@ class Controller:
             self._ensure_incidents(reports, now, jobs)
             lview = LedgerView(holds=self.ledger.holds(), incidents={k: str(v) for k, v in self._incidents.items()},
                                escalations=self._escalations(reports, now))
-            fleet = FleetView.build(reports.values(), nodes, self.topology_text, self.policy)
+            fleet = FleetView.of(MappingProxyType(reports), snap, self.topology_text, self.policy)
             hour = now - 3600.0
             by_part = {p: self.ledger.actions_applied_since(hour, p) for p in fleet.partitions}
             approved = self._approved()
             ctx, alert = build_context(fleet, lview, self.policy, now, self._breaker(),
                                        actions_last_hour=self.ledger.actions_applied_since(hour),
-                                       actions_last_hour_by_partition=by_part, approved=approved)
+                                       actions_last_hour_by_partition=by_part, approved=approved,
+                                       out_of_service=snap.out_of_service)
             self._group_incidents(ctx.correlated.values(), now)
             if alert is not None:
                 self.ledger.open_breaker(alert.cause, nodes=alert.nodes, at=now)
                 _log.error("ALERT %s", alert.text)
             self.metrics.breaker_open.set(1 if ctx.breaker.open else 0)
-            decisions = decide(fleet, lview, self.policy, now)
+            decisions = decide(fleet, lview, self.policy, moment())
             if only is not None:
                 decisions = tuple(d for d in decisions if d.node == only)
             if only is None and mode != "observe":
@@ -483,12 +528,12 @@ class Controller:
                     self.metrics.actions.labels(kind="undo", status=r.status).inc()
             outcomes = list(apply_gates(decisions, ctx))
             acts = [mode != "observe" and o.status == "allowed" for o in outcomes]
-            self._record_batch([o for o, a in zip(outcomes, acts, strict=True) if not a], now)
+            self._record_batch([o for o, a in zip(outcomes, acts, strict=True) if not a], moment())
             results: list[tuple[GateResult, ExecResult | None]] = []
             for outcome, act in zip(outcomes, acts, strict=True):
                 result = None
                 if act:
-                    result = self._act(outcome, now, mode)
+                    result = self._act(outcome, moment(), mode)
                 results.append((outcome, result))
             if only is None and inb.hangs:
                 self._respond_hangs(inb.hangs, mode, ctx.breaker.open, approved, now)
@@ -583,13 +628,15 @@ class Controller:
             if now - rep.received_at <= ttl:
                 fresh[rep.verdict] = fresh.get(rep.verdict, 0) + 1
         waiting = self.ledger.waiting_decisions()
-        open_by: dict[tuple[str, str], int] = {}
-        for inc in self.ledger.incidents(status="open"):
-            open_by[(inc.tier, inc.attribution)] = open_by.get((inc.tier, inc.attribution), 0) + 1
-        recent = tuple(IncidentTimings(inc.id, inc.created_at, inc.detection_latency, inc.decision_latency,
-                                       inc.action_latency, inc.recovery_time)
-                       for inc in self.ledger.incidents(since=now - INCIDENT_WINDOW_S if incidents_since is None
-                                                          else incidents_since))
+        open_by = self.ledger.open_incident_counts()
+
+        def diff(later: float | None, earlier: float | None) -> float | None:
+            return None if later is None or earlier is None else later - earlier
+
+        recent = tuple(IncidentTimings(iid, created, diff(detected, first), diff(decided, detected),
+                                       diff(applied, decided), diff(back, first))
+                       for iid, created, first, detected, decided, applied, back in self.ledger.incident_stage_times(
+                           now - INCIDENT_WINDOW_S if incidents_since is None else incidents_since))
         return RoundFigures(at=now, nodes_reporting=fresh, nodes_stale=len(reports) - sum(fresh.values()),
                             approvals_waiting=len(waiting),
                             oldest_waiting_since=min((d.decided_at for d in waiting), default=None),
@@ -609,9 +656,21 @@ class Controller:
     def _act(self, outcome: GateResult, now: float, mode: str) -> ExecResult:
         """Record and apply one allowed outcome; a failure of this node's write never stops the round."""
         try:
+            # the node about to be written, read first: Slurm gone since the fleet view was read leaves
+            # the decision unrecorded and the view unused until it reads again (nothing stale is acted on)
+            settled = self.executor.settled(outcome)
+            fresh = None
+            if settled is None:
+                try:
+                    fresh = self.executor.read_node(outcome.decision.node)
+                except SlurmError as exc:
+                    self.fleet.failed(f"{outcome.decision.node}: {exc}")
+                    self._limited.warning("act-read", "Slurm unreachable, skipping this round: %s: cannot re-read "
+                                          "the node before %s: %s", outcome.decision.node, outcome.decision.kind, exc)
+                    return ExecResult("refused", f"cannot re-read node: {exc}")
             # each acting decision commits on its own, before its Slurm call (write-ahead)
             row_id = self._record(outcome, now)
-            result = self.executor.apply(outcome, now, decision_id=row_id, mode=mode)
+            result = settled or self.executor.apply(outcome, now, decision_id=row_id, mode=mode, fresh=fresh)
         except LedgerError:
             raise  # the ledger itself is broken: nothing can be recorded, so nothing may be done
         except Exception as exc:
@@ -629,6 +688,8 @@ class Controller:
         `support_after` remediations of the node within the support window)."""
         rs = self.settings.reintegration
         out: dict[tuple[str, str], str] = {}
+        per_node: dict[str, int] | None = None  # read once, when the first node needs them
+        per_fault: dict[tuple[str, str], int] = {}
         for node, report in reports.items():
             if not report.findings or now - report.received_at > self.policy.report_ttl_s:
                 continue
@@ -640,11 +701,14 @@ class Controller:
                 continue
             if not actionable:
                 continue
-            on_node = self.ledger.remediations_on_node(node, now - rs.support_window_s)
+            if per_node is None:
+                per_node = self.ledger.remediations_per_node(now - rs.support_window_s)
+                per_fault = self.ledger.remediation_counts(now - rs.inspect_window_s)
+            on_node = per_node.get(node, 0)
             for f in actionable:
                 if on_node + 1 >= rs.support_after:
                     out[(node, f.id)] = "contact-support"
-                elif self.ledger.remediation_count(node, f.id, now - rs.inspect_window_s) >= rs.inspect_after:
+                elif per_fault.get((node, f.id), 0) >= rs.inspect_after:
                     out[(node, f.id)] = "inspect-hardware"
         return out
 
@@ -678,6 +742,7 @@ class Controller:
             _log.error("recover: %s", exc)
 
     def close(self) -> None:
+        self.fleet.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.stragglers is not None:
             try:
@@ -790,6 +855,9 @@ def main(argv: list[str] | None = None) -> int:
               settings.ledger, " (dry run)" if args.dry_run else "")
     controller.refresh_node_addrs(time.time())
     controller.recover(time.time())
+    if not args.once:
+        # never staler than a round: a harness running rounds faster than the refresh gets reads as often
+        controller.start_fleet_refresh(min(settings.fleet_refresh_s, args.interval))
     server = admin_server = accountant = None
     try:
         if args.once:
@@ -815,7 +883,6 @@ def main(argv: list[str] | None = None) -> int:
             completed = False
             ledger_error = ""
             try:
-                controller.refresh_node_addrs(time.time())
                 slurm_ok = controller.evaluate(time.time()) is not None
                 completed = True
             except LedgerError as exc:

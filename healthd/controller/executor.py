@@ -106,6 +106,21 @@ class Executor:
         """When a write really returned: the ledger's applied_at is this, not the round's start."""
         self.out = out or (lambda line: print(line, flush=True))
         self._printed: set[str] = set()
+        self.on_node_read: Callable[[NodeInfo], None] | None = None
+        """Told every single-node read (the controller's fleet view keeps the newest)."""
+        self.read_back = True
+        """Read a node back right after writing it, to confirm the hold with the reason time and user
+        Slurm shows. False where a fleet view re-read at once confirms it instead (the controller's
+        refresh thread, through the reconciler): the write's round then does not wait for that read."""
+        self.on_write: Callable[[str], None] | None = None
+        """Told the node of every node-state write that returned (the fleet view re-reads soon)."""
+
+    def read_node(self, name: str) -> NodeInfo:
+        """One node, fresh from Slurm (raises SlurmError, ValueError for a bad name)."""
+        info = self.backend.node(name)
+        if self.on_node_read is not None:
+            self.on_node_read(info)
+        return info
 
     # -- views ---------------------------------------------------------------------------------------
 
@@ -164,9 +179,10 @@ class Executor:
     # -- apply ---------------------------------------------------------------------------------------
 
     def apply(self, outcome: GateResult, now: float, *, decision_id: int | None = None,
-              mode: str = "auto") -> ExecResult:
+              mode: str = "auto", fresh: NodeInfo | None = None) -> ExecResult:
         """Apply one allowed outcome (anything else is skipped). `decision_id` is the ledger row the
-        caller recorded; when None, the executor records the decision as allowed itself."""
+        caller recorded; when None, the executor records the decision as allowed itself. `fresh`: the
+        node as the caller read it from Slurm just before (else it is read here)."""
         decision = outcome.decision
         if outcome.status != "allowed" or not decision.acts:
             return ExecResult("skipped", f"outcome {outcome.label}")
@@ -174,14 +190,13 @@ class Executor:
         attempts = self.ledger.series(series)
         attempt, why, settled = next_attempt(attempts)
         if attempt is None:
-            assert settled is not None
-            status = "already-applied" if settled.status == "applied" else "skipped"
-            return ExecResult(status, why, settled.id, settled.argv)
-        try:
-            fresh = self.backend.node(decision.node)
-        except SlurmError as exc:
-            _log.warning("%s: cannot re-read the node before %s: %s", decision.node, decision.kind, exc)
-            return ExecResult("refused", f"cannot re-read node: {exc}")
+            return self._settled(why, settled)
+        if fresh is None or fresh.name != decision.node:
+            try:
+                fresh = self.read_node(decision.node)
+            except SlurmError as exc:
+                _log.warning("%s: cannot re-read the node before %s: %s", decision.node, decision.kind, exc)
+                return ExecResult("refused", f"cannot re-read node: {exc}")
         landed = self._landed_attempt(attempts, fresh)
         if landed is not None:  # an earlier attempt's write is in Slurm after all: never write it twice
             return self.adopt(landed, fresh, "Slurm shows this write", mode=mode)
@@ -211,6 +226,21 @@ class Executor:
             return ExecResult("skipped", f"action {action.id} is {action.status}", action.id, action.argv)
         return self._run(action, decision.kind, mode)
 
+    @staticmethod
+    def _settled(why: str, settled: Action | None) -> ExecResult:
+        assert settled is not None
+        status = "already-applied" if settled.status == "applied" else "skipped"
+        return ExecResult(status, why, settled.id, settled.argv)
+
+    def settled(self, outcome: GateResult) -> ExecResult | None:
+        """What apply() would answer from the ledger alone (nothing to write: applied before, or
+        skipped); None when it would read the node and write."""
+        decision = outcome.decision
+        if outcome.status != "allowed" or not decision.acts:
+            return ExecResult("skipped", f"outcome {outcome.label}")
+        attempt, why, settled = next_attempt(self.ledger.series(idempotency_key(decision)))
+        return self._settled(why, settled) if attempt is None else None
+
     def _landed_attempt(self, attempts: list[Action], fresh: NodeInfo) -> Action | None:
         """The latest failed or abandoned node-state attempt whose write Slurm shows."""
         for a in reversed(attempts):
@@ -232,10 +262,12 @@ class Executor:
             _log.warning("%s: %s failed: %s", action.node, " ".join(action.argv), msg)
             return ExecResult("failed", msg, action.id, action.argv)
         done_at = self.clock()
-        if kind in NODE_STATE_KINDS:
+        if kind in NODE_STATE_KINDS and self.read_back:
             self._record_write(action, detail, done_at)
-        else:
+        else:  # a node-state write's hold stays unconfirmed until the fleet view's next read shows it
             self.ledger.mark_applied(action.id, detail, at=done_at)
+        if kind in NODE_STATE_KINDS and self.on_write is not None:
+            self.on_write(action.node)
         self._timeline(incident_id, "action_applied_at", done_at)
         _log.info("%s: applied %s: %s", action.node, " ".join(action.argv), detail)
         if kind == "drain-and-requeue":
@@ -247,7 +279,7 @@ class Executor:
         time and user read back right after the write. A read that fails leaves the hold unconfirmed
         (the reconciler confirms it); a node someone else changed in between is not healthd's."""
         try:
-            info: NodeInfo | None = self.backend.node(action.node)
+            info: NodeInfo | None = self.read_node(action.node)
         except SlurmError as exc:
             _log.warning("%s: cannot read the node back after the write (confirmed later): %s", action.node, exc)
             info = None
@@ -383,7 +415,7 @@ class Executor:
         except ValueError:
             original = None
         try:
-            fresh = self.backend.node(action.node)
+            fresh = self.read_node(action.node)
         except SlurmError as exc:
             return ExecResult("skipped", f"cannot re-read the node: {exc}", action.id, action.argv)
 

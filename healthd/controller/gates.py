@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from healthd.controller.fleetcache import out_of_service
 from healthd.controller.ownership import describe_reason, owned
 from healthd.controller.policy import (
     REMOVING_KINDS,
@@ -132,7 +133,7 @@ class GateContext:
     def __post_init__(self) -> None:
         # only the capacity floor reads it: without floors, a walk over every node each round is waste
         if self.out_of_service is None and self.settings.capacity_floors:
-            gone = {n for n, i in self.fleet.nodes.items() if _out_of_service(i)}
+            gone = {n for n, i in self.fleet.nodes.items() if out_of_service(i)}
             for members in self.fleet.partitions.values():  # a member Slurm did not report is not healthy
                 gone.update(n for n in members if n not in self.fleet.nodes)
             gone = frozenset(gone)
@@ -248,9 +249,11 @@ def build_context(
     actions_last_hour: int = 0,
     actions_last_hour_by_partition: Mapping[str, int] | None = None,
     approved: Iterable[str] = (),
+    out_of_service: frozenset[str] | None = None,
 ) -> tuple[GateContext, Alert | None]:
     """Evaluate breaker and correlation for this round; returns the context and the breaker's alert
-    (only on the round it opens). Persist `context.breaker` back to the ledger."""
+    (only on the round it opens). Persist `context.breaker` back to the ledger. `out_of_service`:
+    the nodes the fleet cache already knows to be gone (computed from the fleet when None)."""
     state, alert = evaluate_breaker(fleet, settings, now, breaker)
     context = GateContext(
         settings=settings,
@@ -263,6 +266,7 @@ def build_context(
         approved=frozenset(approved),
         # a breaker reset does not dissolve a group incident: the shared part is still the cause
         correlated=correlate(fleet, settings, now),
+        out_of_service=out_of_service if settings.capacity_floors else None,
     )
     return context, alert
 
@@ -332,10 +336,6 @@ def gate_correlation(decision: Decision, ctx: GateContext) -> Refusal | None:
     return Refusal("correlation", f"correlated: {incident.label}")
 
 
-def _out_of_service(info: NodeInfo | None) -> bool:
-    if info is None:
-        return True
-    return info.drain_requested or info.state == "down" or not info.responding or info.reboot_requested
 
 
 def gate_capacity(decision: Decision, ctx: GateContext) -> Refusal | None:

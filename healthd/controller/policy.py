@@ -21,6 +21,7 @@ from ClusterShell.RangeSet import RangeSetException
 
 from healthd.report_schema import ReportInvalid, validate_finding, validate_report
 from healthd.model import is_cleared
+from healthd.controller.fleetcache import SlurmSnapshot
 from healthd.controller.inband import JobProgress, jobs_from_json
 from healthd.controller.ownership import Hold, owned
 from healthd.model import ACTION_SEVERITY, Evidence, Finding
@@ -294,6 +295,15 @@ class FleetView:
             nodes=MappingProxyType({n.name: n for n in nodes}),
             groups=groups,
         )
+
+    @classmethod
+    def of(cls, reports: Mapping[str, NodeReport], snapshot: SlurmSnapshot, topology_conf: str = "",
+           settings: ControllerPolicySettings | None = None) -> FleetView:
+        """A view over the fleet cache's snapshot: its node map and partitions are taken as they are
+        (already read-only and kept up to date by the cache), so a round copies nothing fleet-sized."""
+        groups = cls.build((), (), topology_conf, settings).groups
+        return cls(reports=MappingProxyType(dict(reports)) if not isinstance(reports, MappingProxyType) else reports,
+                   nodes=snapshot.nodes, partitions=snapshot.partitions, groups=groups)
 
     @property
     def all_nodes(self) -> frozenset[str]:

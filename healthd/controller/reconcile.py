@@ -97,15 +97,17 @@ class Reconciler:
         node concerned once. Holds are checked by the first round, against the fleet it reads."""
         return self._pass(None, now, mode, (self._planned, self._unresolved))
 
-    def round(self, nodes: Mapping[str, NodeInfo], now: float, mode: str) -> list[Change]:
-        """One reconciliation pass against `nodes`, the fleet view the round read. Never raises for one
-        node's trouble: that node waits for the next round."""
-        return self._pass(nodes, now, mode, (self._planned, self._unresolved, self._holds))
+    def round(self, nodes: Mapping[str, NodeInfo], now: float, mode: str, *, read_at: float | None = None) -> list[Change]:
+        """One reconciliation pass against `nodes`, the fleet view the round read (at `read_at`, when
+        it was read before the round began). Never raises for one node's trouble: that node waits
+        for the next round."""
+        return self._pass(nodes, now, mode, (self._planned, self._unresolved, self._holds), read_at)
 
-    def _pass(self, nodes: Mapping[str, NodeInfo] | None, now: float, mode: str, steps) -> list[Change]:
+    def _pass(self, nodes: Mapping[str, NodeInfo] | None, now: float, mode: str, steps,
+              read_at: float | None = None) -> list[Change]:
         budget = _Budget(self.max_rereads)
         changes: list[Change] = []
-        view = _View(self.backend, nodes, budget)
+        view = _View(self.executor.read_node, nodes, budget, read_at)
         for step in steps:
             try:
                 changes.extend(step(view, now, mode))
@@ -186,6 +188,8 @@ class Reconciler:
         ctld_started: list[float | None] = []  # read once per round, only when a held write is gone
         undoing = {a.idempotency_key for a in self.ledger.pending_actions() if a.idempotency_key.startswith(UNDO_PREFIX)}
         for node, hold in self.ledger.holds().items():
+            if not hold.confirmed and view.read_at is not None and hold.planned_at > view.read_at:
+                continue  # written after the view was read: confirmed by the next read, not re-read now
             info = view.cached(node)
             if info is None or f"{UNDO_PREFIX}{hold.action_id}" in undoing:
                 continue  # not readable now, or an operator's undo of it is under way (Executor.run_undos)
@@ -276,8 +280,9 @@ class _Budget:
 class _View:
     """The round's fleet view, with fresh single-node reads (bounded) where a decision needs one."""
 
-    def __init__(self, backend, nodes: Mapping[str, NodeInfo] | None, budget: _Budget):
-        self.backend = backend
+    def __init__(self, read_node, nodes: Mapping[str, NodeInfo] | None, budget: _Budget, read_at: float | None = None):
+        self.read_node = read_node
+        self.read_at = read_at
         self.nodes = nodes
         self.budget = budget
         self._fresh: dict[str, NodeInfo | None] = {}
@@ -295,7 +300,7 @@ class _View:
                 return None
             self.budget.left -= 1
         try:
-            info: NodeInfo | None = self.backend.node(node)
+            info: NodeInfo | None = self.read_node(node)
         except (SlurmError, ValueError) as exc:
             _log.warning("reconcile: cannot read %s (next round): %s", node, exc)
             info = None

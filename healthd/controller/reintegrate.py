@@ -338,7 +338,7 @@ class Reintegrator:
         return False, "dry run" if result.status == "dry-run" else (result.detail or result.status)
 
     def _start(self, r: Reintegration, now: float, mode: str) -> str | None:
-        fresh = self.backend.node(r.node)
+        fresh = self.executor.read_node(r.node)
         name = reservation_name(r.node, r.id)
         resume = self._decision(r, "resume", f"reintegration {r.id}: resume inside {name} for validation", now)
         if self.executor.applied(resume) is None:

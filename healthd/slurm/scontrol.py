@@ -799,6 +799,15 @@ class ScontrolBackend:
             self._effective_read_mode = "oneliner"
             return self._read_all()
 
+    def node_lines(self) -> list[str]:
+        """Every node as one line of `scontrol show node -o`, unparsed: the fleet view keeps the lines
+        it saw and parses only those that changed (healthd.controller.fleetcache). At 10,000 nodes
+        this read takes about a sixth of `sinfo --json`'s time on 22.05."""
+        return self._run([self._bin("scontrol"), "show", "node", "-o"]).splitlines()
+
+    parse_node_line = staticmethod(parse_scontrol_node_line)
+    """How a line of node_lines() becomes a NodeInfo."""
+
     def nodes(self, names: Iterable[str] | None = None) -> list[NodeInfo]:
         if names is not None:
             names = [names] if isinstance(names, str) else list(names)

@@ -16,7 +16,7 @@ from healthd.model import iso
 from tests.controller.munge_support import MungeFleet, munged_path
 from tests.support.decisions import crash_after_plan, drain_decision
 from tests.support.controller_rig import ControllerRig
-from tests.support.fake_slurm import FakeBackend
+from tests.support.fake_slurm import FakeBackend, FakeLinesBackend
 
 NODES = ["node01", "node02", "node03", "node04"]
 
@@ -50,10 +50,10 @@ class Rig(ControllerRig):
 def rig_factory(fleet, tmp_path):
     rigs: list[Rig] = []
 
-    def make(mode: str, **policy) -> Rig:
+    def make(mode: str, backend: FakeBackend | None = None, **policy) -> Rig:
         d = tmp_path / f"r{len(rigs)}"
         d.mkdir()
-        rig = Rig(fleet, d, mode, **policy)
+        rig = Rig(fleet, d, mode, backend=backend, **policy)
         rigs.append(rig)
         return rig
 
@@ -408,3 +408,84 @@ def test_node_addresses_come_from_the_backend_resolved_and_unreadable_slurm_is_n
     backend.unavailable = True
     assert slurm_node_addrs(backend) == {}
     assert "cannot read NodeAddr from Slurm" in caplog.text
+
+
+class SlowSlurm(FakeLinesBackend):
+    """Slurm whose whole-fleet read and drain each take `delay_s` (a loaded slurmctld)."""
+
+    delay_s = 0.3
+
+    def node_lines(self) -> list[str]:
+        time.sleep(self.delay_s)
+        return super().node_lines()
+
+    def drain(self, nodes, reason):
+        time.sleep(self.delay_s)
+        super().drain(nodes, reason)
+
+
+def test_the_timeline_says_when_the_round_decided_and_when_the_write_returned(rig_factory):
+    """decided_at is when the round decided (after a slow read of Slurm, not when the round began) and
+    action_applied_at when the drain returned; the gap between them is the write's."""
+    slow = SlowSlurm(NODES)
+    rig = rig_factory("auto", backend=slow)
+    assert rig.report("node02")[0] == 200
+    started = time.time()
+    rig.controller.evaluate(started)
+    inc = rig.ledger.incidents(node="node02")[0]
+    assert inc.decided_at - started >= slow.delay_s * 0.9, "decided_at is the round's start, not its decision"
+    assert inc.action_applied_at - inc.decided_at >= slow.delay_s * 0.9, "applied before the write returned"
+    assert inc.action_applied_at <= time.time()
+
+
+def _until(probe, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = probe()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def test_with_the_refresh_thread_a_round_reads_no_fleet_and_the_next_read_confirms_the_hold(rig_factory):
+    """As the daemon runs: rounds act on the fleet view the refresh thread keeps; the drain's round
+    reads only node02 (before the write), and the refresh the write triggers confirms the hold."""
+    reads: list[str] = []
+
+    class Counting(FakeLinesBackend):
+        def node_lines(self) -> list[str]:
+            reads.append("fleet")
+            return super().node_lines()
+
+    backend = Counting(NODES)
+    rig = rig_factory("auto", backend=backend)
+    rig.controller.start_fleet_refresh(3600.0)  # only the first read and the pokes after writes
+    assert reads == ["fleet"]
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    assert [w[:2] for w in backend.writes] == [("drain", "node02")]
+    assert not rig.ledger.hold("node02").confirmed  # not read back in the round
+    _until(lambda: len(reads) >= 2)  # the write poked the refresh thread
+    _until(lambda: "node02" in rig.controller.fleet.snapshot().out_of_service)
+    rig.controller.evaluate(time.time())
+    hold = rig.ledger.hold("node02")
+    assert hold.confirmed and hold.reason_time == backend.state["node02"].reason_time
+    assert [w[:2] for w in backend.writes] == [("drain", "node02")]  # never written twice
+
+
+def test_someone_taking_the_node_right_after_the_write_ends_the_hold_at_the_next_read(rig_factory):
+    backend = FakeLinesBackend(NODES)
+    rig = rig_factory("auto", backend=backend)
+    rig.controller.start_fleet_refresh(3600.0)
+    assert rig.report("node02")[0] == 200
+    rig.controller.evaluate(time.time())
+    backend.set_reason("node02", "admin: cabling", user="alice")  # before the refresh saw healthd's write
+    backend.writes.append(("admin",))  # slurmctld's answer changed: the lines are rendered again
+    rig.controller.fleet.poke()
+    _until(lambda: rig.controller.fleet.snapshot().nodes["node02"].reason == "admin: cabling")
+    rig.controller.evaluate(time.time())
+    assert rig.ledger.hold("node02") is None
+    (action,) = [a for a in rig.ledger.actions(node="node02") if a.kind == "drain"]
+    assert action.status == "released", action
+    assert backend.state["node02"].reason == "admin: cabling"

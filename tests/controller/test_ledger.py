@@ -371,6 +371,16 @@ def test_remediation_count_for_escalation(led: Ledger) -> None:
     assert led.remediation_count("n1", "xid79", since=500) == 1
     assert led.remediation_count("n1", "ib-down", since=0) == 1
     assert led.remediation_count("n2", "xid79", since=0) == 0
+    # the batch reads a round makes agree with the one-at-a-time counters, pair by pair
+    for since in (0, 500, 1500, 4500):
+        batch = led.remediation_counts(since)
+        per_node = led.remediations_per_node(since)
+        for node in ("n1", "n2", "n3"):
+            assert per_node.get(node, 0) == led.remediations_on_node(node, since)
+            for sig in ("xid79", "ib-down"):
+                assert batch.get((node, sig), 0) == led.remediation_count(node, sig, since)
+    assert led.remediation_counts(0) == {("n1", "xid79"): 2, ("n1", "ib-down"): 1}
+    assert led.remediations_per_node(0) == {"n1": 3}
 
 
 def test_holds_follow_healthd_writes_and_how_they_end(led: Ledger) -> None:

@@ -137,6 +137,32 @@ def test_scontrol_json_and_oneliner_reads_agree(scontrol_env):
     assert {n.name: n for n in oneliner}["node02"].reason == contract.HOSTILE_REASON
 
 
+def test_fleet_cache_follows_real_slurm_parsing_only_changed_lines(scontrol_env):
+    """The controller's fleet view over `scontrol show node -o`: the first read parses every node, a
+    read with nothing changed parses none, and after a drain (a hostile reason) and a resume the
+    snapshot equals what a whole read of Slurm gives."""
+    from healthd.controller.fleetcache import FleetCache, out_of_service
+
+    backend, ctl = scontrol_env
+    cache = FleetCache(backend)
+    first = cache.refresh()
+    assert first.parsed == len(ctl.nodes) and first.changed == len(ctl.nodes)
+    assert dict(cache.snapshot().nodes) == {n.name: n for n in backend.nodes()}
+    backend.drain("node02", contract.HOSTILE_REASON)
+    after = cache.refresh()
+    assert 1 <= after.parsed <= len(ctl.nodes)  # node02, and any whose load figures moved meanwhile
+    snap = cache.snapshot()
+    assert snap.nodes["node02"].reason == contract.HOSTILE_REASON and "node02" in snap.out_of_service
+    assert dict(snap.nodes) == {n.name: n for n in backend.nodes()}
+    backend.resume("node02")
+    cache.refresh()
+    snap = cache.snapshot()
+    whole = {n.name: n for n in backend.nodes()}
+    assert dict(snap.nodes) == whole and snap.nodes["node02"].reason == ""
+    assert snap.out_of_service == {n for n, info in whole.items() if out_of_service(info)}
+    assert set(snap.partitions["debug"]) == set(ctl.nodes)
+
+
 def test_scontrol_reads_boot_times_from_real_slurm(scontrol_env):
     """A real slurmctld gives both times the reconciler needs: the node's boot and its own start."""
     backend, _ = scontrol_env

@@ -19,9 +19,10 @@ from tests.support.wire import post_json
 
 
 class ControllerRig:
-    def __init__(self, fleet: Any, directory: Path, mode: str = "auto", **policy: Any):
+    def __init__(self, fleet: Any, directory: Path, mode: str = "auto", *, backend: FakeBackend | None = None,
+                 **policy: Any):
         self.fleet = fleet
-        self.backend = FakeBackend(fleet.nodes)
+        self.backend = backend if backend is not None else FakeBackend(fleet.nodes)
         self.ledger = Ledger(directory / "ledger.sqlite")
         settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(directory / "ledger.sqlite"),
                                       munge_socket=fleet.controller_socket, node_addrs=fleet.node_addrs,

@@ -19,7 +19,7 @@ from healthd.slurm.backend import (
     validate_argv,
     validate_job_id,
 )
-from healthd.slurm.scontrol import STEP_PATH, step_result
+from healthd.slurm.scontrol import STEP_PATH, parse_scontrol_node_line, step_result
 
 
 class FakeBackend:
@@ -173,3 +173,38 @@ class FakeBackend:
         if action == "requeue":
             return ["scontrol", "requeue", validate_job_id(kw["job_id"])]
         raise ValueError(action)
+
+
+def scontrol_line(info: NodeInfo) -> str:
+    """`info` as one line of `scontrol show node -o` (the fields healthd reads, and some it does not)."""
+    state = info.state.upper() + "".join(f"+{f}" for f in sorted(info.flags))
+    line = (f"NodeName={info.name} Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=64 CPULoad=0.10 Gres=gpu:8 "
+            f"NodeAddr=10.0.0.1 State={state} Partitions={','.join(info.partitions)} "
+            "BootTime=2026-12-01T07:34:35 LastBusyTime=2026-12-01T07:40:00")
+    if info.reason:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(info.reason_time or 0))
+        line += f" Reason={info.reason} [{info.reason_user or 'root'}@{stamp}]"
+    return line
+
+
+class FakeLinesBackend(FakeBackend):
+    """The in-memory Slurm listing its nodes as `scontrol show node -o` lines, parsed with the real
+    parser (the fleet view's incremental path). Lines are rendered again only after a write, as
+    slurmctld's answer changes only then."""
+
+    parse_node_line = staticmethod(parse_scontrol_node_line)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rendered: list[str] | None = None
+        self._writes_seen = -1
+
+    def node_lines(self) -> list[str]:
+        if self.unavailable:
+            from healthd.slurm.backend import SlurmUnavailable
+
+            raise SlurmUnavailable("slurmctld down")
+        if self._rendered is None or self._writes_seen != len(self.writes):
+            self._rendered = [scontrol_line(i) for i in self.state.values()]
+            self._writes_seen = len(self.writes)
+        return list(self._rendered)

@@ -388,10 +388,15 @@ class Ledger:
         "action_applied_at, back_in_service_at, created_at, escalation, closed_at, closed_by, close_why"
     )
 
-    def _incident(self, row: tuple[Any, ...]) -> Incident:
+    def _incident(self, row: tuple[Any, ...], members: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> Incident:
         iid = row[0]
-        nodes = tuple(r[0] for r in self.query("SELECT node FROM incident_nodes WHERE incident_id = ? ORDER BY node", (iid,)))
-        gpus = tuple(r[0] for r in self.query("SELECT gpu_serial FROM incident_gpus WHERE incident_id = ? ORDER BY gpu_serial", (iid,)))
+        if members is None:
+            nodes = tuple(r[0] for r in self.query("SELECT node FROM incident_nodes WHERE incident_id = ? ORDER BY node",
+                                                   (iid,)))
+            gpus = tuple(r[0] for r in self.query(
+                "SELECT gpu_serial FROM incident_gpus WHERE incident_id = ? ORDER BY gpu_serial", (iid,)))
+        else:
+            nodes, gpus = members
         return Incident(
             id=iid, signature=row[1], attribution=row[2], tier=row[3], status=row[4], nodes=nodes, gpu_serials=gpus,
             jobs=tuple(json.loads(row[5])), first_evidence_at=row[6], detected_at=row[7], decided_at=row[8],
@@ -406,13 +411,23 @@ class Ledger:
 
     def incidents(self, *, status: str | None = None, node: str | None = None, since: float | None = None) -> list[Incident]:
         """Incidents, filtered by status, member node and/or created at or after `since`; oldest first."""
+        where = ("WHERE (? IS NULL OR status = ?) AND (? IS NULL OR created_at >= ?) "
+                 "AND (? IS NULL OR id IN (SELECT incident_id FROM incident_nodes WHERE node = ?))")
+        args = (status, status, since, since, node, node)
         with self._lock:
-            rows = self.query(
-                f"SELECT {self._INCIDENT_COLS} FROM incidents WHERE (? IS NULL OR status = ?) AND (? IS NULL OR created_at >= ?) "
-                "AND (? IS NULL OR id IN (SELECT incident_id FROM incident_nodes WHERE node = ?)) ORDER BY id",
-                (status, status, since, since, node, node),
-            )
-            return [self._incident(r) for r in rows]
+            rows = self.query(f"SELECT {self._INCIDENT_COLS} FROM incidents {where} ORDER BY id", args)
+            if not rows:
+                return []
+            # the members of every incident listed in two statements, not two per incident
+            nodes: dict[int, list[str]] = {}
+            for iid, member in self.query(f"SELECT incident_id, node FROM incident_nodes WHERE incident_id IN "
+                                          f"(SELECT id FROM incidents {where}) ORDER BY node", args):
+                nodes.setdefault(iid, []).append(member)
+            gpus: dict[int, list[str]] = {}
+            for iid, serial in self.query(f"SELECT incident_id, gpu_serial FROM incident_gpus WHERE incident_id IN "
+                                          f"(SELECT id FROM incidents {where}) ORDER BY gpu_serial", args):
+                gpus.setdefault(iid, []).append(serial)
+            return [self._incident(r, (tuple(nodes.get(r[0], ())), tuple(gpus.get(r[0], ())))) for r in rows]
 
     # -- decisions ---------------------------------------------------------------------------------
 
@@ -766,6 +781,50 @@ class Ledger:
         )
         assert row is not None
         return int(row[0])
+
+    def open_incident_keys(self) -> dict[tuple[str, str], int]:
+        """(node, signature) -> id of the open incident holding it, in one statement (each round)."""
+        rows = self.query("SELECT n.node, i.signature, i.id FROM incidents i JOIN incident_nodes n ON n.incident_id = i.id "
+                          "WHERE i.status = 'open' ORDER BY i.id")
+        return {(str(node), str(sig)): int(iid) for node, sig, iid in rows}
+
+    def open_incident_counts(self) -> dict[tuple[str, str], int]:
+        """(tier, attribution) -> open incidents, in one statement (the round's gauges)."""
+        rows = self.query("SELECT tier, attribution, COUNT(*) FROM incidents WHERE status = 'open' GROUP BY tier, attribution")
+        return {(str(tier), str(attr)): int(n) for tier, attr, n in rows}
+
+    def incident_stage_times(self, since: float) -> list[tuple[int, float, float | None, float | None, float | None,
+                                                               float | None, float | None]]:
+        """(id, created_at, first_evidence_at, detected_at, decided_at, action_applied_at,
+        back_in_service_at) of the incidents created at or after `since`, oldest first: the stage
+        timings the metrics watch, without the members a full Incident carries."""
+        return [tuple(r) for r in self.query(  # type: ignore[misc]
+            "SELECT id, created_at, first_evidence_at, detected_at, decided_at, action_applied_at, back_in_service_at "
+            "FROM incidents WHERE created_at >= ? ORDER BY id", (since,))]
+
+    def remediation_counts(self, since: float) -> dict[tuple[str, str], int]:
+        """(node, signature) -> remediation_count(node, signature, since), for every pair that has
+        one: what a round needs for all its nodes in one statement."""
+        rows = self.query(
+            "SELECT a.node, i.signature, COUNT(DISTINCT i.id) FROM actions a JOIN decisions d ON a.decision_id = d.id "
+            "JOIN incidents i ON d.incident_id = i.id "
+            f"WHERE a.status IN ({', '.join('?' for _ in REMEDIATED_STATUSES)}) "
+            f"AND a.applied_at >= ? AND a.kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)}) "
+            "GROUP BY a.node, i.signature",
+            (*REMEDIATED_STATUSES, since, *REMEDIATION_KINDS),
+        )
+        return {(str(node), str(sig)): int(n) for node, sig, n in rows}
+
+    def remediations_per_node(self, since: float) -> dict[str, int]:
+        """node -> remediations_on_node(node, since), for every node that has one, in one statement."""
+        rows = self.query(
+            "SELECT a.node, COUNT(DISTINCT d.incident_id) FROM actions a JOIN decisions d ON a.decision_id = d.id "
+            f"WHERE a.status IN ({', '.join('?' for _ in REMEDIATED_STATUSES)}) AND a.applied_at >= ? "
+            f"AND d.incident_id IS NOT NULL AND a.kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)}) "
+            "GROUP BY a.node",
+            (*REMEDIATED_STATUSES, since, *REMEDIATION_KINDS),
+        )
+        return {str(node): int(n) for node, n in rows}
 
     def set_escalation(self, incident_id: int, escalation: str) -> Incident:
         """Record the incident's escalation; a stronger one (contact-support) is never downgraded."""

@@ -1,0 +1,223 @@
+"""The controller's fleet view (healthd.controller.fleetcache): incremental refreshes from the lines
+of `scontrol show node -o` (parsed with the real parser), whole reads from a backend without lines,
+single-node reads noted between refreshes, failures. The view against a real slurmctld is in
+tests/slurm/test_backend_contract.py; at 10,000 nodes in bench/controller_round.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from healthd.controller.fleetcache import FleetCache, out_of_service
+from healthd.slurm.backend import NodeInfo, SlurmOutputError, SlurmUnavailable
+from healthd.slurm.scontrol import parse_scontrol_node_line
+from tests.support.fake_slurm import FakeBackend
+
+
+def line(name: str, state: str = "IDLE", reason: str = "", partitions: str = "gpu", load: str = "0.10") -> str:
+    text = (f"NodeName={name} Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPULoad={load} Gres=gpu:8 "
+            f"NodeAddr=10.0.0.1 State={state} Partitions={partitions} BootTime=2026-12-01T07:34:35")
+    return text + (f" Reason={reason} [root@2026-12-02T01:00:00]" if reason else "")
+
+
+class Lines:
+    """A backend that lists lines the way ScontrolBackend.node_lines does; fails on demand."""
+
+    def parse_node_line(self, text: str) -> NodeInfo:
+        if self.parsing is not None:
+            parsing, self.parsing = self.parsing, None
+            parsing()
+        return parse_scontrol_node_line(text)
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+        self.fail: Exception | None = None
+        self.reads = 0
+        self.during: Callable[[], list[str]] | None = None
+        """Runs while a read is in flight and gives its lines (once)."""
+        self.parsing: Callable[[], None] | None = None
+        """Runs while the first changed line of a read is parsed (once)."""
+
+    def node_lines(self) -> list[str]:
+        self.reads += 1
+        if self.fail is not None:
+            raise self.fail
+        if self.during is not None:
+            during, self.during = self.during, None
+            return during()
+        return list(self.lines)
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def expected(lines: list[str]) -> dict[str, NodeInfo]:
+    return {i.name: i for i in map(parse_scontrol_node_line, lines)}
+
+
+def test_only_changed_lines_are_parsed_and_derived_sets_follow():
+    src = Lines([line("n1"), line("n2", partitions="gpu,debug"), line("n3", state="IDLE+DRAIN", reason="fan")])
+    cache = FleetCache(src)  # type: ignore[arg-type]
+    assert cache.snapshot() is None and not cache.healthy
+    r = cache.refresh()
+    assert (r.parsed, r.changed) == (3, 3)
+    snap = cache.snapshot()
+    assert dict(snap.nodes) == expected(src.lines)
+    assert snap.partitions == {"gpu": frozenset({"n1", "n2", "n3"}), "debug": frozenset({"n2"})}
+    assert snap.out_of_service == {"n3"}
+    r = cache.refresh()
+    assert (r.parsed, r.changed) == (0, 0) and cache.snapshot().version == snap.version
+    src.lines[0] = line("n1", state="IDLE+DRAIN", reason="healthd: xid 79")
+    src.lines[1] = line("n2", partitions="gpu", load="3.00")
+    del src.lines[2]
+    src.lines.append(line("n4", state="DOWN+NOT_RESPONDING"))
+    r = cache.refresh()
+    assert r.parsed == 3 and r.changed == 4
+    snap2 = cache.snapshot()
+    assert dict(snap2.nodes) == expected(src.lines) and snap2.version == snap.version + 1
+    assert snap2.partitions == {"gpu": frozenset({"n1", "n2", "n4"})}
+    assert snap2.out_of_service == {"n1", "n4"}
+    assert dict(snap.nodes) == expected([line("n1"), line("n2", partitions="gpu,debug"),
+                                         line("n3", state="IDLE+DRAIN", reason="fan")])  # snapshots never change
+
+
+def test_a_failed_read_keeps_the_snapshot_and_says_why_and_garbage_changes_nothing():
+    src = Lines([line("n1"), line("n2")])
+    cache = FleetCache(src)  # type: ignore[arg-type]
+    cache.refresh()
+    snap = cache.snapshot()
+    src.fail = SlurmUnavailable("slurmctld unreachable")
+    with pytest.raises(SlurmUnavailable):
+        cache.refresh()
+    assert cache.snapshot() is snap and not cache.healthy and "unreachable" in (cache.error or "")
+    src.fail = None
+    src.lines = [line("n1", state="DOWN"), "NodeName= State=IDLE"]  # the second has no name: the parser refuses it
+    with pytest.raises(SlurmOutputError):
+        cache.refresh()
+    assert cache.snapshot() is snap
+    src.lines = [line("n1", state="DOWN"), line("n2")]
+    cache.refresh()
+    assert cache.healthy and cache.snapshot().out_of_service == {"n1"}
+
+
+def test_a_single_node_read_newer_than_a_full_read_is_kept_and_parsed_again_next_time():
+    clock = Clock()
+    src = Lines([line("n1"), line("n2")])
+    cache = FleetCache(src, clock=clock)  # type: ignore[arg-type]
+    cache.refresh()
+    # the executor drains n1 and reads it back while a full read that started before is in flight
+    stale_lines = list(src.lines)
+    drained = parse_scontrol_node_line(line("n1", state="IDLE+DRAIN", reason="healthd: xid 79"))
+    clock.t = 1010.0
+
+    def in_flight() -> list[str]:
+        clock.t = 1020.0
+        cache.note(drained)  # noted at 1020, after the read began at 1010
+        return stale_lines
+
+    src.during = in_flight
+    cache.refresh()
+    assert cache.snapshot().nodes["n1"] == drained and "n1" in cache.snapshot().out_of_service
+    # Slurm shows the drain now; a read started after the note replaces the noted entry with it
+    src.lines[0] = line("n1", state="IDLE+DRAIN", reason="healthd: xid 79", load="0.20")
+    clock.t = 1030.0
+    r = cache.refresh()
+    assert r.parsed == 1 and cache.snapshot().nodes["n1"] == parse_scontrol_node_line(src.lines[0])
+    # an operator resumed it between the note and a read whose line for it is the one seen before the note
+    cache.note(drained)
+    src.lines[0] = line("n1")
+    clock.t = 1040.0
+    cache.refresh()
+    assert cache.snapshot().nodes["n1"] == parse_scontrol_node_line(line("n1"))
+    assert "n1" not in cache.snapshot().out_of_service
+
+
+def test_a_node_noted_while_a_read_parses_is_parsed_again_by_the_next_read():
+    clock = Clock()
+    src = Lines([line("n1"), line("n2")])
+    cache = FleetCache(src, clock=clock)  # type: ignore[arg-type]
+    cache.refresh()
+    drained = parse_scontrol_node_line(line("n1", state="IDLE+DRAIN", reason="healthd: xid 79"))
+    src.lines[1] = line("n2", load="0.50")  # n2 changed, n1 did not: n1's line is not parsed by this read
+    clock.t = 1010.0
+
+    def note() -> None:
+        clock.t = 1020.0
+        cache.note(drained)
+
+    src.parsing = note
+    cache.refresh()
+    assert cache.snapshot().nodes["n1"] == drained
+    # the write did not hold (an operator undid it): Slurm shows n1's old line, which must be read again
+    clock.t = 1030.0
+    cache.refresh()
+    assert cache.snapshot().nodes["n1"] == parse_scontrol_node_line(line("n1"))
+
+
+def test_a_backend_without_lines_is_read_whole_and_compared():
+    backend = FakeBackend(["a1", "a2", "a3"], partition=["gpu", "cpu"])
+    cache = FleetCache(backend)
+    r = cache.refresh()
+    assert r.changed == 3 and r.parsed == 0
+    assert dict(cache.snapshot().nodes) == {n.name: n for n in backend.nodes()}
+    version = cache.snapshot().version
+    assert cache.refresh().changed == 0 and cache.snapshot().version == version
+    backend.drain("a2", "healthd: test")
+    assert cache.refresh().changed == 1
+    assert cache.snapshot().out_of_service == {"a2"}
+    assert cache.snapshot().nodes["a2"] == backend.node("a2")
+
+
+def test_the_refresh_thread_reads_until_stopped_and_a_poke_reads_at_once():
+    src = Lines([line("n1")])
+    cache = FleetCache(src)  # type: ignore[arg-type]
+    cache.start(3600.0)
+    try:
+        deadline = time.monotonic() + 10
+        while src.reads < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        src.lines = [line("n1", state="DOWN")]
+        cache.poke()
+        while "n1" not in (cache.snapshot().out_of_service if cache.snapshot() else ()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cache.snapshot().out_of_service == {"n1"} and src.reads >= 2
+    finally:
+        cache.stop()
+    assert not cache.running
+
+
+names = st.sampled_from([f"n{i}" for i in range(8)])
+node_state = st.tuples(st.sampled_from(["IDLE", "MIXED", "IDLE+DRAIN", "DOWN+NOT_RESPONDING", "ALLOCATED+DRAIN"]),
+                       st.sampled_from(["gpu", "cpu", "gpu,cpu", ""]), st.sampled_from(["", "fan", "healthd: x"]),
+                       st.sampled_from(["0.1", "0.2"]))
+fleets = st.dictionaries(names, node_state, max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(fleets, min_size=1, max_size=6))
+def test_any_sequence_of_fleets_gives_the_snapshot_a_whole_read_would(sequence):
+    src = Lines([])
+    cache = FleetCache(src)  # type: ignore[arg-type]
+    for fleet in sequence:
+        src.lines = [line(n, state=s, reason=r if "DRAIN" in s or "DOWN" in s else "", partitions=p, load=ld)
+                     for n, (s, p, r, ld) in fleet.items()]
+        cache.refresh()
+        snap = cache.snapshot()
+        want = expected(src.lines)
+        assert dict(snap.nodes) == want
+        parts: dict[str, set[str]] = {}
+        for info in want.values():
+            for p in info.partitions:
+                parts.setdefault(p, set()).add(info.name)
+        assert {k: set(v) for k, v in snap.partitions.items()} == parts
+        assert snap.out_of_service == {n for n, i in want.items() if out_of_service(i)}
