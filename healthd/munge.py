@@ -99,12 +99,19 @@ class Decoded:
 
 
 class _Lib:
+    """The library's functions. munge_encode and munge_decode wait on munged over its socket, so they
+    run with the GIL released (CDLL): other threads go on meanwhile (the controller's verifier threads
+    overlap their round trips). Every other call is a few hundred nanoseconds of memory work and keeps
+    the GIL (PyDLL): releasing it around each of them would hand the GIL to another thread up to nine
+    times per decode, a context switch each when several threads verify."""
+
     def __init__(self, name: str = LIBRARY):
         try:
             lib = ctypes.CDLL(name, use_errno=True)
+            quick = ctypes.PyDLL(name)
         except OSError as exc:
             raise MungeUnavailable(EMUNGE_SNAFU, f"cannot load {name} ({exc}); install the libmunge2 package") from exc
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6")
         self.free = libc.free
         self.free.argtypes = [ctypes.c_void_p]
         self.free.restype = None
@@ -122,24 +129,24 @@ class _Lib:
             ctypes.POINTER(ctypes.c_uint32),  # gid_t
         ]
         self.decode.restype = ctypes.c_int
-        self.strerror = lib.munge_strerror
+        self.strerror = quick.munge_strerror
         self.strerror.argtypes = [ctypes.c_int]
         self.strerror.restype = ctypes.c_char_p
-        self.ctx_create = lib.munge_ctx_create
+        self.ctx_create = quick.munge_ctx_create
         self.ctx_create.argtypes = []
         self.ctx_create.restype = ctypes.c_void_p
-        self.ctx_destroy = lib.munge_ctx_destroy
+        self.ctx_destroy = quick.munge_ctx_destroy
         self.ctx_destroy.argtypes = [ctypes.c_void_p]
         self.ctx_destroy.restype = None
-        self.ctx_strerror = lib.munge_ctx_strerror
+        self.ctx_strerror = quick.munge_ctx_strerror
         self.ctx_strerror.argtypes = [ctypes.c_void_p]
         self.ctx_strerror.restype = ctypes.c_char_p
         # Variadic: no argtypes; every argument is passed as an explicit ctypes value of the C type
         # munge.h names for the option (int, char *, or a pointer), which is how the x86-64 and
         # aarch64 Linux ABIs pass variadic arguments too.
-        self.ctx_get = lib.munge_ctx_get
+        self.ctx_get = quick.munge_ctx_get
         self.ctx_get.restype = ctypes.c_int
-        self.ctx_set = lib.munge_ctx_set
+        self.ctx_set = quick.munge_ctx_set
         self.ctx_set.restype = ctypes.c_int
 
 

@@ -36,9 +36,19 @@ reason per LOG_INTERVAL_S, with the count of the lines it held back. At bind tim
 RLIMIT_NOFILE is raised towards what max_connections needs (nofile_needed), with one warning when
 the hard limit does not allow it.
 
-/v1/report runs inline on the loop (verify is a ctypes call to the local munged plus JSON: well
-under a millisecond). /v1/request may wait on Slurm for up to ~20 s, so it runs in a small thread
-pool; its connection stops reading meanwhile.
+/v1/report runs on report_threads verifier threads (ReportVerifiers): the loop parses HTTP and hands
+the body over; a verifier runs Controller.receive_report (MUNGE decode, canonical digest, schema, the
+store under its lock) and the answer comes back to the loop in batches. Why: inline, every report held
+the loop for its blocking round trip to munged, so a slow or stalled munged stopped accepts, /healthz
+and every other connection with it; libmunge's decode runs with the GIL released (healthd.munge), so
+the verifiers overlap their munged waits with each other and with the loop's HTTP work. What it buys
+in throughput is small where the CPU is the limit: on a 2-core head node, a new connection per report
+measured within noise of inline (the Python work of a report, ~0.65 ms of CPU, is serialised by the
+GIL either way) and keep-alive ~15 % slower (the thread hop and GIL hand-offs cost more than the
+overlap saves): docs/benchmarks.md "Controller, whole path". report_threads=0 runs receive_report
+inline on the loop (the benchmark's baseline). A connection stops reading while its report is verified.
+/v1/request may wait on Slurm for up to ~20 s, so it runs in a small thread pool of its own, as does
+/v1/goodput (a disk write); their connections stop reading meanwhile too.
 """
 
 from __future__ import annotations
@@ -47,8 +57,10 @@ import asyncio
 import concurrent.futures
 import email.utils
 import ipaddress
+import collections
 import json
 import logging
+import queue
 import re
 import resource
 import socket
@@ -75,6 +87,9 @@ LISTEN_BACKLOG = 1024
 DEFAULT_MAX_CONNECTIONS_PER_PEER = 32
 LOG_INTERVAL_S = 10.0
 """At most one log line per reason (refusal, timeout, malformed request) per this many seconds."""
+DEFAULT_REPORT_THREADS = 4
+"""Verifier threads for /v1/report: the best of 2, 4 and 8 measured on a 2-core head node with a new
+connection per report (bench/controller_path.py); munged itself runs 2 threads by default."""
 NOFILE_RESERVE = 512
 """File descriptors the controller needs besides report connections: the admin socket's clients
 (healthd.controller.admin bounds them to under 100), the ledger (database, WAL, shared memory, a
@@ -445,16 +460,20 @@ class _Connection(FlowControlled):
             else:
                 self._finish(404, {"error": f"no such endpoint {req.target[:80]!r}"}, close=not req.keep_alive)
             return
-        if req.target == "/v1/report":
-            # inline on the loop: MUNGE decode + JSON, well under a millisecond; a thread hop costs more
+        verifiers = self.server._verifiers
+        if req.target == "/v1/report" and verifiers is None:  # report_threads=0: inline on the loop
             status, payload = self._call(self.server.controller.receive_report, req, body)
             self._finish(status, payload, close=not req.keep_alive)
             return
-        # /v1/request may wait on Slurm for ~20 s, /v1/goodput on the disk: off the loop, and this
-        # connection stops reading
+        # a report to the verifiers; /v1/request may wait on Slurm for ~20 s, /v1/goodput on the disk:
+        # all off the loop, and this connection stops reading until its answer is written
         self.state = "busy"
         self._cancel_timer()
         self._pause_reading()
+        if req.target == "/v1/report":
+            assert verifiers is not None
+            verifiers.submit(self, req, body)
+            return
         route = (self.server.controller.receive_request if req.target == "/v1/request"
                  else self.server.controller.receive_goodput)
         fut = self.loop.run_in_executor(self.server._pool, self._call, route, req, body)
@@ -471,7 +490,13 @@ class _Connection(FlowControlled):
     def _request_done(self, req: _Request, fut: asyncio.Future) -> None:
         if self.state == "closed" or fut.cancelled():
             return
-        status, payload = fut.result()
+        self.answered(req, fut.result())
+
+    def answered(self, req: _Request, result: tuple[int, dict[str, Any]]) -> None:
+        """A request handled off the loop: write its answer and go on reading (on the loop)."""
+        if self.state == "closed":
+            return
+        status, payload = result
         self._finish(status, payload, close=not req.keep_alive or self.eof)
         if self.state != "closed" and not self.write_paused:
             self._resume_reading()
@@ -538,6 +563,79 @@ class _Connection(FlowControlled):
             self.state = "closed"
             transport.close()
 
+
+class ReportVerifiers:
+    """`threads` threads that run the controller's receive_report for the loop's connections.
+
+    submit() (on the loop) queues a connection's report; a verifier runs it and appends the answer to
+    a done queue, and the loop writes the answers in batches: under load one wake-up of the loop (a
+    write to its self-pipe) serves many answers instead of one per report. A verifier never raises:
+    an exception from receive_report is answered 500 (_Connection._call), and one from the verifier's
+    own bookkeeping is logged and answered 500 too, so no connection waits for an answer that never
+    comes and no thread dies. stop() discards reports not yet started (their connections are being
+    aborted), lets each thread finish the report it holds, and joins them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, route: Callable[[bytes, str], tuple[int, dict[str, Any]]],
+                 threads: int):
+        self._loop = loop
+        self._route = route
+        self._jobs: queue.SimpleQueue[tuple[_Connection, _Request, bytes] | None] = queue.SimpleQueue()
+        self._done: collections.deque[tuple[_Connection, _Request, tuple[int, dict[str, Any]]]] = collections.deque()
+        self._wake_pending = False
+        self.threads = [threading.Thread(target=self._run, name=f"healthd-controller-verify-{k}", daemon=True)
+                        for k in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, conn: _Connection, req: _Request, body: bytes) -> None:
+        self._jobs.put((conn, req, body))
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            conn, req, body = job
+            try:
+                result = conn._call(self._route, req, body)
+            except Exception as exc:  # _call catches the route's errors; this is a bug of ours
+                _log.exception("%s %s: verifier failed", conn.peer, req.target)
+                result = 500, {"error": f"internal error: {type(exc).__name__}"}
+            self._done.append((conn, req, result))
+            # the flag saves a self-pipe write per answer; a lost race only costs one empty _deliver
+            if not self._wake_pending:
+                self._wake_pending = True
+                try:
+                    self._loop.call_soon_threadsafe(self._deliver)
+                except RuntimeError:  # the loop closed under a report finishing at shutdown
+                    return
+
+    def _deliver(self) -> None:
+        """On the loop: write every answer the verifiers have finished."""
+        self._wake_pending = False  # before draining: an answer appended from here on wakes us again
+        done = self._done
+        while done:
+            conn, req, result = done.popleft()
+            try:
+                conn.answered(req, result)
+            except Exception:  # one connection's failure must not strand the others' answers
+                _log.exception("%s %s: writing the answer failed", conn.peer, req.target)
+                if conn.transport is not None:
+                    conn.transport.abort()
+
+    def stop(self) -> None:
+        """Blocking: discard queued reports, stop and join every thread (call off the loop)."""
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self.threads:
+            self._jobs.put(None)
+        for t in self.threads:
+            t.join()
+
+
 class _Refused(_BadRequest):
     """Answered before the body was read (404/411/413 on POST): JSON payload as given, then close."""
 
@@ -554,11 +652,14 @@ class ControllerHTTPServer:
                  request_timeout_s: float = 30.0, idle_timeout_s: float = 15.0,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
-                 request_threads: int = 8, log_interval_s: float = LOG_INTERVAL_S):
+                 request_threads: int = 8, report_threads: int = DEFAULT_REPORT_THREADS,
+                 log_interval_s: float = LOG_INTERVAL_S):
         host, _, port = listen.rpartition(":")
         host = host.strip("[]")
         if max_connections < 1 or max_connections_per_peer < 1:
             raise ValueError("max_connections and max_connections_per_peer must be at least 1")
+        if report_threads < 0:
+            raise ValueError(f"report_threads must be 0 (inline on the loop) or more, got {report_threads}")
         self.controller = controller
         self.max_bytes = max_bytes
         self.request_timeout_s = request_timeout_s
@@ -571,6 +672,8 @@ class ControllerHTTPServer:
         self.server_address = self.socket.getsockname()
         self.nofile = check_nofile(nofile_needed(max_connections))
         self._request_threads = request_threads
+        self.report_threads = report_threads
+        self._verifiers: ReportVerifiers | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._connections: set[_Connection] = set()
@@ -618,6 +721,8 @@ class ControllerHTTPServer:
             if self._shut:
                 self._stop.set()
         self._pool = concurrent.futures.ThreadPoolExecutor(self._request_threads, thread_name_prefix="healthd-controller-request")
+        if self.report_threads:
+            self._verifiers = ReportVerifiers(loop, self.controller.receive_report, self.report_threads)
         loop.set_exception_handler(self._loop_exception)
         # create_server listen()s again with its own backlog (100 unless given): pass ours
         server = await loop.create_server(lambda: _Connection(self), sock=self.socket, backlog=LISTEN_BACKLOG)
@@ -639,6 +744,8 @@ class ControllerHTTPServer:
                 if conn.transport is not None:
                     conn.transport.abort()
             await server.wait_closed()
+            if self._verifiers is not None:  # each finishes the report it holds; its answer goes nowhere
+                await loop.run_in_executor(None, self._verifiers.stop)
             # a /v1/request still waiting on Slurm finishes (bounded by the Controller's Slurm
             # timeouts) so no pool thread outlives the server; its answer has nowhere to go
             await loop.run_in_executor(None, self._pool.shutdown, True)

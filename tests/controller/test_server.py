@@ -235,3 +235,147 @@ def test_fuzz_raw_bytes_never_kill_the_server(server, raw):
             pass
     # and it still serves
     assert exchange(server, b"GET /healthz HTTP/1.1\r\n\r\n") == (200, {"ok": True})
+
+
+# ------------------------------------------------------------------ the report verifier threads
+
+
+class _GatedController(StubController):
+    """Holds every report until `gate` is set (a verifier busy on munged), counting the reports in hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.in_hand = 0
+        self.lock = threading.Lock()
+
+    def receive_report(self, body: bytes, peer: str = "") -> tuple[int, dict]:
+        with self.lock:
+            self.in_hand += 1
+        self.gate.wait(10)
+        return super().receive_report(body, peer)
+
+
+def test_reports_run_on_the_verifier_threads_not_the_loop():
+    """While every verifier waits (as on a slow munged) the loop still answers other requests, and
+    as many reports are in hand at once as there are verifier threads."""
+    ctl = _GatedController()
+    srv = ControllerHTTPServer("127.0.0.1:0", ctl, report_threads=3)
+    srv.start_background()
+    socks = [connect(srv) for _ in range(5)]
+    try:
+        for k, sock in enumerate(socks):
+            sock.sendall(raw_post("/v1/report", b"r%d" % k))
+        deadline = time.monotonic() + 5
+        while ctl.in_hand < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert ctl.in_hand == 3  # three verifiers busy, two reports queued
+        assert exchange(srv, b"GET /healthz HTTP/1.1\r\n\r\n") == (200, {"ok": True})
+        ctl.gate.set()
+        assert [read_response(s)[0] for s in socks] == [200] * 5
+        assert sorted(b for b, _ in ctl.reports) == [b"r%d" % k for k in range(5)]
+    finally:
+        ctl.gate.set()
+        for s in socks:
+            s.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("report_threads", [0, 1, 4])
+def test_many_concurrent_connections_lose_and_duplicate_no_report(report_threads):
+    """600 reports from 24 client threads over 3 source addresses, a new connection each and keep-alive
+    mixed: every one answered 200 exactly once, and each reached the controller exactly once."""
+    ctl = StubController()
+    srv = ControllerHTTPServer("127.0.0.1:0", ctl, report_threads=report_threads)
+    srv.start_background()
+    answers: list[tuple[bytes, int]] = []
+    errors: list[BaseException] = []
+
+    def client(k: int) -> None:
+        source = f"127.0.0.{2 + k % 3}"
+        try:
+            sock = None
+            for i in range(25):
+                body = b"report-%d-%d" % (k, i)
+                if sock is None:
+                    sock = connect_from(srv, source)
+                close = k % 2 == 0  # half the clients as agents do (a connection per report)
+                sock.sendall(raw_post("/v1/report", body, "Connection: close\r\n" if close else ""))
+                status, _, payload = read_response(sock)
+                answers.append((body, status))
+                assert payload == b'{"accepted":true,"instructions":[]}'
+                if close:
+                    sock.close()
+                    sock = None
+            if sock is not None:
+                sock.close()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        sent = sorted(b"report-%d-%d" % (k, i) for k in range(24) for i in range(25))
+        assert sorted(b for b, _ in answers) == sent and {s for _, s in answers} == {200}
+        assert sorted(b for b, _ in ctl.reports) == sent  # none lost, none twice
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def connect_from(srv: ControllerHTTPServer, source: str) -> socket.socket:
+    return wire.connect(srv.server_address[:2], source=source)
+
+
+def test_a_verifier_exception_is_500_and_every_verifier_lives():
+    """A bug in receive_report is one 500 with the exception's type, for as many reports as there are
+    verifiers and more: no thread dies, the next reports are accepted."""
+    ctl = StubController()
+    srv = ControllerHTTPServer("127.0.0.1:0", ctl, report_threads=2)
+    srv.start_background()
+    try:
+        for _ in range(5):
+            assert exchange(srv, raw_post("/v1/report", b"boom")) == (500, {"error": "internal error: RuntimeError"})
+        assert all(t.is_alive() for t in srv._verifiers.threads)
+        for k in range(4):
+            assert exchange(srv, raw_post("/v1/report", b"ok%d" % k))[0] == 200
+        assert [b for b, _ in ctl.reports] == [b"ok0", b"ok1", b"ok2", b"ok3"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_shutdown_with_reports_in_hand_stops_every_verifier():
+    """Shutdown while verifiers hold reports and more are queued: the reports in hand finish, the
+    queued ones are dropped (their connections are aborted: the agents send again), and no verifier
+    thread outlives the server."""
+    before = set(threading.enumerate())
+    ctl = _GatedController()
+    srv = ControllerHTTPServer("127.0.0.1:0", ctl, report_threads=2)
+    srv.start_background()
+    socks = [connect(srv) for _ in range(6)]
+    for k, sock in enumerate(socks):
+        sock.sendall(raw_post("/v1/report", b"r%d" % k))
+    deadline = time.monotonic() + 5
+    while ctl.in_hand < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    later = threading.Timer(0.3, ctl.gate.set)  # munged answers a little later
+    later.start()
+    srv.shutdown()
+    srv.server_close()
+    for s in socks:
+        s.close()
+    later.join(5)
+    assert set(threading.enumerate()) - before == set()
+    assert len(ctl.reports) == 2  # the two in hand; the four queued were never started
+
+
+def test_report_threads_must_not_be_negative():
+    with pytest.raises(ValueError, match="report_threads"):
+        ControllerHTTPServer("127.0.0.1:0", StubController(), report_threads=-1)
