@@ -93,6 +93,7 @@ bench: deps
 	$(PY) bench/inband_detect.py
 	$(PY) bench/inband_job.py
 	$(PY) bench/controller_path.py
+	$(PY) bench/controller_round.py
 	$(PY) bench/xid_to_drain.py
 
 # a real munged + slurmctld + 4 slurmd (node01..node04, gpu:4 each) on 127.0.0.1; prints SLURM_CONF

@@ -144,14 +144,17 @@ class FleetHarness:
     requeue_delay_s / sched_interval_s: Slurm's AuthInfo cred_expire (how long a requeued job waits
         before it may start again; Slurm's default 120 s) and SchedulerParameters sched_interval (the
         main scheduling loop's period; default 60 s), shortened so a requeued job restarts within seconds.
+    idle_nodes: more nodes declared in slurm.conf (idle00001...) that never run a slurmd: slurmctld
+        holds them as down, not responding, as a large fleet's idle view costs it and its clients.
     """
 
     def __init__(self, nodes: int = 4, gpus_per_node: int = 4, *, policy: Mapping[str, Any] | None = None,
                  extra_config: Mapping[str, Any] | None = None, agent_config: Mapping[str, Any] | None = None,
                  round_s: float = 0.5,
                  agent_interval_s: float = 5.0, heartbeat_s: float = 5.0, requeue_delay_s: int = 10,
-                 sched_interval_s: int = 2, log: Callable[[str], None] | None = None):
+                 sched_interval_s: int = 2, idle_nodes: int = 0, log: Callable[[str], None] | None = None):
         self.node_count = nodes
+        self.idle_nodes = idle_nodes
         self.gpus_per_node = gpus_per_node
         self.policy = dict(policy or {"mode": "auto"})
         self.extra_config = dict(extra_config or {})
@@ -224,7 +227,11 @@ class FleetHarness:
             self.cluster.extra_conf = (
                 f"AuthInfo=socket={self.cluster.munge_socket},cred_expire={self.requeue_delay_s}\n"
                 f"SchedulerParameters=nohold_on_prolog_fail,sched_interval={self.sched_interval_s}\n")
-            self.cluster.up()
+            if self.idle_nodes:
+                self.cluster.extra_conf += (
+                    f"NodeName=idle[00001-{self.idle_nodes:05d}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=1 "
+                    f"CPUs=4 RealMemory=1000 Gres=gpu:{self.gpus_per_node} State=UNKNOWN\n")
+            self.cluster.up(timeout_s=60 + self.idle_nodes / 100)
             self.say(f"slurm: munged + slurmctld + {self.node_count} slurmd up ({time.monotonic() - t0:.1f}s), "
                      f"SLURM_CONF={self.cluster.conf_path}")
             self.munge = MungeFleet(self.cluster.nodes).start()
@@ -320,10 +327,16 @@ class FleetHarness:
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
+    def stop_agent(self, name: str) -> None:
+        """Stop one node's agent by PID (and reap it); start_agent starts it again."""
+        _stop_proc(self.nodes[name].proc)
+
+    def start_agent(self, name: str) -> None:
+        self._start_agent(self.nodes[name])
+
     def restart_agent(self, name: str) -> None:
-        node = self.nodes[name]
-        _stop_proc(node.proc)
-        self._start_agent(node)
+        self.stop_agent(name)
+        self.start_agent(name)
 
     def agent_state(self, name: str) -> dict[str, Any] | None:
         try:

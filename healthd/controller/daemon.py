@@ -13,15 +13,19 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import gc
 import grp
 import logging
+import operator
 import re
 import signal
 import socket as _socket
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from itertools import compress
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -44,6 +48,7 @@ from healthd.controller.policy import (
     finding_from_json,
     is_actionable,
     parse_topology_conf,
+    with_findings,
     without_cleared,
 )
 from healthd.controller.reconcile import Reconciler
@@ -59,7 +64,12 @@ _log = logging.getLogger("healthd.controller")
 ROUND_INTERVAL_S = 5.0
 MAX_OPEN_INCIDENTS_PER_NODE = 8
 """Open incidents one node may have; more findings from it wait until one closes (logged)."""
+_INBAND = operator.attrgetter("inband")
+_VERDICT = operator.attrgetter("verdict")
+_RECEIVED_AT = operator.attrgetter("received_at")
 ADDR_REFRESH_S = 300.0
+FULL_COLLECT_EVERY_S = 3600.0
+"""How often the daemon runs a full garbage collection between rounds (Controller.between_rounds)."""
 LEDGER_OUTCOME = {"allowed": "allowed", "waiting-approval": "waiting", "refused": "refused", "recorded": "refused"}
 """gates' GateResult.status -> the ledger's decision outcome (`recorded` is a refusal by policy)."""
 
@@ -121,6 +131,7 @@ class Controller:
         else read (incrementally) at the start of each round."""
         self.executor.on_node_read = self.fleet.note
         self._fleet_period_s: float | None = None
+        self._full_collect_at = time.monotonic()
         self.reconciler = Reconciler(self.executor)
         self._limited = RateLimitedLog(_log)
         self.reintegrator = Reintegrator(settings.reintegration, self.executor, slurm_conf=settings.slurm_conf,
@@ -340,8 +351,9 @@ class Controller:
         for node, _finding in self._incidents:
             per_node[node] = per_node.get(node, 0) + 1
         with self.ledger.transaction():
-            for node, report in reports.items():
-                if not report.findings or now - report.received_at > self.policy.report_ttl_s:
+            for node in with_findings(reports):
+                report = reports[node]
+                if now - report.received_at > self.policy.report_ttl_s:
                     continue
                 try:
                     self._ensure_node_incidents(node, report, now, jobs, per_node)
@@ -549,7 +561,7 @@ class Controller:
         """The round's in-band view: findings for the slow ranks of jobs on several nodes, hangs.
         A straggler's episode is carried from round to round; on the first round after a start, one
         still flagged that an operator had dismissed (undo, close) keeps the dismissed episode."""
-        if not any(r.inband for r in reports.values()):
+        if not any(map(_INBAND, reports.values())):
             self.inband_round = inband.InbandRound()
             self._straggler_episodes(now)
             return self.inband_round
@@ -623,10 +635,8 @@ class Controller:
         ttl = self.policy.report_ttl_s
         with self.reports_lock:
             reports = list(self.reports.values())
-        fresh: dict[str, int] = {}
-        for rep in reports:
-            if now - rep.received_at <= ttl:
-                fresh[rep.verdict] = fresh.get(rep.verdict, 0) + 1
+        # counted in C: at 100,000 nodes a Python loop here was a fifth of the round
+        fresh = dict(Counter(compress(map(_VERDICT, reports), map((now - ttl).__le__, map(_RECEIVED_AT, reports)))))
         waiting = self.ledger.waiting_decisions()
         open_by = self.ledger.open_incident_counts()
 
@@ -644,6 +654,22 @@ class Controller:
                             incidents=recent, inband_jobs=self.inband_round.jobs,
                             inband_stragglers=self.inband_round.flagged_by_tier(),
                             inband_hangs=len(self.inband_round.hangs))
+
+    def between_rounds(self, monotonic_now: float) -> None:
+        """Keep the collector's full passes out of the rounds. At 10,000 nodes the reports and the
+        fleet view are about a million long-lived objects, and each automatic full collection walked
+        them all, 40-140 ms in the middle of whatever ran (a round, a report). So after each round the
+        young generations are collected and every survivor is moved out of the collector's sight
+        (gc.freeze): its reference count still frees it when it is replaced (reports and node
+        entries are not in reference cycles), and a full collection here, between rounds, once every
+        FULL_COLLECT_EVERY_S frees whatever old object a cycle kept."""
+        if monotonic_now - self._full_collect_at >= FULL_COLLECT_EVERY_S:
+            gc.unfreeze()
+            gc.collect()
+            self._full_collect_at = monotonic_now
+        else:
+            gc.collect(1)
+        gc.freeze()
 
     def _observe_round(self, now: float) -> None:
         """Hand this full round's figures to the metrics. Never raises: a metrics problem (the ledger
@@ -690,8 +716,9 @@ class Controller:
         out: dict[tuple[str, str], str] = {}
         per_node: dict[str, int] | None = None  # read once, when the first node needs them
         per_fault: dict[tuple[str, str], int] = {}
-        for node, report in reports.items():
-            if not report.findings or now - report.received_at > self.policy.report_ttl_s:
+        for node in with_findings(reports):
+            report = reports[node]
+            if now - report.received_at > self.policy.report_ttl_s:
                 continue
             try:
                 actionable = [f for f in report.findings if is_actionable(f)][:MAX_OPEN_INCIDENTS_PER_NODE]
@@ -906,6 +933,7 @@ def main(argv: list[str] | None = None) -> int:
                     ready = True
                 # only after a round that returned; a failing round leaves the watchdog to decide
                 dog.feed(time.monotonic(), healthy=True)
+            controller.between_rounds(time.monotonic())
             # every `interval`, or at once when a report brings a new actionable finding
             controller.wake.wait(interval)
         _log.info("healthd-controller stopping")
