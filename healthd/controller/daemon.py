@@ -844,7 +844,8 @@ def _status(controller: Controller, slurm_ok: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Under systemd (Type=notify): READY=1 once the ledger is open, the HTTP server bound and the
     first control round has returned (Slurm unreachable counts: the controller is up and will
-    retry); WATCHDOG=1 after each control round that returned, never while one is hung."""
+    retry); WATCHDOG=1 after each control round that returned, never while one is hung or while the
+    fleet view's read of Slurm has been stuck for half a watchdog period."""
     args = _parser().parse_args(argv)
     setup_logging()
     notifier = sdnotify.notifier_from_env()
@@ -931,8 +932,14 @@ def main(argv: list[str] | None = None) -> int:
                 if not ready:
                     notifier.notify("READY=1")
                     ready = True
-                # only after a round that returned; a failing round leaves the watchdog to decide
-                dog.feed(time.monotonic(), healthy=True)
+                # only after a round that returned, and while no read of the fleet has been stuck for half
+                # a period (rounds no longer wait for that read: a wedged one would otherwise go unseen)
+                stuck = controller.fleet.stuck_for(time.monotonic())
+                fed = dog.period_s is None or stuck < dog.period_s / 2
+                if not fed:
+                    controller._limited.warning("watchdog", "not feeding the systemd watchdog: the read of Slurm's "
+                                                "node list has been stuck for %.0f s", stuck)
+                dog.feed(time.monotonic(), healthy=fed)
             controller.between_rounds(time.monotonic())
             # every `interval`, or at once when a report brings a new actionable finding
             controller.wake.wait(interval)

@@ -93,6 +93,8 @@ class FleetCache:
         self.failed_at: float | None = None
         """When the latest refresh failed (None after one that succeeded)."""
         self.refreshes = 0
+        self.busy_since: float | None = None
+        """time.monotonic() when the read in progress began; None between reads."""
         self.last: RefreshResult | None = None
         """What the latest successful refresh found (the benchmark reads it)."""
         self._thread: threading.Thread | None = None
@@ -117,6 +119,7 @@ class FleetCache:
         snapshot stays as it was, and `error` says why)."""
         started = time.monotonic()
         read_at = self.clock()
+        self.busy_since = started
         try:
             if self._read_lines is not None and self._parse_line is not None:
                 changed, parsed = self._from_lines(self._read_lines(), read_at)
@@ -126,6 +129,8 @@ class FleetCache:
             self.error = str(exc)[:500]
             self.failed_at = read_at
             raise
+        finally:
+            self.busy_since = None
         self.error = None
         self.failed_at = None
         self.refreshes += 1
@@ -270,6 +275,12 @@ class FleetCache:
 
         self._thread = threading.Thread(target=loop, name="healthd-fleet", daemon=True)
         self._thread.start()
+
+    def stuck_for(self, monotonic_now: float) -> float:
+        """How long the read in progress has been running (0 between reads): every Slurm call has a
+        hard timeout, so a read stuck longer than that means the refresh itself is wedged."""
+        since = self.busy_since
+        return 0.0 if since is None else max(0.0, monotonic_now - since)
 
     def failed(self, why: str) -> None:
         """Another read of Slurm failed (the executor's, before a write): the view is not acted on
