@@ -14,35 +14,51 @@ Standard library only at module level: the prolog and epilog import this.
 from __future__ import annotations
 
 import os
-import re
 import stat
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
 
+from healthd.record import Record
 from healthd.statedoc import f_gpu
 from healthd.text import clean, iso, parse_time
 from healthd.trusted import SMALL_MAX_BYTES
 from healthd.trusted import TRUSTED_UID, TrustedDir, json_object, read_fd
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Iterable
+
 JOBS_DIR = "jobs"
 DONE_DIR = os.path.join("jobs", "done")
-BINDING_NAME = re.compile(r"([0-9]{1,20})\.json")
+
+
+class _BindingName:
+    """`<job>.json` with a job id of 1-20 ASCII digits: `fullmatch(name)` gives the job id or None,
+    like the regular expression it replaces (re costs the hooks ~3 ms of every start)."""
+
+    def fullmatch(self, name: str) -> str | None:
+        job = name[:-5] if name.endswith(".json") else ""
+        return job if 1 <= len(job) <= 20 and job.isascii() and job.isdigit() else None
+
+
+BINDING_NAME = _BindingName()
 DONE_KEEP = 256
 """Closed bindings kept in jobs/done (the oldest beyond this are removed by the epilog)."""
 MAX_BINDINGS = 2048
 """The agent reads at most this many binding files per tick."""
 
 
-@dataclass(frozen=True)
-class Binding:
+class Binding(Record):
+    """One job on this node: job, node, gpus (GPU indices, Slurm/CUDA numbering; None when the
+    prolog could not tell), start, end (None while open), user, uid."""
+
+    _fields = ("job", "node", "gpus", "start", "end", "user", "uid")
+    _defaults = {"end": None, "user": None, "uid": None}
     job: str
     node: str
     gpus: tuple[int, ...] | None
-    """GPU indices on the node (Slurm/CUDA numbering); None when the prolog could not tell."""
     start: float
-    end: float | None = None
-    user: str | None = None
-    uid: int | None = None
+    end: float | None
+    user: str | None
+    uid: int | None
 
     def active_at(self, t: float) -> bool:
         return self.start <= t and (self.end is None or t <= self.end)

@@ -3,10 +3,14 @@ controller's and the hooks' small documents. Standard library only."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from typing import Any
+
+from healthd import fastjson
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def _log_error(msg: str, *args: Any) -> None:
@@ -54,7 +58,7 @@ def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
 
 def json_bytes(doc: Any) -> bytes:
     """A document as healthd writes it: compact JSON, one trailing newline."""
-    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+    return (fastjson.dumps_compact(doc) + "\n").encode()
 
 
 def write_json_atomic(path: str | os.PathLike[str], doc: Any, mode: int = 0o644) -> None:
@@ -84,7 +88,7 @@ def read_json_or_quarantine(path: str | os.PathLike[str], *, readonly: bool = Fa
         _log_error("cannot read %s: %s; starting without it", target, e)
         return None
     try:
-        doc = json.loads(data.decode("utf-8"))
+        doc = fastjson.loads(data.decode("utf-8"))
         if not isinstance(doc, dict):
             raise ValueError(f"top level is {type(doc).__name__}, not an object")
         return doc

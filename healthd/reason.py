@@ -18,21 +18,21 @@ A reason healthd builds is printable ASCII, so its characters are its bytes.
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from healthd.text import printable_ascii
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 REASON_PREFIX = "healthd:"
 """Every reason healthd writes starts with this."""
 MAX_REASON_BYTES = 255
 """The longest reason, in UTF-8 bytes, that Slurm keeps whole everywhere it records one."""
 
-_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
-
-
 def printable(text: Any) -> str:
     """`text` as one line of printable ASCII: every other character (newline, tab, control character,
     anything outside ASCII) becomes `?`."""
-    return _UNPRINTABLE.sub("?", str(text))
+    return printable_ascii(str(text))
 
 
 def build_reason(text: Any, suffix: str = "") -> str:

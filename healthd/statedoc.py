@@ -15,11 +15,14 @@ trust a field's type: a finding whose tier is not an integer has no tier. Standa
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
 
 from healthd import trusted
+from healthd.record import Record
 from healthd.text import clean, parse_time
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable
 
 STATE_MAX_BYTES = 8 << 20
 """A state document larger than this is refused (a real one is tens of KiB)."""
@@ -126,14 +129,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class Judgement:
+class Judgement(Record):
+    """known: True only for a fresh document from a live agent on this node. reason: why the agent
+    is unknown, or a one-line summary of what it says. doc: the document; age_s: its age."""
+
+    _fields = ("known", "reason", "doc", "age_s")
+    _defaults = {"doc": None, "age_s": None}
     known: bool
-    """True only for a fresh document from a live agent on this node."""
     reason: str
-    """Why the agent is unknown, or a one-line summary of what it says."""
-    doc: dict[str, Any] | None = None
-    age_s: float | None = None
+    doc: dict[str, Any] | None
+    age_s: float | None
 
     @property
     def findings(self) -> list[dict[str, Any]]:

@@ -16,12 +16,14 @@ Standard library only: the prolog imports this on the job-launch path.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
-from typing import Any
 
-from healthd import persist
+from healthd import fastjson, persist
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 TRUSTED_UID = 0
 """The owner the hooks and the agent trust: root. A parameter everywhere, for tests only."""
@@ -296,7 +298,7 @@ def read_bounded(path: str, limit: int) -> bytes:
 
 
 def json_object(data: bytes) -> dict[str, Any]:
-    doc = json.loads(data)
+    doc = fastjson.loads(data)
     if not isinstance(doc, dict):
         raise ValueError(f"top level is {type(doc).__name__}, not an object")
     return doc

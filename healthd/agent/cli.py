@@ -5,7 +5,7 @@
     healthd run [--once]                              the daemon (systemd starts this)
     healthd state [--format table|json|nagios]        what the RUNNING agent last published: reads its state
                                                       file the way the Slurm hooks do; no hardware, no writes
-    healthd check-config                              validate the config file and exit
+    healthd check-config [--write-hook-config]        validate the config file and exit (and compile it for the hooks)
     healthd validate [--dcgm-level N]                 reintegration check: dcgmi diag + one agent pass
 
 Exit codes follow Nagios: 0 healthy, 1 degraded, 2 failed, 3 could not check. `--format nagios`
@@ -22,6 +22,7 @@ import time
 
 from healthd import __version__, sdnotify
 from healthd import config as config_mod
+from healthd import hookconfig
 from healthd.agent import daemon as agent_mod
 from healthd.agent import validate
 from healthd.agent.classify.catalog import CatalogError
@@ -55,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dcgm-level", type=int, default=2, choices=[0, 1, 2, 3, 4],
                    help="validate: dcgmi diag run level (0: no DCGM step)")
     p.add_argument("--timeout", type=float, default=1800.0, help="validate: hard limit for the DCGM step, seconds")
+    p.add_argument("--write-hook-config", action="store_true",
+                   help="check-config: also compile the config for the Slurm hooks (healthd.hookconfig), as the "
+                        "agent does at start and on SIGHUP")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="overrides the config's log_level")
     p.add_argument("--version", action="version", version=f"healthd {__version__}")
     return p
@@ -83,9 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         if nagios and args.command != "check-config":
             print(render_nagios(None, f"cannot check: {e}")[0], flush=True)
         return EXIT_UNKNOWN
+    compile_hooks = (args.command == "run" and not args.dry_run) or (args.command == "check-config" and args.write_hook_config)
+    compiled = publish_hook_config(args.config) if compile_hooks else ""
     if args.command == "check-config":
         agent.sources.close()
-        print(f"{args.config or '/etc/healthd/healthd.yaml'}: ok (node {agent.settings.node_name})")
+        print(f"{args.config or '/etc/healthd/healthd.yaml'}: ok (node {agent.settings.node_name})"
+              + (f"; compiled for the Slurm hooks into {compiled}" if compiled else ""))
         return 0
     if args.log_level is None and daemon:
         logging.getLogger().setLevel(agent.settings.log_level.upper())
@@ -127,6 +134,18 @@ def main(argv: list[str] | None = None) -> int:
         emit(a)
 
     return agent_mod.run_loop(agent, args.config, on_tick)
+
+
+def publish_hook_config(config: str | None) -> str:
+    """Compile the config for the Slurm hooks (healthd.hookconfig); the path written, or '' when it
+    could not be: the hooks then read the YAML, which is slower but the same."""
+    try:
+        path, why = hookconfig.write(config)
+    except (OSError, ValueError) as e:  # ConfigError too; the agent validated the same file just before
+        path, why = "", str(e)
+    if not path:
+        logging.getLogger("healthd").warning("configuration not compiled for the Slurm hooks (they read the YAML): %s", why)
+    return path
 
 
 def state(config: str | None, fmt: str) -> int:

@@ -1,8 +1,9 @@
 """What the three hooks share: the hard deadline, the log, slurmd's environment, bounded reads and
 atomic writes, and the judgement of the agent's state file.
 
-Module-level imports are the standard library only; healthd.config (YAML) is imported once per run
-to read the settings, the Slurm backend only when a hook has to ask or tell Slurm something.
+Module-level imports are small standard-library modules (C ones where the Python wrapper is costly:
+_signal, _thread); the settings come from healthd.hookconfig (the agent's compiled copy, else the
+YAML), the Slurm client (healthd.hooks.slurmnode) only when a hook has to ask or tell Slurm something.
 
 `judge(doc, now, settings)` is the one rule every hook applies to the state file: missing,
 unparsable (truncated), not trusted (not root's, writable by group or others, a link: see
@@ -13,28 +14,50 @@ whose pid is gone means **agent unknown** -- never a silent pass and never a dra
 from __future__ import annotations
 
 import os
-import re
-import signal
+import _thread
 import sys
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
 
+try:  # the C modules: `signal` and `threading` import enum and more, ~5 ms of every run
+    import _signal as signal
+except ImportError:
+    import signal  # type: ignore[no-redef]
+
+from healthd import hookconfig
 from healthd import trusted as files
 from healthd.reason import MAX_REASON_BYTES, build_reason, is_healthd_reason, reason_bytes
 from healthd.text import clean
 from healthd.statedoc import Judgement, judge, load_state, pid_alive  # noqa: F401 - the hooks' names for them
 from healthd.trusted import SMALL_MAX_BYTES, TRUSTED_UID, TooLarge, Untrusted, read_bounded  # noqa: F401 - re-exported
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable
+
 WATCHDOG_GRACE_S = 1.0
 """After the deadline, SIGALRM unwinds the hook; this much later the watchdog thread exits the
 process outright (a thread stuck in a syscall that ignores signals)."""
 
-_JOB_ID = re.compile(r"[0-9]{1,20}")
-_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}\$?")
-_UID = re.compile(r"[0-9]{1,10}")
-_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+_USER_REST = _ALNUM | frozenset("_.@-")
+_NODE_REST = _ALNUM | frozenset("._-")
+# The checks below are plain string tests, not regular expressions: re costs every hook run ~3 ms.
+
+
+def _digits(value: str, most: int) -> bool:
+    """1 to `most` ASCII digits."""
+    return 1 <= len(value) <= most and value.isascii() and value.isdigit()
+
+
+def _user_name(value: str) -> bool:
+    """A plausible user name: [A-Za-z0-9_][A-Za-z0-9_.@-]{0,63} and an optional trailing `$`."""
+    body = value[:-1] if value.endswith("$") else value
+    return 1 <= len(body) <= 64 and (body[0] in _ALNUM or body[0] == "_") and all(c in _USER_REST for c in body[1:])
+
+
+def _node_name(value: str) -> bool:
+    """A Slurm node name: [A-Za-z0-9][A-Za-z0-9._-]{0,254}."""
+    return 1 <= len(value) <= 255 and value[0] in _ALNUM and all(c in _NODE_REST for c in value[1:])
 
 
 class HookTimeout(BaseException):
@@ -105,31 +128,36 @@ class Deadline:
         self.seconds = seconds
         self.at = time.monotonic() + seconds
         self._done = False
-        self._cond = threading.Condition()
+        # held until _notify releases it: the watchdog's timed acquire is its wait
+        self._wake = _thread.allocate_lock()
+        self._wake.acquire()
         self._old = signal.signal(signal.SIGALRM, self._alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
-        self._thread = threading.Thread(target=self._watch, name="healthd-hook-watchdog", daemon=True)
-        self._thread.start()
+        _thread.start_new_thread(self._watch, ())  # never joined: the process exits without waiting for it
 
     def _alarm(self, signum: int, frame: Any) -> None:
         raise HookTimeout(self.seconds)
 
     def _watch(self) -> None:
-        with self._cond:
-            while not self._done:
-                left = self.at + WATCHDOG_GRACE_S - time.monotonic()
-                if left <= 0:
-                    self.log.last_words(f"hard timeout: still running {WATCHDOG_GRACE_S:g}s after the "
-                                        f"{self.seconds:g}s deadline; exiting {self.safe_code}")
-                    os._exit(self.safe_code)
-                self._cond.wait(left)
+        while not self._done:
+            left = self.at + WATCHDOG_GRACE_S - time.monotonic()
+            if left <= 0:
+                self.log.last_words(f"hard timeout: still running {WATCHDOG_GRACE_S:g}s after the "
+                                    f"{self.seconds:g}s deadline; exiting {self.safe_code}")
+                os._exit(self.safe_code)
+            self._wake.acquire(timeout=left)
+
+    def _notify(self) -> None:
+        try:
+            self._wake.release()
+        except RuntimeError:  # released already and the watchdog not yet awake: it will see the change
+            pass
 
     def extend_to(self, seconds: float) -> None:
         """Make the limit `seconds`, counted from the start of the run."""
-        with self._cond:
-            self.at = self.at - self.seconds + seconds
-            self.seconds = seconds
-            self._cond.notify()
+        self.at = self.at - self.seconds + seconds
+        self.seconds = seconds
+        self._notify()
         signal.setitimer(signal.ITIMER_REAL, max(0.001, self.at - time.monotonic()))
 
     def remaining(self) -> float:
@@ -137,9 +165,8 @@ class Deadline:
 
     def cancel(self) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        with self._cond:
-            self._done = True
-            self._cond.notify()
+        self._done = True
+        self._notify()
         signal.signal(signal.SIGALRM, self._old)
 
 
@@ -149,7 +176,7 @@ class Deadline:
 def env_node(env: dict[str, str], default: str) -> str:
     """SLURMD_NODENAME when it is a valid node name, else the configured node_name."""
     value = env.get("SLURMD_NODENAME", "")
-    return value if _NODE.fullmatch(value) else default
+    return value if _node_name(value) else default
 
 
 def env_job_id(env: dict[str, str]) -> tuple[str | None, str]:
@@ -157,7 +184,7 @@ def env_job_id(env: dict[str, str]) -> tuple[str | None, str]:
     raw = env.get("SLURM_JOB_ID")
     if raw is None:
         return None, "SLURM_JOB_ID is not set"
-    if _JOB_ID.fullmatch(raw):
+    if _digits(raw, 20):
         return raw, ""
     return None, f"SLURM_JOB_ID {clean(repr(raw), 80)} is not a job id"
 
@@ -166,13 +193,13 @@ def env_user(env: dict[str, str]) -> tuple[str | None, int | None, list[str]]:
     """(user, uid, problems): a value that is not a plausible user name / uid is dropped."""
     problems = []
     user = env.get("SLURM_JOB_USER")
-    if user is not None and not _USER.fullmatch(user):
+    if user is not None and not _user_name(user):
         problems.append(f"SLURM_JOB_USER {clean(repr(user), 80)} rejected")
         user = None
     raw_uid = env.get("SLURM_JOB_UID")
     uid = None
     if raw_uid is not None:
-        if _UID.fullmatch(raw_uid):
+        if _digits(raw_uid, 10):
             uid = int(raw_uid)
         else:
             problems.append(f"SLURM_JOB_UID {clean(repr(raw_uid), 80)} rejected")
@@ -235,11 +262,13 @@ def is_drained(info: Any) -> bool:
     return any(s.upper().startswith("DRAIN") for s in states)
 
 
-def slurm_error() -> type[Exception]:
-    """healthd.slurm's base error, imported only when a hook talks to Slurm."""
-    from healthd.slurm.backend import SlurmError  # lazy: spared from the hooks' start
+def slurm_error() -> tuple[type[Exception], ...]:
+    """The errors a Slurm call of a hook may raise: the hooks' own client's (healthd.hooks.slurmnode),
+    and healthd.slurm's when a backend from there is in use (tests pass one through backend_factory)."""
+    from healthd.hooks.slurmnode import SlurmError  # lazy: spared from the hooks' start
 
-    return SlurmError
+    backend = sys.modules.get("healthd.slurm.backend")
+    return (SlurmError, backend.SlurmError) if backend is not None else (SlurmError,)
 
 
 def take_node(ctx: "Context", reason: str) -> bool:
@@ -281,20 +310,16 @@ def take_node(ctx: "Context", reason: str) -> bool:
 # --------------------------------------------------------------------------- running a hook
 
 
-@dataclass
 class Context:
-    """One hook run: what the hook may use. Built by `run_hook`; tests build their own."""
+    """One hook run: what the hook may use. Built by `run_hook`; tests build their own.
+    `trusted_uid` is the only owner whose files the hook trusts (root; other values are for tests).
+    A plain class, not a dataclass: dataclasses imports inspect and typing, ~10 ms of every run."""
 
-    hook: str
-    settings: Any
-    node: str
-    env: dict[str, str]
-    log: Log
-    deadline: Deadline | None
-    now: float
-    backend_factory: Callable[["Context"], Any] | None = None
-    trusted_uid: int = TRUSTED_UID
-    """The only owner whose files the hook trusts (root; other values are for tests)."""
+    def __init__(self, hook: str, settings: Any, node: str, env: dict[str, str], log: Log,
+                 deadline: Deadline | None, now: float,
+                 backend_factory: Callable[[Context], Any] | None = None, trusted_uid: int = TRUSTED_UID):
+        self.hook, self.settings, self.node, self.env, self.log = hook, settings, node, env, log
+        self.deadline, self.now, self.backend_factory, self.trusted_uid = deadline, now, backend_factory, trusted_uid
 
     def backend(self) -> Any:
         """The Slurm backend, with SLURM_CONF and PATH from the config and a timeout inside the
@@ -304,10 +329,10 @@ class Context:
         h = self.settings.hooks
         os.environ["SLURM_CONF"] = h.slurm_conf
         os.environ["PATH"] = h.path
-        from healthd.slurm.scontrol import ScontrolBackend  # lazy: spared from the hooks' start
+        from healthd.hooks.slurmnode import Client  # lazy: spared from the hooks' start
 
         left = self.deadline.remaining() if self.deadline is not None else h.timeout_s
-        return ScontrolBackend(slurm_conf=h.slurm_conf, timeout_s=max(0.2, left - 0.3))
+        return Client(h.slurm_conf, h.path, max(0.2, left - 0.3))
 
     def state(self) -> Judgement:
         doc, error = load_state(self.settings.state_file, self.trusted_uid)
@@ -360,9 +385,10 @@ def run_hook(
     body: Callable[[Context], int],
     *,
     env: dict[str, str] | None = None,
+    trusted_uid: int = TRUSTED_UID,
 ) -> int:
-    """Load the config, arm the deadline, run `body`; a timeout, a config or usage error, or a bug
-    ends with `safe_code` and one log line saying why. Never raises (the console script's exit code
+    """Load the config (healthd.hookconfig: the compiled file when it is current, else the YAML),
+    arm the deadline, run `body`; a timeout, a config or usage error, or a bug ends with `safe_code` and one log line saying why. Never raises (the console script's exit code
     is what slurmd acts on: a traceback would be exit 1, a refused job and a drained node)."""
     env = dict(os.environ if env is None else env)
     log = Log(hook)
@@ -370,17 +396,15 @@ def run_hook(
     try:
         deadline = Deadline(5.0, safe_code, log)  # until the config says otherwise: a hung config read
         path = parse_args(list(sys.argv[1:] if argv is None else argv), hook) or env.get("HEALTHD_CONFIG") or None
-        from healthd import config as config_mod  # lazy: spared from the hooks' start (YAML)
-
         try:
-            settings = config_mod.load(path)
-        except config_mod.ConfigError as e:
+            settings, _ = hookconfig.load(path, trusted_uid, env)
+        except hookconfig.Unusable as e:
             log.error(f"cannot use the configuration: {e}; exiting {safe_code}")
             return safe_code
         deadline.extend_to(settings.hooks.timeout_s)
         node = env_node(env, settings.node_name)
         log.node = node
-        ctx = Context(hook, settings, node, env, log, deadline, time.time())
+        ctx = Context(hook, settings, node, env, log, deadline, time.time(), trusted_uid=trusted_uid)
         return body(ctx)
     except HookTimeout:
         seconds = deadline.seconds if deadline is not None else 0

@@ -31,11 +31,9 @@ the run directory (healthd.trusted); one that cannot be is logged and skipped.
 
 from __future__ import annotations
 
-import json
 import os
-import re
-from typing import Any
 
+from healthd import fastjson
 from healthd.bindings import charges, close_binding, read_binding, remove_binding
 from healthd.checks import CHECKS_FILE, gpu_count_result, merged_doc
 from healthd.hooks import inband_dirs
@@ -50,21 +48,27 @@ from healthd.hooks.common import (
     slurm_error,
     take_node,
 )
-from healthd.settings import GOODPUT_LOG_DIR
 from healthd.statedoc import is_t1_hardware, summary
 from healthd.text import clean, iso
 from healthd.trusted import TRUSTED_UID, TrustedDir, split_path
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+GOODPUT_LOG_DIR = "goodput"
+"""healthd.settings.GOODPUT_LOG_DIR, repeated so that the epilog need not import the settings
+dataclasses (a test checks they agree)."""
 HOOK = "healthd-epilog"
 OK = 0
 WHEN_IDLE = ("reboot-when-idle", "reset-gpu-when-idle")
 REQUESTS_DIR = "requests"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
 
 
 def request_name(finding_id: Any) -> str:
     """A finding id as a file name in requests/: no '/', no leading dot, bounded."""
-    name = _UNSAFE.sub("_", str(finding_id))[:150] or "finding"
+    name = "".join(c if c in _SAFE else "_" for c in str(finding_id))[:150] or "finding"
     return f"_{name}.json" if name.startswith(".") else f"{name}.json"
 
 
@@ -78,7 +82,7 @@ def append_charges(path: str, lines: list[dict[str, Any]], *, run_dir: str | Non
                    trusted_uid: int = TRUSTED_UID) -> None:
     """One O_APPEND write (concurrent epilogs never interleave lines) to a trusted file in a trusted
     directory; under `run_dir` every directory below it is reached without following a link."""
-    data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
+    data = "".join(fastjson.dumps_compact(line) + "\n" for line in lines).encode()
     top, rel, name = split_path(path, run_dir)
     with TrustedDir(top, rel, create=True, trusted_uid=trusted_uid) as d:
         d.append(name, data, 0o640)
@@ -126,6 +130,8 @@ def end_goodput_run(ctx: Context, job: str, end: float) -> None:
         ctx.log.warning(f"job {job}: run end not added to {path}: {clean(e, 200)}")
         return
     try:
+        import json  # lazy: only a node that keeps the job's goodput log gets here
+
         os.write(fd, (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode())
         ctx.log.info(f"job {job}: run end ({state}) added to its goodput log {path}")
     except OSError as e:

@@ -18,12 +18,15 @@ findings and the controller decide).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from healthd.bindings import open_bindings
 from healthd.checks import CHECKS_FILE, gpu_count_result, merged_doc, result
 from healthd.hooks.common import Context, run_hook, slurm_error
 from healthd.text import clean, iso, parse_time
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 HOOK = "healthd-healthcheck"
 SLURM_ASK_BUSY_S = 300.0

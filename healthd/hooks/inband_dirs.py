@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 
 from healthd.trusted import TRUSTED_UID, TrustedDir, Untrusted, check, describe
@@ -125,15 +124,33 @@ def _open_done(inband: TrustedDir) -> int:
 
 def remove_entry(name: str, dir_fd: int) -> None:
     """Remove `name` from `dir_fd`, a whole tree when it is a directory, never following a link in
-    it: shutil.rmtree with a dir_fd walks by descriptors and checks every directory it enters
-    against the one it listed (a link found inside is unlinked, its target untouched)."""
+    it: the walk goes by descriptors, every directory is opened with O_NOFOLLOW and checked against
+    the entry it listed (a link found inside is unlinked, its target untouched). What shutil.rmtree
+    does with a dir_fd, without importing shutil (re, fnmatch, bz2, lzma: ~5-10 ms of the epilog
+    that prunes inband/done)."""
     st = os.lstat(name, dir_fd=dir_fd)
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dir_fd)
         return
-    if not getattr(shutil.rmtree, "avoids_symlink_attacks", False):
-        raise OSError(errno.ENOTSUP, "this platform's shutil.rmtree may follow links: not removing", name)
-    shutil.rmtree(name, dir_fd=dir_fd)
+    _remove_tree(name, dir_fd, st)
+
+
+def _remove_tree(name: str, dir_fd: int, listed: os.stat_result) -> None:
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (listed.st_dev, listed.st_ino):
+            raise OSError(errno.EBUSY, "replaced while it was being removed; not following it", name)
+        with os.scandir(fd) as entries:
+            children = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for child, is_dir in children:
+            if is_dir:
+                _remove_tree(child, fd, os.lstat(child, dir_fd=fd))
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
 
 
 def archive(run_dir: str, job: str, keep: int, *, trusted_uid: int = TRUSTED_UID) -> str:

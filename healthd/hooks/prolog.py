@@ -34,8 +34,6 @@ link at any level (healthd.trusted); when it cannot be, the log says why and the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
 
 from healthd.bindings import JOBS_DIR, Binding, binding_name
 from healthd.hooks import inband_dirs
@@ -49,19 +47,26 @@ from healthd.hooks.common import (
     run_hook,
     take_node,
 )
+from healthd.record import Record
 from healthd.statedoc import f_gpu, f_tier, is_node_level, is_t1_hardware, summary
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 HOOK = "healthd-prolog"
 RUN, REFUSE = 0, 1
 
 
-@dataclass(frozen=True)
-class Gate:
+class Gate(Record):
+    """refuse: one of the job's GPUs, or the node's GPUs as a whole, has a current T1 hardware
+    finding in a fresh state; why; the finding."""
+
+    _fields = ("refuse", "why", "finding")
+    _defaults = {"finding": None}
     refuse: bool
-    """One of the job's GPUs, or the node's GPUs as a whole, has a current T1 hardware finding in a
-    fresh state."""
     why: str
-    finding: dict[str, Any] | None = None
+    finding: dict[str, Any] | None
 
 
 def gate(judgement: Judgement, gpus: list[int] | None, gpus_why: str = "") -> Gate:

@@ -26,6 +26,7 @@ from ClusterShell.NodeSet import NodeSet, NodeSetException
 from ClusterShell.RangeSet import RangeSetException
 
 from healthd.reason import MAX_REASON_BYTES, reason_bytes
+from healthd.slurmtext import parse_state_string  # noqa: F401 - re-exported: the backends parse states with it
 
 MAX_NODES_CHARS = 256
 # A hostlist such as n[0-999999999] is 256 characters but a billion names: refuse it before
@@ -54,7 +55,7 @@ RESERVATION_FLAGS = frozenset(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the controller holds one per node, 100,000 at the largest sites
 class NodeInfo:
     """One Slurm node. `state` is the base state in lowercase (idle, mixed, allocated, down,
     future, unknown, error); every other bit is an uppercase flag (DRAIN, NOT_RESPONDING,
@@ -435,35 +436,6 @@ def validate_next_state(next_state: str) -> str:
 # state strings shared by the scontrol and pyslurm readers
 
 BASE_STATES = frozenset({"idle", "mixed", "allocated", "down", "future", "unknown", "error", "completing"})
-
-
-def parse_state_string(text: str) -> tuple[str, frozenset[str]]:
-    """`IDLE+DRAIN+NOT_RESPONDING` (scontrol State=, pyslurm Node.state) -> ('idle', {...}).
-    A trailing `*` (sinfo's short form for not responding) becomes NOT_RESPONDING. The first
-    element is the base state; an unknown base state is kept as-is in lowercase."""
-    text = text.strip()
-    if not text:
-        raise ValueError("empty node state")
-    parts = [p for p in text.split("+") if p]
-    if not parts:
-        raise ValueError(f"node state {text!r} has no base state")
-    flags: set[str] = set()
-    base = parts[0]
-    if base.endswith("*"):
-        base = base.rstrip("*")
-        flags.add("NOT_RESPONDING")
-    for p in parts[1:]:
-        p = p.rstrip("*")
-        if p:
-            flags.add(p.upper())
-    base = base.lower()
-    if not base:
-        raise ValueError(f"node state {text!r} has no base state")
-    # slurmctld reports "COMPLETING" as a flag on 22.05+, but older sinfo forms use it as the base
-    if base == "completing":
-        flags.add("COMPLETING")
-        base = "allocated"
-    return base, frozenset(flags)
 
 
 def filter_nodes(infos: Iterable[NodeInfo], names: Iterable[str] | None) -> list[NodeInfo]:

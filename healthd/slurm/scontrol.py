@@ -65,32 +65,10 @@ from healthd.slurm.backend import (
     validate_reservation_name,
     validate_users,
 )
+from healthd.slurmtext import SCRUB_ENV, SCRUB_ENV_PREFIXES, UNAVAILABLE_MARKERS, shared
 
 log = logging.getLogger(__name__)
 
-# What a client prints when slurmctld cannot be reached (src/common/slurm_errno.c texts), or
-# when the client cannot even find its controller. These make SlurmUnavailable, not SlurmRefused.
-UNAVAILABLE_MARKERS = (
-    "Unable to contact slurm controller",
-    "Socket timed out on send/recv operation",
-    "Communication connection failure",
-    "Communication send failure",
-    "Communication receive failure",
-    "Communication shutdown failure",
-    "Zero Bytes were transmitted or received",
-    "Connection refused",
-    "Unable to establish controller machine",
-    "Could not establish a configuration source",
-    "Insane message length",
-    "Protocol authentication error",
-    "Munge encode failed",
-    "Slurmctld is unavailable",
-    "Slurm backup controller in standby mode",
-)
-
-# Environment variables that change what a client prints or which nodes it reports.
-_SCRUB_ENV_PREFIXES = ("SINFO_", "SQUEUE_", "SCONTROL_")
-_SCRUB_ENV = ("SLURM_CLUSTERS", "SLURM_FEDERATION", "SLURM_LOCAL")
 
 _VERSION_RE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 # slurmctld's answer to a reservation name it does not hold (ESLURM_RESERVATION_INVALID), and
@@ -250,11 +228,11 @@ def parse_scontrol_node_line(line: str) -> NodeInfo:
     reason, user, when = "", None, None
     if reason_tail is not None:
         reason, user, when = _split_reason(reason_tail)
-    partitions = tuple(p for p in fields.get("Partitions", "").split(",") if p)
-    gres = fields.get("Gres") or None
+    partitions = shared(tuple(shared(p) for p in fields.get("Partitions", "").split(",") if p))
+    gres = shared(fields.get("Gres")) or None
     if gres in ("(null)", "N/A"):
         gres = None
-    next_state = fields.get("NextState") or None
+    next_state = shared(fields.get("NextState")) or None
     boot = fields.get("BootTime", "")
     return NodeInfo(
         name=name,
@@ -623,7 +601,7 @@ class ScontrolBackend:
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(_SCRUB_ENV_PREFIXES) and k not in _SCRUB_ENV
+            if not k.startswith(SCRUB_ENV_PREFIXES) and k not in SCRUB_ENV
         }
         env["SLURM_CONF"] = self.slurm_conf
         env["SLURM_TIME_FORMAT"] = "standard"  # the [user@2026-11-29T09:22:22] the parser expects

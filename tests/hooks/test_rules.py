@@ -193,7 +193,7 @@ def binding(job="7", gpus=(0, 1), start=T - 100, end=None, user="alice"):
 
 def test_binding_round_trips_and_bad_documents_say_what_is_wrong():
     b = binding(end=T)
-    assert parse_binding(b.to_json()) == dataclasses.replace(b, start=round(b.start, 3), end=round(T, 3))
+    assert parse_binding(b.to_json()) == b.replace(start=round(b.start, 3), end=round(T, 3))
     for doc, why in [({**b.to_json(), "job": "../x"}, "not a job id"), ({**b.to_json(), "gpus": ["0"]}, "gpus"),
                      ({**b.to_json(), "start": "soon"}, "start")]:
         with pytest.raises(ValueError, match=why):
