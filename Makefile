@@ -87,6 +87,7 @@ demo-node: deps
 
 bench: deps
 	$(PY) bench/agent_tick.py
+	$(PY) bench/agent_daemon.py
 	$(PY) bench/kernel_lines.py
 	$(PY) bench/hooks.py
 	$(PY) bench/inband_client.py

@@ -175,6 +175,9 @@ def _check(s: Settings, file: str) -> None:
             raise ConfigError(file, key, "an absolute path", getattr(s, key))
     positive("nvml.expected_gpus", s.nvml.expected_gpus)
     positive("nvml.call_timeout_s", s.nvml.call_timeout_s)
+    non_negative("nvml.nvlink_counter_interval_s", s.nvml.nvlink_counter_interval_s)
+    non_negative("host.dstate_scan_min_load", s.host.dstate_scan_min_load)
+    non_negative("host.dstate_scan_interval_s", s.host.dstate_scan_interval_s)
     if s.kernel_log.start_at not in START_AT:
         raise ConfigError(file, "kernel_log.start_at", f"one of {', '.join(START_AT)}", s.kernel_log.start_at)
     ib = s.infiniband

@@ -20,6 +20,10 @@ class NvmlSettings:
     """Hard limit on one whole NVML collection; a hung driver call makes the tick report an error."""
     margin_warn_c: int = 5
     """Thermal margin (degrees to the nearest slowdown threshold) below which a GPU is reported hot."""
+    nvlink_counter_interval_s: float = 120.0
+    """How often the per-link NVLink error counters (4 calls per active link: 72 per H100) are read;
+    link state is read every tick. Any increase is still found, up to this much later (Xid 74 and
+    144-150 for a failing link still come from the kernel log at once); 0 reads them every tick."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,12 @@ class HostSettings:
     """/proc/pressure/io 'full avg10' above this is a T3 storage finding."""
     dstate_min_count: int = 5
     """This many processes in D state at once is a T3 storage finding (a hung mount shows this way)."""
+    dstate_scan_min_load: float = 0.5
+    """The per-thread D-state scan of /proc runs every tick only while /proc/stat counts blocked
+    tasks, the last scan found some, or the 1-minute load average is at least this (tasks in D
+    state count in the load: 5 of them lift it past 0.5 within about 10 s). 0 scans every tick."""
+    dstate_scan_interval_s: float = 30.0
+    """While only the load average opens the scan (a busy node), it runs at most this often."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from healthd.agent.collectors.nvml import NvmlCollector
 from healthd.agent.metrics import Metrics, TickFigures
 from healthd.agent.reporter import Reporter
 from healthd.agent.classify.catalog import Catalog, load_catalog
-from healthd.agent.classify import Classification, classify
+from healthd.agent.classify import IB_ERROR_COUNTERS, Classification, classify
 from healthd.agent.history import History, HistoryError
 from healthd.agent.hookfiles import HookFiles, merge
 from healthd.agent import inband_jobs
@@ -161,13 +161,17 @@ def build_sources(settings: Settings, memory: Memory) -> Sources:
     """The real collectors, each pointed at the roots the config names."""
     s = settings
     return Sources(
-        nvml=NvmlCollector(timeout_s=s.nvml.call_timeout_s, expected_gpus=s.nvml.expected_gpus, baseline=memory.nvml_baseline)
+        nvml=NvmlCollector(timeout_s=s.nvml.call_timeout_s, expected_gpus=s.nvml.expected_gpus, baseline=memory.nvml_baseline,
+                           nvlink_counter_interval_s=s.nvml.nvlink_counter_interval_s)
         if s.nvml.enabled
         else None,
-        infiniband=InfinibandCollector(sysfs_root=s.infiniband.sysfs_root, baseline=memory.ib_baseline)
+        infiniband=InfinibandCollector(sysfs_root=s.infiniband.sysfs_root, baseline=memory.ib_baseline,
+                                       counters=IB_ERROR_COUNTERS)
         if s.infiniband.enabled
         else None,
-        host=HostCollector(proc_root=s.host.proc_root, filesystems=s.host.filesystems) if s.host.enabled else None,
+        host=HostCollector(proc_root=s.host.proc_root, filesystems=s.host.filesystems,
+                           dstate_scan_min_load=s.host.dstate_scan_min_load,
+                           dstate_scan_interval_s=s.host.dstate_scan_interval_s) if s.host.enabled else None,
         kernel=KernelLogFollower(
             journal_dir=s.kernel_log.journal_dir,
             kmsg_path=s.kernel_log.kmsg_path,
@@ -670,3 +674,6 @@ def _reload(agent: Agent, config_path: str | None) -> None:
         log.warning("reload: collector roots, state paths, metrics or controller changed; they take effect at restart")
     agent.settings, agent.catalog = settings, catalog
     log.info("configuration reloaded from %s", config_path or config_mod.NODE_CONFIG_PATH)
+    from healthd.agent.cli import publish_hook_config  # the hooks' compiled copy follows the reload
+
+    publish_hook_config(config_path)

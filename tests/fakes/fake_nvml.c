@@ -19,6 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #ifdef REAL_NVML_H
 #define NVML_NO_UNVERSIONED_FUNC_DEFS
@@ -39,6 +42,25 @@ typedef struct {
     unsigned long long usedGpuMemory;
     unsigned int gpuInstanceId, computeInstanceId;
 } nvmlProcessInfo_t; /* pynvml's c_nvmlProcessInfo_v3_t (the same as v2) */
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    signed long long sllVal;
+    signed int siVal;
+    unsigned short usVal;
+} nvmlValue_t;
+typedef struct {
+    unsigned int fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    int valueType;
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t; /* pynvml's c_nvmlFieldValue_t */
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1
+#define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
+#define NVML_FI_DEV_NVLINK_GET_STATE 165
 /* NVML return codes used here (values from nvml.h). */
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
@@ -56,6 +78,7 @@ typedef struct {
 _Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t (v3) must be 68 bytes");
 _Static_assert(sizeof(nvmlMarginTemperature_t) == 8, "nvmlMarginTemperature_v1_t is 8 bytes");
 _Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t (v2/v3) is 24 bytes");
+_Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t is 40 bytes");
 
 #define MAX_GPUS 64
 #define CFG_MAX 65536
@@ -65,6 +88,38 @@ struct nvmlDevice_st { int unused; };
 static struct nvmlDevice_st devices[MAX_GPUS];
 static int init_refcount; /* nvmlInit/nvmlShutdown nest, as in the real library */
 static int init_calls;    /* successful nvmlInit calls, for tests of re-initialisation */
+
+/* ------------------------------------------------------------------ call counts */
+
+/* With $FAKE_NVML_CALLS naming a file of CALL_SLOTS zeroed call_slot_t records (made by
+ * tests/support/fake_nvml.py:CallCounter), every call adds one to its function's record through a
+ * shared mapping, so another process (a benchmark watching a running agent) reads the counts while
+ * the agent runs, without a write() per call. Records are claimed in call order. */
+#define CALL_SLOTS 64
+typedef struct { char name[56]; unsigned long long calls; } call_slot_t;
+static call_slot_t *call_slots;
+static int call_slots_tried;
+
+static void count_call(const char *fn) {
+    if (!call_slots_tried) {
+        const char *path = getenv("FAKE_NVML_CALLS");
+        int fd = path ? open(path, O_RDWR | O_CLOEXEC) : -1;
+        call_slots_tried = 1;
+        if (fd >= 0) {
+            void *m = mmap(NULL, CALL_SLOTS * sizeof(call_slot_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            close(fd);
+            if (m != MAP_FAILED) call_slots = m;
+        }
+    }
+    if (!call_slots) return;
+    for (int i = 0; i < CALL_SLOTS; i++) {
+        if (!call_slots[i].name[0]) snprintf(call_slots[i].name, sizeof call_slots[i].name, "%s", fn);
+        if (strcmp(call_slots[i].name, fn) == 0) {
+            __atomic_add_fetch(&call_slots[i].calls, 1, __ATOMIC_RELAXED);
+            return;
+        }
+    }
+}
 
 /* ------------------------------------------------------------------ config file */
 
@@ -126,6 +181,7 @@ static void sleep_ms(long long ms) {
  * gpu < 0 is a system call; fn is the short name used in "<fn>.error" / "<fn>.sleep_ms" keys. */
 static nvmlReturn_t begin(cfg_t *c, int gpu, const char *fn) {
     char key[96];
+    count_call(fn);
     cfg_load(c);
     snprintf(key, sizeof key, "%s.sleep_ms", fn);
     sleep_ms(cfg_int(c, gpu, key, 0));
@@ -162,6 +218,7 @@ int fake_nvml_init_calls(void) { return init_calls; }
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     cfg_t c;
     (void)flags;
+    count_call("init");
     cfg_load(&c);
     sleep_ms(cfg_int(&c, -1, "init.sleep_ms", 0));
     nvmlReturn_t rc = (nvmlReturn_t)cfg_int(&c, -1, "init_error", NVML_SUCCESS);
@@ -173,6 +230,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
 }
 
 nvmlReturn_t nvmlShutdown(void) {
+    count_call("shutdown");
     if (init_refcount == 0) return NVML_ERROR_UNINITIALIZED;
     init_refcount--;
     return NVML_SUCCESS;
@@ -402,17 +460,119 @@ static nvmlReturn_t nvlink_check(cfg_t *c, int g, unsigned int link) {
     return link < (unsigned long long)links ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
 }
 
+static nvmlReturn_t nvlink_state(cfg_t *c, int g, unsigned int link, int *active) {
+    nvmlReturn_t rc = nvlink_check(c, g, link);
+    if (rc) return rc;
+    char down[256], *tok, *save = NULL;
+    *active = 1;
+    cfg_str(c, g, "nvlink.down", down, sizeof down, "");
+    for (tok = strtok_r(down, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+        if (strtol(tok, NULL, 10) == (long)link) *active = 0;
+    return NVML_SUCCESS;
+}
+
 nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t dev, unsigned int link,
                                       nvmlEnableState_t *isActive) {
     DEVICE_CALL("nvlink_state");
-    nvmlReturn_t rc = nvlink_check(&c, g, link);
-    if (rc) return rc;
-    char down[256], *tok, *save = NULL;
-    int active = 1;
-    cfg_str(&c, g, "nvlink.down", down, sizeof down, "");
-    for (tok = strtok_r(down, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
-        if (strtol(tok, NULL, 10) == (long)link) active = 0;
-    *isActive = active;
+    int active;
+    nvmlReturn_t rc = nvlink_state(&c, g, link, &active);
+    if (rc == NVML_SUCCESS) *isActive = active;
+    return rc;
+}
+
+/* A function left out of the build (-D<symbol>=omitted_<symbol>) takes its fields with it. */
+#ifdef nvmlDeviceGetTotalEccErrors
+#define OMIT_ECC 1
+#else
+#define OMIT_ECC 0
+#endif
+#ifdef nvmlDeviceGetPcieReplayCounter
+#define OMIT_REPLAY 1
+#else
+#define OMIT_REPLAY 0
+#endif
+#ifdef nvmlDeviceGetRemappedRows
+#define OMIT_REMAP 1
+#else
+#define OMIT_REMAP 0
+#endif
+#ifdef nvmlDeviceGetRetiredPages
+#define OMIT_RETIRED 1
+#else
+#define OMIT_RETIRED 0
+#endif
+#ifdef nvmlDeviceGetRetiredPagesPendingStatus
+#define OMIT_PENDING 1
+#else
+#define OMIT_PENDING 0
+#endif
+
+/* Counter fields (ids from nvml.h): the value key and the <fn> whose .error / .sleep_ms keys
+ * apply, as for the function that reads the same value one call at a time. */
+static const struct { unsigned int id; const char *fn, *key; int omitted; } COUNTER_FIELDS[] = {
+    {3, "ecc", "ecc.corrected.volatile", OMIT_ECC},     /* NVML_FI_DEV_ECC_SBE_VOL_TOTAL */
+    {4, "ecc", "ecc.uncorrected.volatile", OMIT_ECC},   /* NVML_FI_DEV_ECC_DBE_VOL_TOTAL */
+    {5, "ecc", "ecc.corrected.aggregate", OMIT_ECC},    /* NVML_FI_DEV_ECC_SBE_AGG_TOTAL */
+    {6, "ecc", "ecc.uncorrected.aggregate", OMIT_ECC},  /* NVML_FI_DEV_ECC_DBE_AGG_TOTAL */
+    {29, "retired_pages", "retired_pages.sbe", OMIT_RETIRED},               /* RETIRED_SBE */
+    {30, "retired_pages", "retired_pages.dbe", OMIT_RETIRED},               /* RETIRED_DBE */
+    {31, "retired_pages_pending", "retired_pages_pending", OMIT_PENDING},   /* RETIRED_PENDING */
+    {94, "pcie_replay", "pcie_replay", OMIT_REPLAY},                        /* PCIE_REPLAY_COUNTER */
+    {142, "remapped_rows", "remapped_rows.corrected", OMIT_REMAP},          /* REMAPPED_COR */
+    {143, "remapped_rows", "remapped_rows.uncorrected", OMIT_REMAP},        /* REMAPPED_UNC */
+    {144, "remapped_rows", "remapped_rows.pending", OMIT_REMAP},            /* REMAPPED_PENDING */
+    {145, "remapped_rows", "remapped_rows.failure", OMIT_REMAP},            /* REMAPPED_FAILURE */
+};
+#define N_COUNTER_FIELDS (sizeof COUNTER_FIELDS / sizeof COUNTER_FIELDS[0])
+
+static nvmlReturn_t counter_field(cfg_t *c, int g, unsigned int id, unsigned long long *out, int *slept) {
+    char key[96];
+    for (size_t k = 0; k < N_COUNTER_FIELDS; k++) {
+        if (COUNTER_FIELDS[k].id != id) continue;
+        if (COUNTER_FIELDS[k].omitted) return NVML_ERROR_NOT_SUPPORTED;
+        if (!slept[k]) { /* a function's sleep once per call, however many of its fields */
+            snprintf(key, sizeof key, "%s.sleep_ms", COUNTER_FIELDS[k].fn);
+            for (size_t j = 0; j < N_COUNTER_FIELDS; j++)
+                if (strcmp(COUNTER_FIELDS[j].fn, COUNTER_FIELDS[k].fn) == 0) slept[j] = 1;
+            sleep_ms(cfg_int(c, g, key, 0));
+        }
+        snprintf(key, sizeof key, "%s.error", COUNTER_FIELDS[k].fn);
+        nvmlReturn_t rc = (nvmlReturn_t)cfg_int(c, g, key, NVML_SUCCESS);
+        if (rc) return rc;
+        /* pre-Ampere: no row remapping at all, as nvmlDeviceGetRemappedRows answers */
+        const char *gate = id >= 142 ? "remapped_rows.corrected" : COUNTER_FIELDS[k].key;
+        if (cfg_int(c, g, gate, -1) < 0) return NVML_ERROR_NOT_SUPPORTED;
+        *out = (unsigned long long)cfg_int(c, g, COUNTER_FIELDS[k].key, 0);
+        return NVML_SUCCESS;
+    }
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+/* Field values, one call for many: NVML_FI_DEV_NVLINK_GET_STATE (scopeId = link) answers
+ * NVML_NVLINK_STATE_ACTIVE (1) or _INACTIVE (0) as nvmlDeviceGetNvLinkState would, with its
+ * `nvlink_state.error` as the entry's nvmlReturn; the COUNTER_FIELDS answer from the same keys as
+ * their functions; any other field is NotSupported. The call's own `field_values.error` /
+ * `.sleep_ms` / `lost` fail the whole call. */
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t dev, int valuesCount, nvmlFieldValue_t *values) {
+    DEVICE_CALL("field_values");
+    if (valuesCount < 0 || (valuesCount > 0 && !values)) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t state_error = (nvmlReturn_t)cfg_int(&c, g, "nvlink_state.error", NVML_SUCCESS);
+    int slept[N_COUNTER_FIELDS] = {0};
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        int active = 0;
+        v->timestamp = (long long)time(NULL) * 1000000LL;
+        v->latencyUsec = 0;
+        memset(&v->value, 0, sizeof v->value);
+        if (v->fieldId == NVML_FI_DEV_NVLINK_GET_STATE) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->nvmlReturn = state_error ? state_error : nvlink_state(&c, g, v->scopeId, &active);
+            if (v->nvmlReturn == NVML_SUCCESS) v->value.uiVal = (unsigned int)active;
+        } else {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->nvmlReturn = counter_field(&c, g, v->fieldId, &v->value.ullVal, slept);
+        }
+    }
     return NVML_SUCCESS;
 }
 

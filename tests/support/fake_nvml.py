@@ -52,7 +52,17 @@ Per-function overrides, `gpu<N>.<fn>.error=<NVML code>` and `gpu<N>.<fn>.sleep_m
     handle name uuid serial pci_info temperature threshold margin clocks_event_reasons
     clocks_throttle_reasons ecc remapped_rows retired_pages retired_pages_pending pcie_replay
     pcie_gen pcie_gen_max pcie_width pcie_width_max nvlink_state nvlink_error_counter processes
+    field_values
 e.g. `gpu3.remapped_rows.error=3` (NotSupported), `gpu0.temperature.sleep_ms=2000` (hung call).
+
+Call counts: with $FAKE_NVML_CALLS naming a `CallCounter` file, every call (a field-value batch is
+one call) adds one to its <fn>'s count in that file, which another process reads while the caller
+runs: `CallCounter(tmp / "calls").read()` -> {"temperature": 80, ...}.
+
+Field values: nvmlDeviceGetFieldValues answers NVML_FI_DEV_NVLINK_GET_STATE (scopeId = link) and
+the ECC total, PCIe replay, retired-page and remapped-row fields from the same keys, with the same
+per-function `.error` (per entry) and `.sleep_ms` as the functions that read those values; any
+other field is NotSupported, and so are the fields of a function left out of the build.
 
 Missing symbols: `build_fake_nvml(dir, omit=["nvmlDeviceGetRemappedRows"])` builds a library
 without them (pynvml then raises NVMLError_FunctionNotFound, as with an old driver). A process
@@ -61,8 +71,10 @@ keeps the first libnvidia-ml.so.1 it loaded, so such a build is for a subprocess
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
+import struct
 import subprocess
 import uuid
 from pathlib import Path
@@ -100,6 +112,33 @@ def build_fake_nvml(
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
     return out_dir
+
+
+class CallCounter:
+    """The file the stand-in counts its calls in (64 records of a 56-byte NUL-padded <fn> name and a
+    native unsigned 64-bit count, as `call_slot_t` in fake_nvml.c). Create it before the process
+    that loads the stand-in starts, and pass `env()` to that process."""
+
+    SLOTS = 64
+    RECORD = struct.Struct("=56sQ")
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.write_bytes(bytes(self.SLOTS * self.RECORD.size))
+
+    def env(self) -> dict[str, str]:
+        return {"FAKE_NVML_CALLS": str(self.path)}
+
+    def read(self) -> dict[str, int]:
+        """<fn> -> calls so far."""
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            data = bytes(m)
+        counts = {}
+        for name, calls in self.RECORD.iter_unpack(data):
+            name = name.rstrip(b"\0").decode()
+            if name:
+                counts[name] = calls
+        return counts
 
 
 def _render(value: Any) -> str:

@@ -10,7 +10,12 @@ Everything is read below `proc_root`, so tests point it at a fake tree:
   with psi=0) leaves the resource out, it is not an error;
 - D-state processes from `<proc_root>/<pid>/task/<tid>/stat` (falling back to `<pid>/stat`): a
   process counts when any of its threads is in uninterruptible sleep, because the thread stuck
-  on a hung mount is often not the main one (an async checkpoint writer);
+  on a hung mount is often not the main one (an async checkpoint writer). That scan opens one
+  file per thread (thousands on a busy node), so it is gated on two cheap files (`dstate_gate`):
+  it runs when `<proc_root>/stat` counts blocked tasks, when the last scan found D-state tasks,
+  or when the 1-minute load average in `<proc_root>/loadavg` (which counts D-state tasks) reaches
+  `dstate_scan_min_load` — then at most every `dstate_scan_interval_s`. A gate file that cannot
+  be read opens it, and between scans the last scan's answer (none found) stands;
 - mounts from `<proc_root>/mounts`.
 
 Filesystem probes write and fsync a small file inside each configured path, in a daemon thread,
@@ -95,6 +100,30 @@ def parse_stat(text: str) -> tuple[str, str]:
     return text[left + 1 : right], state
 
 
+def parse_procs_blocked(text: str) -> int | None:
+    """`/proc/stat` -> its `procs_blocked` count (tasks waiting on I/O now); None when absent."""
+    for line in text.splitlines():
+        if line.startswith("procs_blocked "):
+            return int(line.split()[1])
+    return None
+
+
+def parse_load1(text: str) -> float:
+    """`/proc/loadavg` (`0.52 0.58 0.59 2/1024 4242`) -> the 1-minute load average."""
+    return float(text.split(None, 1)[0])
+
+
+def dstate_gate(procs_blocked: int | None, load1: float | None, found_last: bool,
+                since_last_scan_s: float | None, min_load: float, interval_s: float) -> bool:
+    """Whether this tick scans every thread's stat. procs_blocked/load1 None: unreadable (open).
+    since_last_scan_s None: never scanned."""
+    if procs_blocked is None or load1 is None or found_last or procs_blocked > 0:
+        return True
+    if load1 < min_load:
+        return False
+    return since_last_scan_s is None or since_last_scan_s >= interval_s
+
+
 def _unescape_mount(field: str) -> str:
     r"""Mount table fields escape space, tab, newline and backslash as octal (`\040`)."""
     if "\\" not in field:
@@ -152,6 +181,15 @@ def _read(path: str) -> str:
     finally:
         os.close(fd)
     return b"".join(chunks).decode("utf-8", "replace")
+
+
+def _read_head(path: str) -> str:
+    """The first 512 bytes in one read(): a stat line's pid, comm (at most 64 bytes) and state."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 512).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- the probe
@@ -227,8 +265,17 @@ class HostCollector:
         proc_root: str = "/proc",
         filesystems: Sequence[FilesystemSpec] = (),
         probe: Callable[[str], ProbeResult] = write_probe,
+        dstate_scan_min_load: float = 0.0,
+        dstate_scan_interval_s: float = 0.0,
     ) -> None:
         self.proc_root = proc_root
+        self.dstate_scan_min_load = dstate_scan_min_load
+        self.dstate_scan_interval_s = dstate_scan_interval_s
+        self._last_scan: float | None = None
+        """time.monotonic() of the last full D-state scan."""
+        self._last_dstate: tuple[tuple[int, str], ...] = ()
+        self.dstate_scans = 0
+        """Full scans so far (the gate's effect is observable)."""
         self.filesystems = tuple(filesystems)
         self._probe = probe  # the filesystem probe run in each probe thread; a seam for tests
         # spec -> a probe that timed out and has not finished yet
@@ -288,6 +335,24 @@ class HostCollector:
 
     def _dstate(self) -> tuple[tuple[int, str], ...]:
         root = self.proc_root
+        try:
+            blocked = parse_procs_blocked(_read(f"{root}/stat"))
+            load1 = parse_load1(_read(f"{root}/loadavg"))
+        except (OSError, ValueError, IndexError):
+            blocked = load1 = None
+        now = time.monotonic()
+        since = None if self._last_scan is None else now - self._last_scan
+        if not dstate_gate(blocked, load1, bool(self._last_dstate), since,
+                           self.dstate_scan_min_load, self.dstate_scan_interval_s):
+            # No task blocked and a low load: no D-state task can be there in any number. Under a
+            # load-only gate within the interval, the last scan (which found none) stands.
+            return self._last_dstate
+        self._last_scan = now
+        self.dstate_scans += 1
+        self._last_dstate = self._scan_dstate(root)
+        return self._last_dstate
+
+    def _scan_dstate(self, root: str) -> tuple[tuple[int, str], ...]:
         found: list[tuple[int, str]] = []
         try:
             entries = [e for e in os.listdir(root) if e.isdigit()]
@@ -302,7 +367,7 @@ class HostCollector:
                 paths = [f"{root}/{pid}/stat"]
             for p in paths:
                 try:
-                    comm, state = parse_stat(_read(p))
+                    comm, state = parse_stat(_read_head(p))
                 except (OSError, ValueError, IndexError):
                     continue  # the task exited between listing and reading, or a malformed line
                 if state == "D":

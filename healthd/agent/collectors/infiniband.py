@@ -2,7 +2,9 @@
 
 Reads, per port, `state`, `phys_state`, `rate`, `link_layer` and every file in `counters/` (PMA
 PortCounters) and `hw_counters/` (driver counters; `lifespan` is a setting, skipped), and turns each
-counter into a CounterDelta against the previous reading. No decisions: flaps, drops and thresholds
+counter into a CounterDelta against the previous reading. Given `counters` (the agent passes the
+classifier's error counters, 15 of the ~45 files an NDR port has), only files of those names are
+read: traffic and packet counters decide nothing, and each read is a MAD to the HCA. No decisions: flaps, drops and thresholds
 belong to the classifier, which sees the history of these samples.
 
 Counter deltas follow healthd.agent.collectors.counters (a first reading is a baseline, a value
@@ -23,7 +25,7 @@ import errno
 import logging
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from healthd.agent.collectors.counters import Baseline, counter_delta
 from healthd.model import CounterDelta, InfinibandSample, PortSample
@@ -127,9 +129,12 @@ class InfinibandCollector:
         sysfs_root: str = "/sys/class/infiniband",
         boot_id_path: str = "/proc/sys/kernel/random/boot_id",
         baseline: Mapping | None = None,
+        counters: Collection[str] | None = None,
     ) -> None:
         self.sysfs_root = sysfs_root
         self.boot_id_path = boot_id_path
+        self.counters = None if counters is None else frozenset(counters)
+        """Counter file names to read in counters/ and hw_counters/; None: every file."""
         self._boot_id: str | None = None
         # "mlx5_0/1" -> {"counters/link_downed": (value, time)}
         self._last: dict[str, dict[str, tuple[int, float]]] = {}
@@ -240,8 +245,9 @@ class InfinibandCollector:
                 continue
             skip = SKIP[sub]
             widths = PMA_WIDTH_BITS if sub == "counters" else {}
+            only = self.counters
             for cname in names:
-                if cname in skip:
+                if cname in skip or (only is not None and cname not in only):
                     continue
                 key = f"{sub}/{cname}"
                 try:

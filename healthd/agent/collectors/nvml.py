@@ -11,6 +11,16 @@ Rules this module keeps:
 - NVML calls can hang inside the driver (a GPU falling off the bus, a wedged RM). Every collection
   runs in a worker thread and the caller waits at most `timeout_s`; while a worker is still stuck,
   no second one is started, so at most one thread is ever blocked in the driver.
+- ECC totals, PCIe replays, retired-page counts and pending, and remapped rows come in one
+  nvmlDeviceGetFieldValues call per GPU (11 calls before); a field it does not answer is read by
+  its own function, exactly as before.
+- Identity and fixed limits (STATIC_FIELDS: name, UUID, serial, bus id, slowdown threshold, max
+  PCIe gen/width) are read once per GPU per initialisation; a read that failed is tried again.
+- NVLink: the state of every link comes in one nvmlDeviceGetFieldValues call per GPU (falling back
+  to one nvmlDeviceGetNvLinkState per link where the driver has no such field); the four error
+  counters of each active link (72 calls on an H100) are read every `nvlink_counter_interval_s`
+  and carried in no other tick, so their deltas span the interval. An increase is found as before,
+  at most that much later.
 - The ever-growing counters (volatile ECC, PCIe replays, NVLink errors) also arrive as deltas
   against this collector's baseline per GPU (healthd.agent.collectors.counters), taken on the
   caller's side once a collection returns: a collection that timed out moves no baseline, so the
@@ -79,6 +89,10 @@ _SCALAR_READS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
 
 _REMAP_FIELDS = ("remap_corrected", "remap_uncorrected", "remap_pending", "remap_failure")
 _IDENTITY_FIELDS = ("name", "uuid", "serial", "bus_id")
+# What a GPU cannot change while NVML stays initialised (another board, or another limit, takes a
+# driver reload, and that fails the calls and makes the next collect initialise afresh): read once
+# per GPU per initialisation, 7 calls a GPU saved on every later tick.
+STATIC_FIELDS = (*_IDENTITY_FIELDS, "slowdown_threshold_c", "pcie_gen_max", "pcie_width_max")
 
 # NVLink data-link error counters read for each active link (key suffix -> NVML counter id).
 _NVLINK_COUNTERS = (
@@ -160,13 +174,40 @@ class _Job:
         self.done = threading.Event()
 
 
+class _FieldValue(ctypes.Structure):
+    """pynvml's c_nvmlFieldValue_t without its formatting hooks on every attribute access, which
+    cost more than the call itself (pynvml's own nvmlDeviceGetFieldValues pays them 4 times an
+    entry). Same layout: the same fields, taken from it."""
+
+    _fields_ = list(pynvml.c_nvmlFieldValue_t._fields_)
+
+
+class _FieldRequest:
+    """A fixed list of (field id, scope id): the array is built once and copied per call."""
+
+    def __init__(self, fields: tuple[tuple[int, int], ...]) -> None:
+        self.count = len(fields)
+        self._type = _FieldValue * self.count
+        template = self._type()
+        for entry, (field_id, scope_id) in zip(template, fields, strict=True):
+            entry.fieldId, entry.scopeId = field_id, scope_id
+        self._template = bytes(template)
+
+    def fresh(self) -> Any:
+        return self._type.from_buffer_copy(self._template)
+
+
 class _GpuReads:
     """The reads of one GPU in one tick: values so far, fields with no data, and read errors."""
 
-    def __init__(self, job: _Job, index: int, handle: Any) -> None:
+    def __init__(self, job: _Job, index: int, handle: Any, static: Mapping[str, Any] | None = None) -> None:
         self.job = job
         self.index = index
         self.handle = handle
+        self.static = dict(static or {})
+        self.batch: dict[int, int] = {}
+        """Field id -> value of the counter fields this tick's field-value call answered."""
+        """STATIC_FIELDS values read by an earlier tick of this initialisation: not read again."""
         self.current = ""
         """The NVML function called last: where a GPU_IS_LOST came from."""
         self.values: dict[str, Any] = {}
@@ -181,6 +222,15 @@ class _GpuReads:
         self.current = fn_name
         self.job.call = f"{fn_name} on GPU {self.index}"
         return fn(self.handle, *args)
+
+    def field_values(self, request: "_FieldRequest") -> Any:
+        """One nvmlDeviceGetFieldValues call for `request`; raises NVMLError as pynvml does."""
+        self.current = "nvmlDeviceGetFieldValues"
+        self.job.call = f"nvmlDeviceGetFieldValues on GPU {self.index}"
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")  # FunctionNotFound on old drivers
+        values = request.fresh()
+        pynvml._nvmlCheckReturn(fn(self.handle, ctypes.c_int32(request.count), ctypes.byref(values)))
+        return values
 
     def read(
         self,
@@ -217,10 +267,61 @@ class _GpuReads:
 # --------------------------------------------------------------------------- one read each
 
 
+# Counter values NVML also serves as fields (ids from nvml.h): GpuSample field -> field id.
+_FIELD_IDS = {
+    "ecc_corrected_volatile": pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,
+    "ecc_uncorrected_volatile": pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL,
+    "ecc_corrected_aggregate": pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL,
+    "ecc_uncorrected_aggregate": pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL,
+    "pcie_replay": pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER,
+    "retired_pages_sbe": pynvml.NVML_FI_DEV_RETIRED_SBE,
+    "retired_pages_dbe": pynvml.NVML_FI_DEV_RETIRED_DBE,
+    "retired_pending": pynvml.NVML_FI_DEV_RETIRED_PENDING,
+    "remap_corrected": pynvml.NVML_FI_DEV_REMAPPED_COR,
+    "remap_uncorrected": pynvml.NVML_FI_DEV_REMAPPED_UNC,
+    "remap_pending": pynvml.NVML_FI_DEV_REMAPPED_PENDING,
+    "remap_failure": pynvml.NVML_FI_DEV_REMAPPED_FAILURE,
+}
+_COUNTER_FIELDS = _FieldRequest(tuple((field_id, 0) for field_id in _FIELD_IDS.values()))
+_VALUE_MEMBER = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+}
+
+
+def _read_counter_fields(r: _GpuReads) -> None:
+    """The counters above in one call. Only answers that succeeded are kept: every other field
+    (NotSupported, an error, a driver without the call) is read by its own function as before, so
+    no data, errors and GPU_IS_LOST say exactly what they always said."""
+    try:
+        values = r.field_values(_COUNTER_FIELDS)
+    except pynvml.NVMLError_GpuIsLost:
+        raise
+    except pynvml.NVMLError:
+        return
+    for v in values:
+        member = _VALUE_MEMBER.get(v.valueType)
+        if v.nvmlReturn == pynvml.NVML_SUCCESS and member is not None:
+            r.batch[v.fieldId] = int(getattr(v.value, member))
+
+
+def _batched(r: _GpuReads, *fields: str) -> list[int] | None:
+    """The values of `fields` from the field-value call, or None unless it answered all of them."""
+    ids = [_FIELD_IDS[f] for f in fields]
+    return [r.batch[i] for i in ids] if all(i in r.batch for i in ids) else None
+
+
 def _read_identity(r: _GpuReads) -> None:
-    r.values["name"] = r.read("name", "nvmlDeviceGetName")
-    r.values["uuid"] = r.read("uuid", "nvmlDeviceGetUUID")
-    r.values["serial"] = r.read("serial", "nvmlDeviceGetSerial")
+    for field, fn_name in (("name", "nvmlDeviceGetName"), ("uuid", "nvmlDeviceGetUUID"), ("serial", "nvmlDeviceGetSerial")):
+        r.values[field] = r.static[field] if field in r.static else r.read(field, fn_name)
+    if "bus_id" in r.static:
+        r.values["bus_id"] = r.static["bus_id"]
+        return
     raw = r.read("bus_id", "nvmlDeviceGetPciInfo_v3", convert=lambda pci: pci.busId)
     if raw is not None:
         # The one key GPUs are joined on across sources (kernel log, sysfs): normalise it here.
@@ -231,7 +332,12 @@ def _read_identity(r: _GpuReads) -> None:
 
 def _read_scalars(r: _GpuReads) -> None:
     for field, fn_name, args in _SCALAR_READS:
-        r.values[field] = r.read(field, fn_name, *args)
+        if field in r.static:
+            r.values[field] = r.static[field]
+        elif field in _FIELD_IDS and _FIELD_IDS[field] in r.batch:
+            r.values[field] = r.batch[_FIELD_IDS[field]]
+        else:
+            r.values[field] = r.read(field, fn_name, *args)
 
 
 def _read_clock_event_reasons(r: _GpuReads) -> None:
@@ -245,7 +351,7 @@ def _read_clock_event_reasons(r: _GpuReads) -> None:
 
 def _read_remapped_rows(r: _GpuReads) -> None:
     # Ampere and later; NotSupported on older GPUs and while MIG instances are active.
-    rows = r.read(_REMAP_FIELDS, "nvmlDeviceGetRemappedRows")
+    rows = _batched(r, *_REMAP_FIELDS) or r.read(_REMAP_FIELDS, "nvmlDeviceGetRemappedRows")
     if rows is not None:
         corrected, uncorrected, pending, failure = rows
         r.values.update(
@@ -257,45 +363,74 @@ def _read_remapped_rows(r: _GpuReads) -> None:
 
 
 def _read_retired_pages(r: _GpuReads) -> None:
-    # Dynamic page retirement is the pre-Ampere mechanism; newer GPUs answer NotSupported.
-    sbe = r.read(
-        "retired_pages_sbe",
-        "nvmlDeviceGetRetiredPages",
-        pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
-    )
-    dbe = r.read(
-        "retired_pages_dbe",
-        "nvmlDeviceGetRetiredPages",
-        pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
-    )
-    pending = r.read("retired_pending", "nvmlDeviceGetRetiredPagesPendingStatus")
-    r.values["retired_pages_sbe"] = None if sbe is None else len(sbe)
-    r.values["retired_pages_dbe"] = None if dbe is None else len(dbe)
+    # Dynamic page retirement is the pre-Ampere mechanism; newer GPUs answer NotSupported. The
+    # fields count the pages; the functions list them.
+    for field, cause in (("retired_pages_sbe", pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+                         ("retired_pages_dbe", pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)):
+        count = _batched(r, field)
+        if count is None:
+            pages = r.read(field, "nvmlDeviceGetRetiredPages", cause)
+            r.values[field] = None if pages is None else len(pages)
+        else:
+            r.values[field] = count[0]
+    pending = _batched(r, "retired_pending")
+    if pending is None:
+        pending = r.read("retired_pending", "nvmlDeviceGetRetiredPagesPendingStatus")
+    else:
+        pending = pending[0]
     r.values["retired_pending"] = None if pending is None else bool(pending)
 
 
-def _read_nvlink_errors(r: _GpuReads) -> dict[str, int]:
-    """`link<N>.<counter>` -> value for every link NVML reports active. A GPU without NVLink
-    answers NotSupported for every link; links past the last one answer InvalidArgument."""
-    counters: dict[str, int] = {}
-    any_link = False
-    unsupported: set[str] = set()
+_NVLINK_STATE_FIELDS = _FieldRequest(tuple((pynvml.NVML_FI_DEV_NVLINK_GET_STATE, link)
+                                           for link in range(pynvml.NVML_NVLINK_MAX_LINKS)))
+
+
+def _link_states_batched(r: _GpuReads) -> Iterator[tuple[int, Exception | int]] | None:
+    """(link, state or the NVMLError its entry answered) from one field-value call; None when the
+    driver cannot answer the call at all (the per-link reads follow)."""
+    try:
+        values = r.field_values(_NVLINK_STATE_FIELDS)
+    except pynvml.NVMLError_GpuIsLost:
+        raise
+    except pynvml.NVMLError:
+        return None
+    return ((v.scopeId, pynvml.NVMLError(v.nvmlReturn) if v.nvmlReturn else int(v.value.uiVal)) for v in values)
+
+
+def _link_states_one_by_one(r: _GpuReads) -> Iterator[tuple[int, Exception | int]]:
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
         try:
-            active = r.raw("nvmlDeviceGetNvLinkState", link)
-        except pynvml.NVMLError_InvalidArgument:
-            break
-        except pynvml.NVMLError_FunctionNotFound:
-            break
-        except pynvml.NVMLError_NotSupported:
-            continue
+            yield link, int(r.raw("nvmlDeviceGetNvLinkState", link))
         except pynvml.NVMLError_GpuIsLost:
             raise
         except pynvml.NVMLError as e:
-            r.errors[f"nvlink_errors.link{link}"] = f"nvmlDeviceGetNvLinkState: {e}"
+            yield link, e
+
+
+def _read_nvlink_errors(r: _GpuReads, counters_due: bool = True) -> dict[str, int]:
+    """`link<N>.<counter>` -> value for every link NVML reports active (empty when the counters are
+    not due this tick: the states are read regardless). A GPU without NVLink answers NotSupported
+    for every link; links past the last one answer InvalidArgument."""
+    counters: dict[str, int] = {}
+    any_link = False
+    unsupported: set[str] = set()
+    states = _link_states_batched(r)
+    source = "nvmlDeviceGetFieldValues(NVLINK_GET_STATE)"
+    if states is None:
+        states, source = _link_states_one_by_one(r), "nvmlDeviceGetNvLinkState"
+    for link, state in states:
+        if isinstance(state, (pynvml.NVMLError_InvalidArgument, pynvml.NVMLError_FunctionNotFound)):
+            break
+        if isinstance(state, pynvml.NVMLError_NotSupported):
+            continue
+        if isinstance(state, pynvml.NVMLError_GpuIsLost):
+            r.current = source
+            raise state
+        if isinstance(state, Exception):
+            r.errors[f"nvlink_errors.link{link}"] = f"{source}: {state}"
             continue
         any_link = True
-        if not active:
+        if state == pynvml.NVML_NVLINK_STATE_INACTIVE or not counters_due:
             continue
         for name, counter in _NVLINK_COUNTERS:
             try:
@@ -323,6 +458,7 @@ def _read_processes(r: _GpuReads) -> None:
 
 _GPU_READS: tuple[Callable[[_GpuReads], None], ...] = (
     _read_identity,
+    _read_counter_fields,
     _read_scalars,
     _read_clock_event_reasons,
     _read_remapped_rows,
@@ -340,7 +476,8 @@ def _lost_gpu(index: int, where: str, error: Exception, identity: dict[str, Any]
     )
 
 
-def _read_gpu(job: _Job, index: int, last_identity: dict[str, Any]) -> GpuSample:
+def _read_gpu(job: _Job, index: int, last_identity: dict[str, Any], nvlink_counters: bool = True,
+              static: Mapping[str, Any] | None = None) -> GpuSample:
     """Every read of one GPU. `last_identity` is what an earlier tick read for this index: a GPU
     that is lost can no longer tell its serial, and the finding needs it."""
     job.call = f"nvmlDeviceGetHandleByIndex({index})"
@@ -354,11 +491,11 @@ def _read_gpu(job: _Job, index: int, last_identity: dict[str, Any]) -> GpuSample
             errors={"handle": f"nvmlDeviceGetHandleByIndex: {e}"},
             **{k: last_identity.get(k) for k in _IDENTITY_FIELDS},
         )
-    r = _GpuReads(job, index, handle)
+    r = _GpuReads(job, index, handle, static)
     try:
         for read in _GPU_READS:
             read(r)
-        nvlink = _read_nvlink_errors(r)
+        nvlink = _read_nvlink_errors(r, nvlink_counters)
     except pynvml.NVMLError_GpuIsLost as e:
         # Prefer identity read this tick (before the GPU went), else the last known one.
         known = {k: r.values.get(k) or last_identity.get(k) for k in _IDENTITY_FIELDS}
@@ -396,20 +533,31 @@ class NvmlCollector:
         expected_gpus: int | None = None,
         boot_id_path: str = "/proc/sys/kernel/random/boot_id",
         baseline: Mapping | None = None,
+        nvlink_counter_interval_s: float = 0.0,
     ) -> None:
         self._timeout_s = timeout_s
+        self._nvlink_interval_s = nvlink_counter_interval_s
+        self._nvlink_read_at: float | None = None
+        """The `now` of the last collection that read the NVLink error counters."""
+        self._nvlink_due = True
         self._expected_gpus = expected_gpus
         self._boot_id_path = boot_id_path
         self._baseline = Baseline.from_json(baseline, "gpus", "nvml")
         self._initialized = False
         self._job: _Job | None = None
         self._identity: dict[int, dict[str, Any]] = {}
+        self._static: dict[int, dict[str, Any]] = {}
+        """GPU index -> STATIC_FIELDS read successfully since NVML was last initialised."""
         """GPU index -> identity fields from the last tick that could read them."""
 
     # ---- public
 
     def collect(self, now: float) -> NvmlSample:
+        last = self._nvlink_read_at
+        self._nvlink_due = last is None or not now - self._nvlink_interval_s < last or now < last
         sample, self._baseline = with_deltas(self._read(), self._baseline, read_boot_id(self._boot_id_path), now)
+        if sample.status == "ok" and self._nvlink_due:
+            self._nvlink_read_at = now
         return sample
 
     def state(self) -> dict[str, Any]:
@@ -485,6 +633,7 @@ class NvmlCollector:
             return NvmlSample(status="error", error_kind="init_failed", detail=f"nvmlInit: {e}")
         self._initialized = True
         self._identity.clear()  # indices may be renumbered after a re-init
+        self._static.clear()
         return None
 
     def _shutdown(self, job: _Job) -> NvmlSample:
@@ -513,7 +662,10 @@ class NvmlCollector:
         nvml_version = self._system_str(job, "nvmlSystemGetNVMLVersion")
         gpus = []
         for index in range(count):
-            gpu = _read_gpu(job, index, self._identity.get(index, {}))
+            gpu = _read_gpu(job, index, self._identity.get(index, {}), self._nvlink_due, self._static.get(index))
+            if not gpu.lost and "handle" not in gpu.errors:
+                self._static[index] = {k: getattr(gpu, k) for k in STATIC_FIELDS
+                                       if getattr(gpu, k) is not None and k not in gpu.errors}
             if not gpu.lost and gpu.uuid is not None:
                 self._identity[index] = {k: getattr(gpu, k) for k in _IDENTITY_FIELDS}
             gpus.append(gpu)

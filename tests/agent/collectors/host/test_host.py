@@ -265,6 +265,55 @@ def test_real_proc_reads():
     assert all(isinstance(pid, int) and isinstance(comm, str) for pid, comm in s.dstate_pids)
 
 
+def _gate_files(proc: Path, blocked: int, load1: float) -> None:
+    (proc / "stat").write_text(f"cpu  1 2 3 4 5 6 7 0 0 0\nprocs_running 1\nprocs_blocked {blocked}\n")
+    (proc / "loadavg").write_text(f"{load1:.2f} 0.10 0.05 1/300 4242\n")
+
+
+def test_dstate_scan_skipped_on_a_quiet_node(proc):
+    # The fake's D tasks contradict its quiet /proc/stat and load: they stay unseen, proving no scan.
+    _gate_files(proc, blocked=0, load1=0.02)
+    c = HostCollector(proc_root=str(proc), dstate_scan_min_load=0.5, dstate_scan_interval_s=30.0)
+    assert c.collect(1.0).dstate_pids == () and c.dstate_scans == 0
+
+
+def test_dstate_scan_runs_while_tasks_are_blocked_and_while_some_were_found(proc):
+    _gate_files(proc, blocked=2, load1=0.02)
+    c = HostCollector(proc_root=str(proc), dstate_scan_min_load=0.5, dstate_scan_interval_s=30.0)
+    assert len(c.collect(1.0).dstate_pids) == 3
+    _gate_files(proc, blocked=0, load1=0.02)  # the blocked count is instantaneous; the D tasks remain
+    assert len(c.collect(2.0).dstate_pids) == 3 and c.dstate_scans == 2
+    for pid in (42, 77):
+        (proc / str(pid) / "stat").write_text(stat_line(pid, "x", "S"))
+    (proc / "500" / "task" / "517" / "stat").write_text(stat_line(517, "ckpt_writer", "S"))
+    assert c.collect(3.0).dstate_pids == () and c.dstate_scans == 3  # cleared: seen by a scan
+    assert c.collect(4.0).dstate_pids == () and c.dstate_scans == 3
+
+
+def test_dstate_scan_under_load_runs_at_most_every_interval(proc, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("healthd.agent.collectors.host.time.monotonic", lambda: clock[0])
+    for pid in (42, 77):
+        (proc / str(pid) / "stat").write_text(stat_line(pid, "x", "S"))
+    (proc / "500" / "task" / "517" / "stat").write_text(stat_line(517, "ckpt_writer", "S"))
+    _gate_files(proc, blocked=0, load1=3.5)
+    c = HostCollector(proc_root=str(proc), dstate_scan_min_load=0.5, dstate_scan_interval_s=30.0)
+    c.collect(1.0)
+    clock[0] += 10
+    c.collect(2.0)
+    assert c.dstate_scans == 1
+    (proc / "42" / "stat").write_text(stat_line(42, "nfs_writer", "D"))
+    clock[0] += 20
+    assert c.collect(3.0).dstate_pids == ((42, "nfs_writer"),) and c.dstate_scans == 2
+
+
+def test_unreadable_gate_files_scan_every_tick(proc):
+    (proc / "loadavg").write_text("garbage\n")
+    (proc / "stat").write_text("procs_blocked 0\n")
+    c = HostCollector(proc_root=str(proc), dstate_scan_min_load=0.5, dstate_scan_interval_s=30.0)
+    assert len(c.collect(1.0).dstate_pids) == 3 and c.dstate_scans == 1
+
+
 # --------------------------------------------------------------------------- filesystems
 
 

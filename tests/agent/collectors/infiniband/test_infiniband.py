@@ -466,3 +466,16 @@ def test_every_sample_carries_its_read_time(root, boot):
     ib_tree.scenario_healthy(root)
     c = collector(root, boot)
     assert [c.collect(t).time for t in (1000.0, 1010.0)] == [1000.0, 1010.0]
+
+
+def test_only_the_named_counters_are_read(tmp_path: Path):
+    root = tmp_path / "infiniband"
+    make_ndr_node(root, ports=2)
+    set_counter(root, "mlx5_0", 1, "symbol_error", 7)
+    set_counter(root, "mlx5_0", 1, "rnr_nak_retry_err", 3, hw=True)
+    make_unreadable(root, "mlx5_0", 1, "counters/port_xmit_data", "EISDIR")  # not named: not read
+    wanted = {"symbol_error", "rnr_nak_retry_err", "link_downed"}
+    port = InfinibandCollector(sysfs_root=str(root), counters=wanted).collect(1.0).ports[0]
+    assert set(port.counters) == {"counters/symbol_error", "hw_counters/rnr_nak_retry_err", "counters/link_downed"}
+    assert port.counters["counters/symbol_error"].value == 7 and port.unreadable == {}
+    assert port.state == "ACTIVE" and port.rate_gbps == 400.0
