@@ -197,17 +197,32 @@ def bench_real(args, tmp: Path) -> dict:
         with ctl.reports_lock:
             ctl.reports.update({n: dataclasses.replace(r, received_at=fresh_at) for n, r in ctl.reports.items()})
         steady: list[float] = []
+        node_reads: list[str] = []
+        counted = ctl.executor.read_node
+
+        def read_node(name: str):
+            node_reads.append(name)
+            return counted(name)
+
+        ctl.executor.read_node = read_node  # type: ignore[method-assign]
+        reads_per_round: list[int] = []
         refreshes_before = ctl.fleet.refreshes
         at = 0
         with Ticker() as ticker:
             for _ in range(args.rounds):
                 at = churn(ctl, names, at, round(FLEET / 30 * args.round_gap_s), time.time())
                 t = time.perf_counter()
+                before = len(node_reads)
                 assert ctl.evaluate(time.time()) is not None
                 steady.append(time.perf_counter() - t)
+                reads_per_round.append(len(node_reads) - before)
                 ctl.between_rounds(time.monotonic())  # as the daemon's loop does
                 time.sleep(args.round_gap_s)
         out["steady_round_ms"] = _ms(steady)
+        out["steady_rounds_single_node_reads"] = {"total": sum(reads_per_round), "rounds_with_any": sum(
+            1 for n in reads_per_round if n), "nodes": sorted(set(node_reads))[:20]}
+        out["steady_round_ms_without_node_reads"] = _ms([t for t, n in zip(steady, reads_per_round, strict=True)
+                                                         if not n] or [0.0])
         out["steady_rounds_fleet_refreshes_meanwhile"] = ctl.fleet.refreshes - refreshes_before
         out["steady_rounds_longest_wait_ms"] = round(ticker.longest * 1e3, 2)
 
@@ -284,6 +299,8 @@ def synthetic_child(n: int, rounds: int, tmp: str) -> None:
         ctl.between_rounds(time.monotonic())  # as the daemon's loop does
         time.sleep(0.05)
     ledger._conn.set_trace_callback(None)
+    gc.collect()
+    rss_steady, hwm_steady = rss_bytes(), _vm_hwm_mib()
     # a prolog's drain request (/v1/request) runs evaluate(only=node): the cost for one node
     only = []
     for k in range(10):
@@ -311,7 +328,8 @@ def synthetic_child(n: int, rounds: int, tmp: str) -> None:
         "fleet_refresh_ms_last": round(refresh.seconds * 1e3, 2) if refresh else None,
         "fleet_refresh_parsed_last": refresh.parsed if refresh else None,
         "rss_after_imports_mib": round(base / 2**20, 1), "rss_loaded_mib": round(loaded / 2**20, 1),
-        "rss_after_rounds_mib": round(rss_bytes() / 2**20, 1), "vm_hwm_mib": round(_vm_hwm_mib(), 1)}))
+        "rss_after_steady_rounds_mib": round(rss_steady / 2**20, 1), "vm_hwm_steady_mib": round(hwm_steady, 1),
+        "rss_after_all_stale_mib": round(rss_bytes() / 2**20, 1), "vm_hwm_mib": round(_vm_hwm_mib(), 1)}))
     ledger.close()
 
 
@@ -325,7 +343,8 @@ def bench_synthetic(sizes: list[int], rounds: int, tmp: Path) -> list[dict]:
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"synthetic {n:>7,} nodes: steady round median {row['steady_round_ms']['median']} ms, p99 "
               f"{row['steady_round_ms']['p99']} ms; first {row['first_round_ms']} ms; "
-              f"{row['sql_statements_per_steady_round_median']} SQL statements; peak RSS {row['vm_hwm_mib']} MiB",
+              f"{row['sql_statements_per_steady_round_median']} SQL statements; peak RSS {row['vm_hwm_steady_mib']} MiB "
+              f"({row['vm_hwm_mib']} MiB after every report went stale)",
               flush=True)
         out.append(row)
     return out
