@@ -54,3 +54,16 @@ def save(name: str, doc: dict) -> Path:
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"saved {path.relative_to(ROOT)}")
     return path
+
+
+def keep_skipped(name: str, doc: dict, keys: list[str]) -> dict:
+    """`doc` with each of `keys` (the parts a run skipped) taken from the last saved results of `name`,
+    so that a partial run does not erase the figures it did not measure."""
+    path = RESULTS / f"{name}.json"
+    if not keys or not path.exists():
+        return doc
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return doc
+    return {**doc, **{k: old[k] for k in keys if k in old}}

@@ -38,7 +38,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import ROOT, pct, save, summary
+from common import ROOT, keep_skipped, pct, save, summary
 
 from healthd import envelope, munge
 from healthd.controller import auth
@@ -520,16 +520,7 @@ def main() -> None:
             print(f"  {'PASS' if p['pass'] else 'FAIL'}: {p['best_shipped_per_s']:,.0f} reports/s as shipped, a new connection per report, "
                   f"{p['ratio_shipped_over_munge_decode_only']:.2f} x MUNGE decode alone "
                   f"(targets >= {TARGET_PER_S:,}/s and >= {TARGET_RATIO:g} x)")
-    previous = ROOT / "bench" / "results" / "controller_path.json"
-    if skip and previous.exists():  # a part skipped keeps the figures of its last run
-        try:
-            old = json.loads(previous.read_text())
-        except ValueError:
-            old = {}
-        for part in ("path",):
-            if part in skip and part in old:
-                doc[part] = old[part]
-    save("controller_path", doc)
+    save("controller_path", keep_skipped("controller_path", doc, [p for p in ("path",) if p in skip]))
 
 
 if __name__ == "__main__":

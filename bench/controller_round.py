@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import ROOT, rss_bytes, save, summary
+from common import ROOT, keep_skipped, rss_bytes, save, summary
 
 from controller_path import PARTITIONS, _finding, fleet_reports, node_names, state_document, topology_conf
 from healthd.controller.config import ControllerSettings
@@ -385,16 +385,8 @@ def main() -> None:
             print(json.dumps(real, indent=1), flush=True)
         if "synthetic" not in skip:
             results["synthetic"] = bench_synthetic([1_000, 10_000, 100_000], 15 if args.quick else 40, tmp)
-    previous = ROOT / "bench" / "results" / "controller_round.json"
-    if skip and previous.exists():  # a part skipped keeps the figures of its last run
-        try:
-            old = json.loads(previous.read_text())
-        except ValueError:
-            old = {}
-        for part, key in (("real", "real_slurmctld_10k"), ("synthetic", "synthetic")):
-            if part in skip and key in old:
-                results[key] = old[key]
-    save("controller_round", results)
+    parts = {"real": "real_slurmctld_10k", "synthetic": "synthetic"}
+    save("controller_round", keep_skipped("controller_round", results, [parts[p] for p in parts if p in skip]))
 
 
 if __name__ == "__main__":
