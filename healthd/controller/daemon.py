@@ -48,7 +48,6 @@ from healthd.controller.policy import (
     finding_from_json,
     is_actionable,
     parse_topology_conf,
-    with_findings,
     without_cleared,
 )
 from healthd.controller.reconcile import Reconciler
@@ -343,15 +342,17 @@ class Controller:
         closed (resolved, false positive) is not reused."""
         self._incidents = self.ledger.open_incident_keys()
 
-    def _ensure_incidents(self, reports: Mapping[str, NodeReport], now: float, jobs: Mapping[str, str] | None) -> None:
-        """An open incident for every fresh T1/T2 finding; at most MAX_OPEN_INCIDENTS_PER_NODE per node
-        (a node reporting thousands of faults gets a few incidents, not thousands of ledger rows), all
-        written in one transaction. One node's bad data is logged and skipped."""
+    def _ensure_incidents(self, reports: Mapping[str, NodeReport], reporting_findings: Iterable[str], now: float,
+                          jobs: Mapping[str, str] | None) -> None:
+        """An open incident for every fresh T1/T2 finding of the `reporting_findings` nodes; at most
+        MAX_OPEN_INCIDENTS_PER_NODE per node (a node reporting thousands of faults gets a few incidents,
+        not thousands of ledger rows), all written in one transaction. One node's bad data is logged
+        and skipped."""
         per_node: dict[str, int] = {}
         for node, _finding in self._incidents:
             per_node[node] = per_node.get(node, 0) + 1
         with self.ledger.transaction():
-            for node in with_findings(reports):
+            for node in reporting_findings:
                 report = reports[node]
                 if now - report.received_at > self.policy.report_ttl_s:
                     continue
@@ -515,11 +516,11 @@ class Controller:
             for n, (evidence, episodes) in cleared.items():
                 if n in reports:
                     reports[n] = without_cleared(reports[n], evidence, episodes)
-            self._load_incidents()
-            self._ensure_incidents(reports, now, jobs)
-            lview = LedgerView(holds=self.ledger.holds(), incidents={k: str(v) for k, v in self._incidents.items()},
-                               escalations=self._escalations(reports, now))
             fleet = FleetView.of(MappingProxyType(reports), snap, self.topology_text, self.policy)
+            self._load_incidents()
+            self._ensure_incidents(reports, fleet.reporting_findings, now, jobs)
+            lview = LedgerView(holds=self.ledger.holds(), incidents={k: str(v) for k, v in self._incidents.items()},
+                               escalations=self._escalations(reports, fleet.reporting_findings, now))
             hour = now - 3600.0
             by_part = {p: self.ledger.actions_applied_since(hour, p) for p in fleet.partitions}
             approved = self._approved()
@@ -708,15 +709,17 @@ class Controller:
             self._escalate(outcome.decision)
         return result
 
-    def _escalations(self, reports: Mapping[str, NodeReport], now: float) -> dict[tuple[str, str], str]:
-        """(node, finding id) -> escalation for the actionable findings of fresh reports, from the
+    def _escalations(self, reports: Mapping[str, NodeReport], reporting_findings: Iterable[str],
+                     now: float) -> dict[tuple[str, str], str]:
+        """(node, finding id) -> escalation for the actionable findings of fresh reports (of the
+        `reporting_findings` nodes), from the
         ledger's remediation counts (the same fault after `inspect_after` remediations, or
         `support_after` remediations of the node within the support window)."""
         rs = self.settings.reintegration
         out: dict[tuple[str, str], str] = {}
         per_node: dict[str, int] | None = None  # read once, when the first node needs them
         per_fault: dict[tuple[str, str], int] = {}
-        for node in with_findings(reports):
+        for node in reporting_findings:
             report = reports[node]
             if now - report.received_at > self.policy.report_ttl_s:
                 continue

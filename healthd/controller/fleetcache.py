@@ -138,10 +138,15 @@ class FleetCache:
         return self.last
 
     def _from_lines(self, lines: list[str], read_at: float) -> tuple[int, int]:
-        current = {line for line in lines if line.startswith("NodeName=")}
+        # set(lines) and the differences run in C; only the few new lines are looked at in Python
+        # (a loop over every line held the interpreter ~3 ms at 10,000 nodes, every refresh)
+        current = set(lines)
         assert self._parse_line is not None
         with self._lock:
             fresh = current - self._lines
+            stray = {line for line in fresh if not line.startswith("NodeName=")}
+            fresh -= stray
+            current -= stray
             gone = self._lines - current
         parsed = [self._parse_line(line) for line in fresh]  # SlurmOutputError before anything changes
         with self._lock:

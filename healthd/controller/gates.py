@@ -196,7 +196,7 @@ def evaluate_breaker(
     count = len(failing)
     if count <= settings.breaker_nodes and count < settings.breaker_min_nodes:
         return previous, None  # too few failures for either rule: no need to size the whole fleet
-    total = len(fleet.all_nodes)
+    total = fleet.node_count
     by_count = count > settings.breaker_nodes
     by_percent = total > 0 and count >= settings.breaker_min_nodes and count * 100.0 / total > settings.breaker_percent
     if not (by_count or by_percent):

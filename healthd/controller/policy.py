@@ -259,6 +259,9 @@ class FleetView:
     """partition -> its nodes (derived from NodeInfo.partitions when not given)."""
     groups: Mapping[str, frozenset[str]] = field(default_factory=dict)
     """correlation group -> nodes; names are `switch:<name>`, `rack:<name>`, `pdu:<name>`."""
+    reporting_findings: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """The nodes whose report has findings (with_findings): found once per view, since the breaker,
+    the correlation and the decisions each start from them."""
 
     def __post_init__(self) -> None:
         partitions = dict(self.partitions)
@@ -274,6 +277,7 @@ class FleetView:
                 object.__setattr__(self, name, _frozen_map(value))
         object.__setattr__(self, "partitions", _frozen_map({k: frozenset(v) for k, v in partitions.items()}))
         object.__setattr__(self, "groups", _frozen_map({k: frozenset(v) for k, v in dict(self.groups).items()}))
+        object.__setattr__(self, "reporting_findings", tuple(with_findings(self.reports)))
 
     @classmethod
     def build(
@@ -311,6 +315,11 @@ class FleetView:
     def all_nodes(self) -> frozenset[str]:
         """Every node known from Slurm or from a report."""
         return frozenset(self.nodes) | frozenset(self.reports)
+
+    @property
+    def node_count(self) -> int:
+        """len(all_nodes) without building it (two 10,000-node frozensets and their union took ~3 ms)."""
+        return len(self.nodes) + len(self.reports.keys() - self.nodes.keys())
 
     def partitions_of(self, node: str) -> tuple[str, ...]:
         info = self.nodes.get(node)
@@ -441,7 +450,7 @@ def failing_nodes(fleet: FleetView, settings: ControllerPolicySettings, now: flo
     if since is not None:
         start = max(start, since)
     out = set()
-    for node in with_findings(fleet.reports):
+    for node in fleet.reporting_findings:
         report = fleet.reports[node]
         if now - report.received_at > settings.report_ttl_s:
             continue
@@ -493,7 +502,7 @@ def decide(
     # a node Slurm lists but no agent reports on has no evidence to decide on; a healthy node that
     # healthd does not hold and whose report is fresh (most of the fleet) has nothing to say
     reports = fleet.reports
-    candidates = set(with_findings(reports)) | (ledger.holds.keys() & reports.keys())
+    candidates = set(fleet.reporting_findings) | (ledger.holds.keys() & reports.keys())
     candidates.update(stale_nodes(reports, now, settings.report_ttl_s))
     for node in candidates:
         report = reports[node]

@@ -218,6 +218,16 @@ def test_settings_validation():
     assert ControllerPolicySettings().mode == "observe"
 
 
+def test_the_view_counts_every_node_once_and_finds_the_reports_with_findings_once():
+    f = fleet([report("node01", finding()), report("node02"), report("node09", finding("xid:gpu1:48"))],
+              infos=[info("node01"), info("node02"), info("node03")])
+    assert f.node_count == len(f.all_nodes) == 4  # node09 reports but Slurm does not list it
+    assert f.reporting_findings == ("node01", "node09")
+    # a view made from another (dataclasses.replace) finds them again from its own reports
+    g = dataclasses.replace(f, reports={"node02": f.reports["node02"]})
+    assert g.reporting_findings == () and g.node_count == 3
+
+
 def test_failing_nodes_window():
     f = fleet([report("node01", finding(first_seen=NOW - 10)),
                report("node02", finding(first_seen=NOW - 10_000)),
