@@ -2,7 +2,7 @@
 
 Wire format (the HTTP body, UTF-8 JSON):
 
-    {"healthd_report": 1, "node": "node02", "report": {...}, "credential": "MUNGE:...:"}
+    {"credential":"MUNGE:...:","healthd_report":1,"node":"node02","report":{...}}
 
 The credential is a MUNGE credential made by the node's munged whose payload IS the SHA-256 digest
 (32 raw bytes) of the canonical payload: `canonical({"healthd_report": 1, "node": ..., "report": ...})`
@@ -10,6 +10,13 @@ The credential is a MUNGE credential made by the node's munged whose payload IS 
 name and every byte of meaning in the report; nothing outside the digest is accepted (an envelope with
 extra fields is refused). The agent signs with `sign_report`; the controller checks with
 healthd.controller.auth.verify_report.
+
+`sign_report` lays the body out as the canonical payload with the credential member spliced in first
+("credential" sorts first, so the whole body is canonical JSON too): the bytes after the credential
+member, behind an opening brace, are exactly the bytes the digest was taken over. The controller hashes
+those bytes as they arrived (`sent_payload_digest`) instead of serialising the parsed report again. Any
+other layout of the same JSON (other key order, whitespace) still verifies, through the canonical
+re-serialisation (`payload_digest`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ DEFAULT_MAX_BYTES = 1_048_576
 DEFAULT_MAX_AGE_S = 300.0
 MAX_CREDENTIAL_CHARS = 8192
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SPLICED_PREFIX = b'{"credential":"'
+"""How a body laid out by sign_report starts: the credential member, then the canonical payload's members."""
 
 
 def canonical(obj: Any) -> bytes:
@@ -41,6 +50,26 @@ def payload_digest(node: str, doc: Mapping[str, Any]) -> bytes:
     return hashlib.sha256(canonical({VERSION_KEY: ENVELOPE_VERSION, "node": node, "report": doc})).digest()
 
 
+def sent_payload_digest(body: bytes | bytearray | memoryview) -> bytes | None:
+    """SHA-256 of the payload bytes as sent, for a body laid out as sign_report lays it out
+    (`{"credential":"...",` then the payload's members and its closing brace): the digest of `{` followed
+    by every byte after the credential member. None for any other layout: the credential string holds a
+    backslash, something other than `",` follows it, or the body does not end in `}`. Never raises;
+    says nothing about whether the body is valid JSON."""
+    data = body if isinstance(body, bytes) else bytes(body)
+    start = len(SPLICED_PREFIX)
+    if not data.startswith(SPLICED_PREFIX) or not data.endswith(b"}"):
+        return None
+    end = data.find(b'"', start)
+    # a backslash could escape the quote that seems to end the credential, so the members after it would
+    # not be where they seem: such a body is left to the canonical path
+    if end < 0 or data.find(b"\\", start, end) >= 0 or data[end + 1 : end + 2] != b"," or end + 2 >= len(data):
+        return None
+    digest = hashlib.sha256(b"{")
+    digest.update(memoryview(data)[end + 2 :])
+    return digest.digest()
+
+
 def sign_report(
     doc: Mapping[str, Any],
     node: str,
@@ -50,12 +79,12 @@ def sign_report(
     encode: Callable[..., str] = munge.encode,
 ) -> bytes:
     """Agent side: the HTTP body for `doc` from `node`, with a credential from the munged on `socket`
-    binding its digest. Raises ValueError or TypeError for a doc that is not canonical JSON (NaN,
+    binding its digest. The body is the canonical payload with the credential member spliced in first
+    (the module docstring). Raises ValueError or TypeError for a doc that is not canonical JSON (NaN,
     infinities, keys that are not strings, objects json cannot encode),
     munge.MungeError when the node's munged refuses."""
     if not NODE_NAME.fullmatch(node):
         raise ValueError(f"node name {node!r} is not a hostname")
-    doc = dict(doc)
-    cred = encode(payload_digest(node, doc), socket, ttl=ttl)
-    envelope = {VERSION_KEY: ENVELOPE_VERSION, "node": node, "report": doc, "credential": cred}
-    return json.dumps(envelope, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    canon = canonical({VERSION_KEY: ENVELOPE_VERSION, "node": node, "report": dict(doc)})
+    cred = encode(hashlib.sha256(canon).digest(), socket, ttl=ttl)
+    return b'{"credential":' + json.dumps(cred, ensure_ascii=True).encode("ascii") + b"," + canon[1:]

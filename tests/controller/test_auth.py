@@ -3,6 +3,7 @@ the controller, sharing one key (tests/controller/munge_support.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -14,7 +15,14 @@ from hypothesis import strategies as st
 from healthd import munge
 from healthd.controller import auth
 from healthd.controller.auth import ReportRejected, verify_report
-from healthd.envelope import DEFAULT_MAX_BYTES, payload_digest, sign_report
+from healthd.envelope import (
+    DEFAULT_MAX_BYTES,
+    SPLICED_PREFIX,
+    canonical,
+    payload_digest,
+    sent_payload_digest,
+    sign_report,
+)
 from tests.controller.munge_support import MungeFleet, _alive, encode_as_user, munged_path
 
 NOBODY = 65534
@@ -89,6 +97,160 @@ def test_signing_is_independent_of_key_order_and_whitespace(fleet):
     env = json.loads(body)
     pretty = json.dumps({"credential": env["credential"], "report": {"a": [1.5, "é"], "b": 1}, "node": "node03", "healthd_report": 1}, indent=2, ensure_ascii=False)
     assert verify(fleet, pretty.encode()).report == {"a": [1.5, "é"], "b": 1}
+
+
+# ---------------------------------------------------------------------------------- the digest as sent
+
+
+def old_layout(body: bytes) -> bytes:
+    """The same envelope as json.dumps writes it in insertion order, the credential last."""
+    env = json.loads(body)
+    env = {"healthd_report": env["healthd_report"], "node": env["node"], "report": env["report"], "credential": env["credential"]}
+    return json.dumps(env, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def spliced(cred: str, payload: bytes) -> bytes:
+    """A body laid out as sign_report lays it out, around payload bytes of the caller's choosing."""
+    return SPLICED_PREFIX + cred.encode("ascii") + b'",' + payload[1:]
+
+
+@pytest.fixture
+def canonical_calls(monkeypatch) -> list[str]:
+    """Counts verify_report's canonical re-serialisations (the fallback digest)."""
+    calls: list[str] = []
+
+    def counted(node, doc):
+        calls.append(node)
+        return payload_digest(node, doc)
+
+    monkeypatch.setattr(auth, "payload_digest", counted)
+    return calls
+
+
+def test_signed_body_is_the_canonical_payload_with_the_credential_spliced_in_first():
+    body = sign_report(DOC, "node02", None, encode=lambda payload, socket, ttl=None: "MUNGE:fake:")
+    env = json.loads(body)
+    assert env == {"healthd_report": 1, "node": "node02", "report": DOC, "credential": "MUNGE:fake:"}
+    assert canonical(env) == body  # "credential" sorts first: the whole body is canonical JSON
+    assert body == b'{"credential":"MUNGE:fake:",' + canonical({"healthd_report": 1, "node": "node02", "report": DOC})[1:]
+    assert sent_payload_digest(body) == payload_digest("node02", DOC)
+
+
+def test_signed_body_verifies_on_the_digest_as_sent_without_re_serialising(fleet, canonical_calls):
+    body = sign_report(DOC, "node02", fleet.socket("node02"))
+    sent = sent_payload_digest(body)
+    assert sent == payload_digest("node02", DOC)
+    assert munge.decode(json.loads(body)["credential"], fleet.controller_socket).payload == sent
+    body = sign_report(DOC, "node02", fleet.socket("node02"))  # a fresh credential: the one above is used
+    got = verify(fleet, body)
+    assert (got.node, got.report, got.digest) == ("node02", DOC, sent.hex())
+    assert canonical_calls == []
+
+
+def test_the_same_envelope_in_another_layout_verifies_on_the_canonical_digest(fleet, canonical_calls):
+    body = old_layout(sign_report(DOC, "node02", fleet.socket("node02")))
+    assert sent_payload_digest(body) is None
+    got = verify(fleet, body)
+    assert got.report == DOC and got.digest == payload_digest("node02", DOC).hex()
+    assert canonical_calls == ["node02"]
+    # credential first but the other members out of order: the digest as sent differs, the canonical one matches
+    env = json.loads(sign_report(DOC, "node03", fleet.socket("node03")))
+    body = spliced(env["credential"], json.dumps({"report": DOC, "node": "node03", "healthd_report": 1}).encode())
+    assert sent_payload_digest(body) not in (None, payload_digest("node03", DOC))
+    assert verify(fleet, body).report == DOC
+    assert canonical_calls == ["node02", "node03"]
+
+
+@pytest.mark.parametrize("layout", ["spliced", "old"])
+def test_one_byte_changed_in_the_report_is_refused_by_both_digests(fleet, canonical_calls, layout):
+    body = sign_report(DOC, "node02", fleet.socket("node02"))
+    body = body if layout == "spliced" else old_layout(body)
+    tampered = body.replace(b'"seq":7', b'"seq":8')
+    assert tampered != body and json.loads(tampered)["report"]["seq"] == 8
+    if layout == "spliced":
+        assert sent_payload_digest(tampered) is not None
+    exc = rejected(fleet, tampered)
+    assert exc.http_status == 401 and "does not match its credential" in exc.reason
+    assert canonical_calls == ["node02"]  # the fallback ran, and did not match either
+
+
+def test_whitespace_around_the_members_falls_back_to_the_canonical_digest(fleet, canonical_calls):
+    for k, where in enumerate(("before the comma", "after the comma")):
+        body = sign_report({**DOC, "seq": k}, "node02", fleet.socket("node02"))
+        end = body.index(b'"', len(SPLICED_PREFIX)) + 1
+        spaced = body[:end] + b" " + body[end:] if k == 0 else body[: end + 1] + b" " + body[end + 1 :]
+        assert json.loads(spaced) == json.loads(body), where
+        # not sign_report's layout: no digest as sent, or one over bytes the credential does not bind
+        assert sent_payload_digest(spaced) in (None, hashlib.sha256(b"{ " + body[end + 1 :]).digest()), where
+        assert sent_payload_digest(spaced) != payload_digest("node02", {**DOC, "seq": k}), where
+        assert verify(fleet, spaced).report == {**DOC, "seq": k}, where
+    assert canonical_calls == ["node02", "node02"]
+
+
+def test_escapes_in_the_credential_fall_back_to_the_canonical_digest(fleet, canonical_calls):
+    cred = ""
+    while "/" not in cred:  # base64: most credentials have a "/", written \/ below
+        body = sign_report(DOC, "node02", fleet.socket("node02"))
+        cred = json.loads(body)["credential"]
+    for escaped in (body.replace(b"M", b"\\u004d", 1), body.replace(b"/", b"\\/", 1)):  # JSON allows both
+        assert escaped != body and json.loads(escaped) == json.loads(body)
+        assert sent_payload_digest(escaped) is None
+    assert verify(fleet, body.replace(b"/", b"\\/", 1)).report == DOC
+    assert canonical_calls == ["node02"]
+
+
+def test_an_escaped_quote_cannot_move_where_the_credential_member_seems_to_end(fleet):
+    # what follows the quote that seems to end the credential parses as part of the credential string
+    body = sign_report(DOC, "node02", fleet.socket("node02"))
+    forged = SPLICED_PREFIX + b'MUNGE:x\\",\\"healthd_report\\":1}",' + body[body.index(b'",') + 2 :]
+    assert json.loads(forged)["credential"].startswith('MUNGE:x",')
+    assert sent_payload_digest(forged) is None
+    assert rejected(fleet, forged).http_status == 401
+    cred_with_quote = sign_report(DOC, "node02", None, encode=lambda payload, socket, ttl=None: 'MUNGE:a"b\\c:')
+    assert json.loads(cred_with_quote)["credential"] == 'MUNGE:a"b\\c:'
+    assert sent_payload_digest(cred_with_quote) is None
+
+
+def test_a_later_credential_member_is_not_the_spliced_one(fleet, canonical_calls):
+    body = sign_report(DOC, "node02", fleet.socket("node02"))
+    other = json.loads(sign_report(DOC, "node02", fleet.socket("node02")))["credential"]
+    doubled = body[:-1] + b',"credential":"' + other.encode() + b'"}'
+    assert json.loads(doubled)["credential"] == other  # json.loads keeps the last
+    assert verify(fleet, doubled).report == DOC  # on the canonical digest, as for any other layout
+    assert canonical_calls == ["node02"]
+
+
+def test_a_signer_vouches_for_the_bytes_it_signed(fleet):
+    """A spliced body whose payload bytes are not canonical is accepted when its credential binds those
+    bytes (only a signer that hashed them can make one), and reads as those bytes say."""
+    payload = b'{ "report": {"seq": 7, "verdict": "degraded", "findings": []}, "node": "node02", "healthd_report": 1 }'
+    cred = munge.encode(hashlib.sha256(payload).digest(), fleet.socket("node02"))
+    got = verify(fleet, spliced(cred, payload))
+    assert got.report == {"seq": 7, "verdict": "degraded", "findings": []}
+    assert got.digest == hashlib.sha256(payload).hexdigest()
+
+
+def test_a_number_canonical_json_cannot_carry_is_refused_before_the_credential_is_used(fleet):
+    payload = b'{"healthd_report":1,"node":"node02","report":{"t":1e400}}'
+    cred = munge.encode(hashlib.sha256(payload).digest(), fleet.socket("node02"))
+    old = b'{"healthd_report":1,"node":"node02","report":{"t":-1e400},"credential":"' + cred.encode() + b'"}'
+    for body in (spliced(cred, payload), old):
+        exc = rejected(fleet, body)
+        assert exc.http_status == 400 and "out of range" in exc.reason
+    assert munge.decode(cred, fleet.controller_socket).payload == hashlib.sha256(payload).digest()  # not used up
+
+
+def test_a_body_that_cannot_be_canonicalised_is_refused_before_the_credential_is_used(fleet, monkeypatch):
+    body = old_layout(sign_report(DOC, "node02", fleet.socket("node02")))
+
+    def cannot(node, doc):
+        raise RecursionError("maximum recursion depth exceeded while encoding a JSON object")
+
+    monkeypatch.setattr(auth, "payload_digest", cannot)
+    exc = rejected(fleet, body)
+    assert exc.http_status == 400 and "not canonical JSON" in exc.reason
+    monkeypatch.undo()
+    assert verify(fleet, body).report == DOC  # its credential was not decoded
 
 
 # ---------------------------------------------------------------------------------- rejected
@@ -253,6 +415,22 @@ def test_arbitrary_envelopes_only_ever_raise_report_rejected(fleet, node, report
     with pytest.raises(ReportRejected) as info:
         verify(fleet, body)
     assert 400 <= info.value.http_status < 500 and "\n" not in str(info.value)
+
+
+@SETTINGS
+@given(st.one_of(
+    st.binary(max_size=512),
+    st.tuples(st.binary(max_size=64), st.sampled_from([b'"', b'",', b'\\",', b'" ,']), st.binary(max_size=64),
+              st.sampled_from([b"", b"}"])).map(lambda t: SPLICED_PREFIX + b"".join(t)),
+))
+def test_the_digest_as_sent_never_raises(body):
+    got = sent_payload_digest(body)
+    assert got is None or (type(got) is bytes and len(got) == 32)
+    assert sent_payload_digest(bytearray(body)) == got == sent_payload_digest(memoryview(body))
+    if got is not None:
+        end = body.index(b'"', len(SPLICED_PREFIX))
+        assert b"\\" not in body[len(SPLICED_PREFIX) : end] and body.endswith(b"}")
+        assert got == hashlib.sha256(b"{" + body[end + 2 :]).digest()
 
 
 # ---------------------------------------------------------------------------------- the daemons
