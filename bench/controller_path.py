@@ -4,8 +4,9 @@ Reports/s: real munged daemons (one per fake node, distinct --origin, plus the c
    signed with envelope.sign_report BEFORE the timed part (each timed report has its own credential:
    replays are 409), POSTed by a client SUBPROCESS (its own GIL; raw sockets, requests framed before
    the timed part) with --threads threads, a new connection per report (as agents do) and keep-alive,
-   to the server with its report verifier threads and with receive_report inline on the loop (the
-   design before them), while a control-loop thread runs Controller.evaluate(now) every --round-s
+   to the server with its report worker processes (1, 2 as shipped, 4: checks in processes of their
+   own, the worker CPU counted with the server's), with 4 verifier threads (report_processes: 0) and
+   with receive_report inline on the loop (the design before both), while a control-loop thread runs Controller.evaluate(now) every --round-s
    over a fleet of --nodes simulated nodes (in-memory Slurm). Client, server and munged share the
    machine's cores: CPU seconds of each are reported. Baselines in the same process: MUNGE decode
    alone (libmunge through the controller's munged, 1/2/4/8 threads, the best one counts),
@@ -54,6 +55,7 @@ from tests.support.fake_slurm import FakeBackend
 
 TARGET_PER_S = 3500
 """Reports/s, a new connection per report: 100,000 nodes at a 30 s heartbeat, with headroom."""
+DEFAULT_PROCESSES = ControllerSettings().report_processes
 TARGET_RATIO = 0.8
 """The whole path over MUNGE decode alone (its best thread count), same run, same machine."""
 SWITCH_SIZE = 32
@@ -294,14 +296,18 @@ def sign_pool(fleet, n: int, now: float, start: int = 0) -> list[bytes]:
 
 
 VARIANTS = (
-    # (name, client mode, server report_threads, what)
-    ("close-inline", "close", 0, "a new connection per report, receive_report inline on the event loop (as before)"),
-    ("close-threads-2", "close", 2, "a new connection per report, 2 verifier threads"),
-    ("close", "close", DEFAULT_REPORT_THREADS, f"a new connection per report (Connection: close, as the agent's urllib_post), "
-                                               f"{DEFAULT_REPORT_THREADS} verifier threads (as shipped)"),
-    ("close-threads-8", "close", 8, "a new connection per report, 8 verifier threads"),
-    ("keepalive-inline", "keepalive", 0, "keep-alive connections, receive_report inline on the event loop (as before)"),
-    ("keepalive", "keepalive", DEFAULT_REPORT_THREADS, f"keep-alive connections, {DEFAULT_REPORT_THREADS} verifier threads (as shipped)"),
+    # (name, client mode, server report_threads, report check processes, what)
+    ("close-inline", "close", 0, 0, "a new connection per report, receive_report inline on the event loop"),
+    ("close-threads", "close", DEFAULT_REPORT_THREADS, 0, f"a new connection per report, {DEFAULT_REPORT_THREADS} "
+                                                          f"verifier threads (report_processes: 0)"),
+    ("close-processes-1", "close", DEFAULT_REPORT_THREADS, 1, "a new connection per report, 1 worker process"),
+    ("close", "close", DEFAULT_REPORT_THREADS, DEFAULT_PROCESSES,
+     f"a new connection per report (Connection: close, as the agent's urllib_post), {DEFAULT_PROCESSES} worker "
+     f"processes (as shipped)"),
+    ("close-processes-4", "close", DEFAULT_REPORT_THREADS, 4, "a new connection per report, 4 worker processes"),
+    ("keepalive-inline", "keepalive", 0, 0, "keep-alive connections, receive_report inline on the event loop"),
+    ("keepalive", "keepalive", DEFAULT_REPORT_THREADS, DEFAULT_PROCESSES,
+     f"keep-alive connections, {DEFAULT_PROCESSES} worker processes (as shipped)"),
 )
 MUNGE_THREADS = (1, 2, 4, 8)
 
@@ -335,7 +341,8 @@ def bench_path(args, tmp: Path) -> dict:
         base_n = max(2000, args.reports // 5)
         n_base = (2 + len(MUNGE_THREADS)) * base_n
         t0 = time.perf_counter()
-        runs = len(VARIANTS) * args.repeat
+        variants = [v for v in VARIANTS if not args.variants or v[0] in args.variants]
+        runs = len(variants) * args.repeat
         bodies = sign_pool(fleet, runs * args.reports + n_base, now)
         sign_s = time.perf_counter() - t0
         out["sign_per_s"] = round(len(bodies) / sign_s, 1)
@@ -373,9 +380,9 @@ def bench_path(args, tmp: Path) -> dict:
         out["verify_only_per_s"] = round(verify_rate, 1)
         out["receive_report_only_per_s"] = round(receive_rate, 1)
         t0 = time.perf_counter()
-        for body in verify_bodies:  # the pure-Python share of verify: parse + canonical digest
-            node, doc, _cred = auth.parse_envelope(body, envelope.DEFAULT_MAX_BYTES)
-            envelope.payload_digest(node, doc)
+        for body in verify_bodies:  # the pure-Python share of verify: parse + the digest of the bytes as sent
+            auth.parse_envelope(body, envelope.DEFAULT_MAX_BYTES)
+            envelope.sent_payload_digest(body)
         out["envelope_parse_digest_only_per_s"] = round(base_n / (time.perf_counter() - t0), 1)
         print(f"  baseline, same process, no HTTP: MUNGE decode alone {', '.join(f'{k} thr {v:,.0f}/s' for k, v in munge_rates.items())} "
               f"(best {munge_best:,.0f}/s); verify_report alone {verify_rate:,.0f}/s "
@@ -403,8 +410,13 @@ def bench_path(args, tmp: Path) -> dict:
         munged = fleet.pids()
         # the variants interleaved, --repeat times: a noisy neighbour slows all of them alike, and the
         # median of each variant's runs is what counts
-        for (rep, (name, mode, report_threads, what)), pool in zip(
-                ((r, x) for r in range(args.repeat) for x in VARIANTS), pools, strict=True):
+        for (rep, (name, mode, report_threads, processes, what)), pool in zip(
+                ((r, x) for r in range(args.repeat) for x in variants), pools, strict=True):
+            if processes:
+                ctl.start_report_processes(processes)
+                time.sleep(1.5)  # each worker started and its imports done before the timed part
+            workers = ctl.checkers.pids if ctl.checkers is not None else []
+            w0 = sum(_proc_cpu_s(pid) for pid in workers)
             server = ControllerHTTPServer("127.0.0.1:0", ctl, report_threads=report_threads)
             server.start_background()
             bodies_file = tmp / f"bodies-{name}.txt"
@@ -419,8 +431,12 @@ def bench_path(args, tmp: Path) -> dict:
                                   capture_output=True, text=True, check=False, cwd=ROOT)
             ru1 = resource.getrusage(resource.RUSAGE_SELF)
             m1 = {k: _proc_cpu_s(pid) for k, pid in munged.items()}
+            w1 = sum(_proc_cpu_s(pid) for pid in workers)
             server.shutdown()
             server.server_close()
+            if ctl.checkers is not None:
+                ctl.checkers.close()
+                ctl.checkers = None
             if proc.returncode != 0:
                 raise SystemExit(f"client failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -429,12 +445,13 @@ def bench_path(args, tmp: Path) -> dict:
             lat_s = (reg.get_sample_value(lat_name + "_sum") or 0.0) - lat0[0]
             lat_c = (reg.get_sample_value(lat_name + "_count") or 0.0) - lat0[1]
             during = rounds[r0:]
-            cpu = {"server_process": round((ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime), 2),
+            cpu = {"server_process": round((ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime) + (w1 - w0), 2),
+                   "of_which_check_processes": round(w1 - w0, 2),
                    "client_process": round(res["client_cpu_s"], 2),
                    "controller_munged": round(m1["controller"] - m0["controller"], 2)}
-            cpu_total = sum(cpu.values())
+            cpu_total = cpu["server_process"] + cpu["client_process"] + cpu["controller_munged"]
             v = {
-                "what": what, "client_mode": mode, "report_threads": report_threads,
+                "what": what, "client_mode": mode, "report_threads": report_threads, "report_processes": processes,
                 "posted": res["sent"], "statuses": res["statuses"], "client_errors": res["errors"], "accepted": accepted,
                 "timed_wall_s": round(res["wall_s"], 3), "accepted_per_s": round(rate, 1),
                 "latency_ms": {"p50": round(res["p50_ms"], 3), "p99": round(res["p99_ms"], 3), "max": round(res["max_ms"], 2),
@@ -461,7 +478,7 @@ def bench_path(args, tmp: Path) -> dict:
         loop.join(timeout=30)
         for name, x in out["variants"].items():
             middle = sorted(x["runs"], key=lambda r: r["accepted_per_s"])[len(x["runs"]) // 2]
-            x.update({k: middle[k] for k in ("what", "client_mode", "report_threads")})
+            x.update({k: middle[k] for k in ("what", "client_mode", "report_threads", "report_processes")})
             x["accepted_per_s_runs"] = [r["accepted_per_s"] for r in x["runs"]]
             for k in ("accepted_per_s", "ratio_over_munge_decode_only", "ratio_over_verify_only",
                       "ratio_over_receive_report_only", "server_cpu_ms_per_report", "cores_busy", "client_cpu_share"):
@@ -470,6 +487,11 @@ def bench_path(args, tmp: Path) -> dict:
             print(f"  median {name:17} {x['accepted_per_s']:7,.0f}/s  /munge {x['ratio_over_munge_decode_only']:.2f}  "
                   f"server cpu {x['server_cpu_ms_per_report']:.3f} ms/report  cores busy {x['cores_busy']:.2f} "
                   f"(client {x['client_cpu_share']:.0%})  runs {x['accepted_per_s_runs']}")
+        if args.variants:  # a partial run: no figures to set against the targets
+            ctl.close()
+            ledger.close()
+            out["partial"] = True
+            return out
         for name in ("close-inline", "keepalive-inline"):
             out["variants"][name.replace("-inline", "")]["ratio_over_inline"] = round(
                 out["variants"][name.replace("-inline", "")]["accepted_per_s"] / out["variants"][name]["accepted_per_s"], 3)
@@ -504,10 +526,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each part-1 variant, interleaved (the median counts)")
     ap.add_argument("--round-s", type=float, default=ROUND_INTERVAL_S, help="control-loop interval during part 1")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: path")
+    ap.add_argument("--variants", default="", help="comma list of the part-1 variants to run (default: all; "
+                                                  "a partial run prints but does not save)")
     args = ap.parse_args()
     args.reports = args.reports or (4000 if args.quick else 12000)
     args.max_s = args.max_s or (8.0 if args.quick else 20.0)
     skip = set(filter(None, args.skip.split(",")))
+    args.variants = set(filter(None, args.variants.split(",")))
     doc: dict = {"what": "controller: whole signed-report path over HTTP",
                  "target_per_s": TARGET_PER_S, "target_ratio_over_munge_decode_only": TARGET_RATIO, "quick": args.quick}
     with tempfile.TemporaryDirectory(prefix="healthd-bench-ctl-") as tmpdir:
@@ -516,6 +541,9 @@ def main() -> None:
             print(f"1. whole path: {args.reports:,} signed reports over HTTP, {args.threads} client connections, "
                   f"control round every {args.round_s:g} s over {args.nodes:,} nodes")
             p = bench_path(args, tmp)
+            if p.get("partial"):
+                print("  a partial run (--variants): not saved")
+                return
             doc["path"] = p
             print(f"  {'PASS' if p['pass'] else 'FAIL'}: {p['best_shipped_per_s']:,.0f} reports/s as shipped, a new connection per report, "
                   f"{p['ratio_shipped_over_munge_decode_only']:.2f} x MUNGE decode alone "

@@ -53,8 +53,9 @@ from healthd.controller.policy import (
 from healthd.controller.reconcile import Reconciler
 from healthd.lograte import RateLimitedLog
 from healthd.controller.reintegrate import Reintegrator
-from healthd.report_schema import MAX_ERROR_CHARS, validate_report, validate_request
+from healthd.report_schema import MAX_ERROR_CHARS, validate_request
 from healthd.controller.server import ControllerHTTPServer
+from healthd.controller.verifier import Checked, CheckerPool, Refused, check_report
 from healthd.slurm import default_backend
 from healthd.slurm.backend import SlurmBackend, SlurmError
 
@@ -125,6 +126,9 @@ class Controller:
         self.decode = decode
         self.executor = executor or Executor(backend, ledger, dry_run=dry_run, requeue_opt_in=settings.requeue_opt_in,
                                              clock=clock, out=out)
+        self.checkers: CheckerPool | None = None
+        """Worker processes that check reports (start_report_processes); None: checked in-process."""
+        self._reader: Ledger | None = None
         self.fleet = FleetCache(backend, clock=clock)
         """Slurm's node list: refreshed by a thread of its own in the daemon (start_fleet_refresh),
         else read (incrementally) at the start of each round."""
@@ -235,30 +239,73 @@ class Controller:
             self.metrics.reports.labels(result=str(exc.http_status)).inc()
             raise
 
+    def start_report_processes(self, processes: int) -> None:
+        """Check reports in `processes` worker processes (healthd.controller.verifier) from now on:
+        the report server hands them its /v1/report bodies (receive_report_later); close() stops them.
+        The workers decode through libmunge and the controller's munged."""
+        self.checkers = CheckerPool(processes, self.settings.munge_socket)
+
     def receive_report(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]:
         started = time.monotonic()
-        try:
-            verified, now = self._verify(body, "report", peer)
-        except ReportRejected as exc:
-            return exc.http_status, {"accepted": False, "error": exc.reason}
-        try:
-            if verified.report.get("kind") == "drain-request":
-                raise ValueError("a drain-request goes to /v1/request")
-            # every field checked before anything reaches self.reports (report_schema)
-            validate_report(verified.report, node=verified.node)
-            report = NodeReport.from_document(verified.report, now, checked=True)
-        except (KeyError, ValueError, TypeError) as exc:
-            reason = f"report from {verified.node!r} is not a state document: {str(exc)[:MAX_ERROR_CHARS]}"
-            self._limited.warning("refused-400", "report refused: 400 %s", reason)
-            self.metrics.reports.labels(result="400").inc()
-            return 400, {"accepted": False, "error": reason}
+        now = self.clock()
+        out = check_report(body, socket=self.settings.munge_socket, node_addrs=self.node_addrs(), now=now,
+                           decode=self.decode)
+        return self._store_checked(out, peer, now, started, self.ledger)
+
+    def receive_report_later(self, body: bytes, peer: str, done: Callable[[tuple[int, dict[str, Any]]], None]) -> None:
+        """receive_report with the checks in a worker process (start_report_processes): call on the report
+        server's event loop; done(status, payload) is called there too. The store step reads the ledger
+        through a read-only connection of its own, so the loop never waits behind a round's transaction."""
+        assert self.checkers is not None
+        started = time.monotonic()
+        now = self.clock()
+
+        def checked(out: Checked | Refused) -> None:
+            try:
+                result = self._store_checked(out, peer, now, started, self._loop_ledger())
+            except Exception as exc:  # a bug of ours: answered 500, the loop goes on
+                _log.exception("report from %s: storing it failed", peer or "?")
+                result = 500, {"error": f"internal error: {type(exc).__name__}"}
+            done(result)
+
+        self.checkers.submit(body, now, self.node_addrs(), checked)
+
+    def _loop_ledger(self) -> Ledger:
+        if self._reader is None:
+            try:
+                self._reader = Ledger.open_readonly(self.ledger.path)
+            except LedgerError as exc:
+                _log.warning("report intake reads the ledger through the controller's own connection: %s", exc)
+                self._reader = self.ledger
+        return self._reader
+
+    def _store_checked(self, out: Checked | Refused, peer: str, now: float, started: float,
+                       ledger: Ledger) -> tuple[int, dict[str, Any]]:
+        """Store a checked report (or log and count its refusal) and answer it."""
+        report = None
+        if isinstance(out, Checked):
+            try:
+                report = NodeReport.from_document(out.doc, now, checked=True)
+            except (KeyError, ValueError, TypeError) as exc:
+                out = Refused(400, f"report from {out.node!r} is not a state document: {str(exc)[:MAX_ERROR_CHARS]}",
+                              False)
+        if report is None:
+            assert isinstance(out, Refused)
+            # a flood of forged or replayed reports is one line per status per interval, not one per report
+            if out.credential:
+                self._limited.warning(f"refused-{out.status}", "%s from %s refused: %d %s", "report", peer or "?",
+                                      out.status, out.reason)
+            else:
+                self._limited.warning("refused-400", "report refused: 400 %s", out.reason)
+            self.metrics.reports.labels(result=str(out.status)).inc()
+            return out.status, {"accepted": False, "error": out.reason}
         with self.reports_lock:
             previous = self.reports.get(report.node)
             self.reports[report.node] = report
         if _news(previous, report):
             self.wake.set()  # a new actionable finding: decide now, not at the next round
         try:
-            instructions = self.reintegrator.instructions_for(report)
+            instructions = self.reintegrator.instructions_for(report, ledger)
         except Exception:  # the ledger busy or broken: the report is still accepted
             _log.exception("instructions for %s", report.node)
             instructions = []
@@ -773,6 +820,10 @@ class Controller:
 
     def close(self) -> None:
         self.fleet.stop()
+        if self.checkers is not None:
+            self.checkers.close()
+        if self._reader is not None and self._reader is not self.ledger:
+            self._reader.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.stragglers is not None:
             try:
@@ -895,6 +946,8 @@ def main(argv: list[str] | None = None) -> int:
             controller.evaluate(time.time())
             return 0
         admin_server = _serve_admin(settings, ledger, controller)
+        if settings.report_processes:
+            controller.start_report_processes(settings.report_processes)
         server = ControllerHTTPServer(settings.listen, controller, max_connections=settings.max_connections,
                                       max_connections_per_peer=settings.max_connections_per_peer)
         server.start_background()

@@ -47,7 +47,7 @@ from typing import Any
 from healthd.controller import inband
 from healthd.controller.executor import Executor
 from healthd.controller.gates import GateResult
-from healthd.controller.ledger import INBAND_SLOW_STATUS, Reintegration
+from healthd.controller.ledger import INBAND_SLOW_STATUS, Ledger, Reintegration
 from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, describe_reason, owned
 from healthd.controller.policy import Decision, FleetView, NodeReport, is_actionable, make_reason
@@ -237,12 +237,13 @@ class Reintegrator:
                   + self.ledger.reintegrations(state="passed", since=now - self.settings.support_window_s))
         return cleared_findings(recent)
 
-    def instructions_for(self, report: NodeReport) -> list[dict[str, Any]]:
+    def instructions_for(self, report: NodeReport, ledger: Ledger | None = None) -> list[dict[str, Any]]:
         """`clear-finding` for the agent while its report still carries evidence a reintegration cleared
         (scope `evidence`), or the episode of a finding an operator dismissed (undo, close, hand-over:
-        scope `episode`)."""
+        scope `episode`). Read from `ledger` (default: the reintegrator's own)."""
+        ledger = ledger or self.ledger
         out = []
-        active = self.ledger.active_reintegration(report.node)
+        active = ledger.active_reintegration(report.node)
         if active is not None and active.findings:
             clears = dict.fromkeys(active.findings, active.requested_at)
             stale = [f.id for f in report.findings if is_cleared(f, clears)]
@@ -252,7 +253,7 @@ class Reintegrator:
         if report.findings:
             since = report.received_at - self.settings.support_window_s
             dismissed: dict[str, float] = {}
-            for c in self.ledger.clears(node=report.node, since=since):
+            for c in ledger.clears(node=report.node, since=since):
                 if c.scope == "episode":
                     dismissed[c.finding_id] = max(dismissed.get(c.finding_id, 0.0), c.before)
             same = [f.id for f in report.findings if dismissed and is_cleared(f, {}, dismissed)]

@@ -37,8 +37,8 @@ RLIMIT_NOFILE is raised towards what max_connections needs (nofile_needed), with
 the hard limit does not allow it.
 
 /v1/report runs on report_threads verifier threads (ReportVerifiers): the loop parses HTTP and hands
-the body over; a verifier runs Controller.receive_report (MUNGE decode, canonical digest, schema, the
-store under its lock) and the answer comes back to the loop in batches. Why: inline, every report held
+the body over; a verifier runs Controller.receive_report (MUNGE decode, digest, schema, the store
+under its lock) and the answer comes back to the loop in batches. Why: inline, every report held
 the loop for its blocking round trip to munged, so a slow or stalled munged stopped accepts, /healthz
 and every other connection with it; libmunge's decode runs with the GIL released (healthd.munge), so
 the verifiers overlap their munged waits with each other and with the loop's HTTP work. What it buys
@@ -47,6 +47,9 @@ measured within noise of inline (the Python work of a report, ~0.65 ms of CPU, i
 GIL either way) and keep-alive ~15 % slower (the thread hop and GIL hand-offs cost more than the
 overlap saves): docs/benchmarks.md "Controller, whole path". report_threads=0 runs receive_report
 inline on the loop (the benchmark's baseline). A connection stops reading while its report is verified.
+When the controller checks reports in worker processes (report_processes, healthd.controller.verifier),
+the loop hands each body to a worker through a pipe it watches, and stores the checked report itself
+when the answer comes: no thread hop, and the checks run on other cores.
 /v1/request may wait on Slurm for up to ~20 s, so it runs in a small thread pool of its own, as does
 /v1/goodput (a disk write); their connections stop reading meanwhile too.
 """
@@ -67,10 +70,13 @@ import socket
 import threading
 import time
 from http import HTTPStatus
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from healthd.envelope import DEFAULT_MAX_BYTES
 from healthd.lograte import RateLimitedLog
+
+if TYPE_CHECKING:
+    from healthd.controller.verifier import CheckerPool
 
 _log = logging.getLogger("healthd.controller.server")
 
@@ -178,6 +184,9 @@ def _listen(host: str, port: int, backlog: int) -> _Listener:
 
 
 class Handler(Protocol):
+    """The controller as the server sees it. When it has `checkers` (a CheckerPool: report_processes),
+    /v1/report goes through its receive_report_later on the loop instead of receive_report."""
+
     def receive_report(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]: ...
 
     def receive_request(self, body: bytes, peer: str = "") -> tuple[int, dict[str, Any]]: ...
@@ -461,6 +470,13 @@ class _Connection(FlowControlled):
                 self._finish(404, {"error": f"no such endpoint {req.target[:80]!r}"}, close=not req.keep_alive)
             return
         verifiers = self.server._verifiers
+        if req.target == "/v1/report" and self.server._checkers is not None:
+            # checked in a worker process; the loop stores it when the worker answers
+            self.state = "busy"
+            self._cancel_timer()
+            self._pause_reading()
+            self.server.controller.receive_report_later(body, self.peer, lambda result: self._checked(req, result))
+            return
         if req.target == "/v1/report" and verifiers is None:  # report_threads=0: inline on the loop
             status, payload = self._call(self.server.controller.receive_report, req, body)
             self._finish(status, payload, close=not req.keep_alive)
@@ -486,6 +502,14 @@ class _Connection(FlowControlled):
         except Exception as exc:  # a bug must not kill the loop or leave the client hanging
             _log.exception("%s %s failed", self.peer, req.target)
             return 500, {"error": f"internal error: {type(exc).__name__}"}
+
+    def _checked(self, req: _Request, result: tuple[int, dict[str, Any]]) -> None:
+        try:
+            self.answered(req, result)
+        except Exception:  # one connection's failure must not reach the worker pool's bookkeeping
+            _log.exception("%s %s: writing the answer failed", self.peer, req.target)
+            if self.transport is not None:
+                self.transport.abort()
 
     def _request_done(self, req: _Request, fut: asyncio.Future) -> None:
         if self.state == "closed" or fut.cancelled():
@@ -674,6 +698,7 @@ class ControllerHTTPServer:
         self._request_threads = request_threads
         self.report_threads = report_threads
         self._verifiers: ReportVerifiers | None = None
+        self._checkers: CheckerPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._connections: set[_Connection] = set()
@@ -721,7 +746,11 @@ class ControllerHTTPServer:
             if self._shut:
                 self._stop.set()
         self._pool = concurrent.futures.ThreadPoolExecutor(self._request_threads, thread_name_prefix="healthd-controller-request")
-        if self.report_threads:
+        checkers = getattr(self.controller, "checkers", None)
+        if checkers is not None:  # the controller checks reports in worker processes (report_processes)
+            checkers.attach(loop)
+            self._checkers = checkers
+        elif self.report_threads:
             self._verifiers = ReportVerifiers(loop, self.controller.receive_report, self.report_threads)
         loop.set_exception_handler(self._loop_exception)
         # create_server listen()s again with its own backlog (100 unless given): pass ours
@@ -744,6 +773,8 @@ class ControllerHTTPServer:
                 if conn.transport is not None:
                     conn.transport.abort()
             await server.wait_closed()
+            if self._checkers is not None:
+                self._checkers.detach()
             if self._verifiers is not None:  # each finishes the report it holds; its answer goes nowhere
                 await loop.run_in_executor(None, self._verifiers.stop)
             # a /v1/request still waiting on Slurm finishes (bounded by the Controller's Slurm

@@ -1,5 +1,6 @@
 """The report intake under concurrency, end to end: real munged daemons, the real Controller behind
-the real ControllerHTTPServer with its verifier threads, reports posted from many connections at once.
+the real ControllerHTTPServer with its verifier threads or its worker processes, reports posted from
+many connections at once.
 Every refusal rule still holds when the reports that break it arrive together with good ones."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -26,9 +28,9 @@ def fleet():
         yield f
 
 
-@pytest.fixture
-def rig(fleet, tmp_path):
-    r = ControllerRig(fleet, tmp_path, "observe")
+@pytest.fixture(params=[0, 2], ids=["in-process", "2-processes"])
+def rig(fleet, tmp_path, request):
+    r = ControllerRig(fleet, tmp_path, "observe", report_processes=request.param)
     yield r
     r.close()
 
@@ -82,9 +84,11 @@ def test_every_refusal_holds_among_concurrent_good_reports(rig):
         assert status == want.get(body, 200), (body[:80], status, answer)
 
 
-def test_shutdown_under_load_leaves_no_thread(fleet, tmp_path):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_shutdown_under_load_leaves_no_thread(fleet, tmp_path, processes):
     before = set(threading.enumerate())
-    r = ControllerRig(fleet, tmp_path, "observe")
+    r = ControllerRig(fleet, tmp_path, "observe", report_processes=processes)
+    workers = r.controller.checkers.pids if processes else []
     bodies = [sign_report(doc(n, k), n, fleet.socket(n)) for k in range(20) for n in NODES]
     addr = r.server.server_address[:2]
 
@@ -102,3 +106,4 @@ def test_shutdown_under_load_leaves_no_thread(fleet, tmp_path):
     assert set(results) <= {200, 0}
     stray = [t for t in set(threading.enumerate()) - before if t.name.startswith("healthd-controller")]
     assert stray == []
+    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []  # every worker process ended

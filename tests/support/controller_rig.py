@@ -1,7 +1,8 @@
 """healthd-controller in-process for end-to-end tests over HTTP: the real Controller behind the real
 ControllerHTTPServer on 127.0.0.1 (an ephemeral port), its ledger in a directory of the test's, real
 MUNGE on both sides (a MungeFleet: one munged per node plus the controller's) and a fake Slurm
-(FakeBackend over the fleet's nodes). Rounds run when the test calls `rig.controller.evaluate(now)`."""
+(FakeBackend over the fleet's nodes). Rounds run when the test calls `rig.controller.evaluate(now)`.
+With `report_processes`, reports are checked in that many worker processes (the daemon's default)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.support.wire import post_json
 
 class ControllerRig:
     def __init__(self, fleet: Any, directory: Path, mode: str = "auto", *, backend: FakeBackend | None = None,
-                 **policy: Any):
+                 report_processes: int = 0, **policy: Any):
         self.fleet = fleet
         self.backend = backend if backend is not None else FakeBackend(fleet.nodes)
         self.ledger = Ledger(directory / "ledger.sqlite")
@@ -28,6 +29,8 @@ class ControllerRig:
                                       munge_socket=fleet.controller_socket, node_addrs=fleet.node_addrs,
                                       policy=ControllerPolicySettings(mode=mode, **policy))  # type: ignore[arg-type]
         self.controller = Controller(settings, self.ledger, self.backend)
+        if report_processes:  # reports checked in worker processes, as the daemon does by default
+            self.controller.start_report_processes(report_processes)
         self.server = ControllerHTTPServer(settings.listen, self.controller)
         self.server.start_background()
 
