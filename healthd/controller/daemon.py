@@ -233,11 +233,13 @@ class Controller:
             return verify_report(body, socket=self.settings.munge_socket, node_addrs=self.node_addrs(), now=now,
                                  decode=self.decode), now
         except ReportRejected as exc:
-            # a flood of forged or replayed reports is one line per status per interval, not one per report
-            self._limited.warning(f"refused-{exc.http_status}", "%s from %s refused: %d %s", what, peer or "?",
-                                  exc.http_status, exc.reason)
-            self.metrics.reports.labels(result=str(exc.http_status)).inc()
+            self._refused(what, peer, exc.http_status, exc.reason)
             raise
+
+    def _refused(self, what: str, peer: str, status: int, reason: str) -> None:
+        # a flood of forged or replayed reports is one line per status per interval, not one per report
+        self._limited.warning(f"refused-{status}", "%s from %s refused: %d %s", what, peer or "?", status, reason)
+        self.metrics.reports.labels(result=str(status)).inc()
 
     def start_report_processes(self, processes: int) -> None:
         """Check reports in `processes` worker processes (healthd.controller.verifier) from now on:
@@ -291,13 +293,11 @@ class Controller:
                               False)
         if report is None:
             assert isinstance(out, Refused)
-            # a flood of forged or replayed reports is one line per status per interval, not one per report
             if out.credential:
-                self._limited.warning(f"refused-{out.status}", "%s from %s refused: %d %s", "report", peer or "?",
-                                      out.status, out.reason)
+                self._refused("report", peer, out.status, out.reason)
             else:
                 self._limited.warning("refused-400", "report refused: 400 %s", out.reason)
-            self.metrics.reports.labels(result=str(out.status)).inc()
+                self.metrics.reports.labels(result="400").inc()
             return out.status, {"accepted": False, "error": out.reason}
         with self.reports_lock:
             previous = self.reports.get(report.node)

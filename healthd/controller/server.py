@@ -475,7 +475,7 @@ class _Connection(FlowControlled):
             self.state = "busy"
             self._cancel_timer()
             self._pause_reading()
-            self.server.controller.receive_report_later(body, self.peer, lambda result: self._checked(req, result))
+            self.server.controller.receive_report_later(body, self.peer, lambda result: self.deliver(req, result))
             return
         if req.target == "/v1/report" and verifiers is None:  # report_threads=0: inline on the loop
             status, payload = self._call(self.server.controller.receive_report, req, body)
@@ -503,10 +503,12 @@ class _Connection(FlowControlled):
             _log.exception("%s %s failed", self.peer, req.target)
             return 500, {"error": f"internal error: {type(exc).__name__}"}
 
-    def _checked(self, req: _Request, result: tuple[int, dict[str, Any]]) -> None:
+    def deliver(self, req: _Request, result: tuple[int, dict[str, Any]]) -> None:
+        """answered(), for answers delivered in batches (the verifiers') or by the worker pool: this
+        connection's failure is logged and ends it, and reaches neither the other answers nor the pool."""
         try:
             self.answered(req, result)
-        except Exception:  # one connection's failure must not reach the worker pool's bookkeeping
+        except Exception:
             _log.exception("%s %s: writing the answer failed", self.peer, req.target)
             if self.transport is not None:
                 self.transport.abort()
@@ -640,12 +642,7 @@ class ReportVerifiers:
         done = self._done
         while done:
             conn, req, result = done.popleft()
-            try:
-                conn.answered(req, result)
-            except Exception:  # one connection's failure must not strand the others' answers
-                _log.exception("%s %s: writing the answer failed", conn.peer, req.target)
-                if conn.transport is not None:
-                    conn.transport.abort()
+            conn.deliver(req, result)
 
     def stop(self) -> None:
         """Blocking: discard queued reports, stop and join every thread (call off the loop)."""
