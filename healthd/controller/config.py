@@ -71,7 +71,7 @@ class ControllerSettings:
     report threads (about two thirds of the rate on a 2-core head node)."""
     node_addrs: Mapping[str, str] = field(default_factory=dict)
     """node -> the IPv4 address its munged encodes credentials as. When empty, each node's NodeAddr
-    from Slurm is used."""
+    from Slurm is used (read with the fleet view's node list, resolved every 5 minutes)."""
     admin_socket: str = "/run/healthd/controller.sock"
     """Unix socket healthctl talks to."""
     admin_group: str | None = None

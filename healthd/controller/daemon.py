@@ -84,14 +84,17 @@ def ledger_outcome(outcome: GateResult) -> tuple[str, str | None, str | None]:
     return status, None, None
 
 
-def slurm_node_addrs(backend: SlurmBackend) -> dict[str, str]:
-    """node -> IPv4 of its NodeAddr (backend.node_addresses(), resolved here); empty when Slurm
-    cannot be read."""
-    try:
-        addrs = backend.node_addresses()
-    except SlurmError as exc:
-        _log.warning("cannot read NodeAddr from Slurm: %s", exc)
-        return {}
+def slurm_node_addrs(backend: SlurmBackend, known: Mapping[str, str] | None = None) -> dict[str, str]:
+    """node -> IPv4 of its NodeAddr, resolved here: from `known` (the fleet view's, read with the node
+    list) or else from backend.node_addresses(); empty when Slurm cannot be read."""
+    if known is not None:
+        addrs = known
+    else:
+        try:
+            addrs = backend.node_addresses()
+        except SlurmError as exc:
+            _log.warning("cannot read NodeAddr from Slurm: %s", exc)
+            return {}
     out = {}
     for node, addr in addrs.items():
         try:
@@ -185,7 +188,7 @@ class Controller:
             return
         if self._addr_cache and now - self._addr_read_at < ADDR_REFRESH_S:
             return
-        addrs = slurm_node_addrs(self.backend)
+        addrs = slurm_node_addrs(self.backend, self.fleet.node_addresses())
         if addrs:
             self._addr_cache = addrs
             self._addr_read_at = now

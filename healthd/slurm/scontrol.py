@@ -786,6 +786,9 @@ class ScontrolBackend:
     parse_node_line = staticmethod(parse_scontrol_node_line)
     """How a line of node_lines() becomes a NodeInfo."""
 
+    parse_node_addresses = staticmethod(parse_node_addresses)
+    """node -> NodeAddr from lines of node_lines() (joined by newlines)."""
+
     def nodes(self, names: Iterable[str] | None = None) -> list[NodeInfo]:
         if names is not None:
             names = [names] if isinstance(names, str) else list(names)

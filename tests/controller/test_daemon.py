@@ -410,6 +410,31 @@ def test_node_addresses_come_from_the_backend_resolved_and_unreadable_slurm_is_n
     assert "cannot read NodeAddr from Slurm" in caplog.text
 
 
+def test_node_addresses_come_with_the_fleet_views_lines_not_a_read_of_their_own(tmp_path):
+    """With a backend whose lines carry NodeAddr, the controller resolves the addresses its view read
+    (only changed lines are parsed for them) and never reads the whole fleet again for them."""
+    from healthd.controller.config import ControllerSettings
+    from healthd.controller.daemon import Controller
+    from healthd.controller.ledger import Ledger
+    from healthd.slurm.scontrol import parse_node_addresses as parse
+
+    class Lines(FakeLinesBackend):
+        parse_node_addresses = staticmethod(parse)
+
+        def node_addresses(self, names=None):
+            raise AssertionError("the whole fleet read again for NodeAddr")
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ctl = Controller(ControllerSettings(ledger=str(tmp_path / "ledger.sqlite")), ledger, Lines(["node01", "node02"]))
+    try:
+        ctl.fleet.refresh()
+        ctl.refresh_node_addrs(time.time())
+        assert dict(ctl.node_addrs()) == {"node01": "10.0.0.1", "node02": "10.0.0.1"}
+    finally:
+        ctl.close()
+        ledger.close()
+
+
 class SlowSlurm(FakeLinesBackend):
     """Slurm whose whole-fleet read and drain each take `delay_s` (a loaded slurmctld)."""
 

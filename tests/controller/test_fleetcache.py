@@ -14,18 +14,21 @@ from hypothesis import strategies as st
 
 from healthd.controller.fleetcache import FleetCache, out_of_service
 from healthd.slurm.backend import NodeInfo, SlurmOutputError, SlurmUnavailable
-from healthd.slurm.scontrol import parse_scontrol_node_line
+from healthd.slurm.scontrol import parse_node_addresses, parse_scontrol_node_line
 from tests.support.fake_slurm import FakeBackend
 
 
-def line(name: str, state: str = "IDLE", reason: str = "", partitions: str = "gpu", load: str = "0.10") -> str:
+def line(name: str, state: str = "IDLE", reason: str = "", partitions: str = "gpu", load: str = "0.10",
+         addr: str = "10.0.0.1") -> str:
     text = (f"NodeName={name} Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPULoad={load} Gres=gpu:8 "
-            f"NodeAddr=10.0.0.1 State={state} Partitions={partitions} BootTime=2026-12-01T07:34:35")
+            f"NodeAddr={addr} State={state} Partitions={partitions} BootTime=2026-12-01T07:34:35")
     return text + (f" Reason={reason} [root@2026-12-02T01:00:00]" if reason else "")
 
 
 class Lines:
     """A backend that lists lines the way ScontrolBackend.node_lines does; fails on demand."""
+
+    parse_node_addresses = staticmethod(parse_node_addresses)
 
     def parse_node_line(self, text: str) -> NodeInfo:
         if self.parsing is not None:
@@ -200,7 +203,8 @@ names = st.sampled_from([f"n{i}" for i in range(8)])
 node_state = st.tuples(st.sampled_from(["IDLE", "MIXED", "IDLE+DRAIN", "DOWN+NOT_RESPONDING", "ALLOCATED+DRAIN"]),
                        st.sampled_from(["gpu", "cpu", "gpu,cpu", ""]), st.sampled_from(["", "fan", "healthd: x"]),
                        st.sampled_from(["0.1", "0.2"]))
-fleets = st.dictionaries(names, node_state, max_size=8)
+fleets = st.dictionaries(names, st.tuples(node_state, st.sampled_from(["10.0.0.1", "10.0.0.2", "gpu-a.ib"])),
+                         max_size=8)
 
 
 @settings(max_examples=150, deadline=None)
@@ -209,8 +213,8 @@ def test_any_sequence_of_fleets_gives_the_snapshot_a_whole_read_would(sequence):
     src = Lines([])
     cache = FleetCache(src)  # type: ignore[arg-type]
     for fleet, stray in sequence:
-        nodes = [line(n, state=s, reason=r if "DRAIN" in s or "DOWN" in s else "", partitions=p, load=ld)
-                 for n, (s, p, r, ld) in fleet.items()]
+        nodes = [line(n, state=s, reason=r if "DRAIN" in s or "DOWN" in s else "", partitions=p, load=ld, addr=a)
+                 for n, ((s, p, r, ld), a) in fleet.items()]
         src.lines = [*nodes, *stray]  # a line that names no node is not a node (nor an error)
         cache.refresh()
         snap = cache.snapshot()
@@ -222,3 +226,4 @@ def test_any_sequence_of_fleets_gives_the_snapshot_a_whole_read_would(sequence):
                 parts.setdefault(p, set()).add(info.name)
         assert {k: set(v) for k, v in snap.partitions.items()} == parts
         assert snap.out_of_service == {n for n, i in want.items() if out_of_service(i)}
+        assert cache.node_addresses() == parse_node_addresses("\n".join(nodes))  # kept from the changed lines

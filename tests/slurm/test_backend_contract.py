@@ -145,9 +145,11 @@ def test_fleet_cache_follows_real_slurm_parsing_only_changed_lines(scontrol_env)
 
     backend, ctl = scontrol_env
     cache = FleetCache(backend)
+    assert cache.node_addresses() is None  # nothing read yet
     first = cache.refresh()
     assert first.parsed == len(ctl.nodes) and first.changed == len(ctl.nodes)
     assert dict(cache.snapshot().nodes) == {n.name: n for n in backend.nodes()}
+    assert cache.node_addresses() == backend.node_addresses()  # NodeAddr comes with the lines
     backend.drain("node02", contract.HOSTILE_REASON)
     after = cache.refresh()
     assert 1 <= after.parsed <= len(ctl.nodes)  # node02, and any whose load figures moved meanwhile
@@ -159,6 +161,7 @@ def test_fleet_cache_follows_real_slurm_parsing_only_changed_lines(scontrol_env)
     snap = cache.snapshot()
     whole = {n.name: n for n in backend.nodes()}
     assert dict(snap.nodes) == whole and snap.nodes["node02"].reason == ""
+    assert cache.node_addresses() == backend.node_addresses()
     assert snap.out_of_service == {n for n, info in whole.items() if out_of_service(info)}
     assert set(snap.partitions["debug"]) == set(ctl.nodes)
 
