@@ -19,9 +19,7 @@ from healthd.controller.policy import MODES, ControllerPolicySettings
 from healthd.controller.reintegrate import ReintegrationSettings
 from healthd.settings import DetectorSettings
 from healthd.slurm import BACKENDS
-
-MAX_REPORT_PROCESSES = 64
-"""The most report_processes a controller starts."""
+from healthd.controller.verifier import MAX_REPORT_PROCESSES
 
 CONTROLLER_CONFIG_PATH = "/etc/healthd/controller.yaml"
 REQUEUE_COMMENT_TAG = "healthd:requeue"

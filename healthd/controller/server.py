@@ -48,7 +48,7 @@ GIL either way) and keep-alive ~15 % slower (the thread hop and GIL hand-offs co
 overlap saves): docs/benchmarks.md "Controller, whole path". report_threads=0 runs receive_report
 inline on the loop (the benchmark's baseline). A connection stops reading while its report is verified.
 When the controller checks reports in worker processes (report_processes, healthd.controller.verifier),
-the loop hands each body to a worker through a pipe it watches, and stores the checked report itself
+the loop hands each body to a worker through a socket it watches, and stores the checked report itself
 when the answer comes: no thread hop, and the checks run on other cores.
 /v1/request may wait on Slurm for up to ~20 s, so it runs in a small thread pool of its own, as does
 /v1/goodput (a disk write); their connections stop reading meanwhile too.

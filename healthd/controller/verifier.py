@@ -13,12 +13,15 @@ map goes to a worker when it changed, and each report carries the controller's c
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import logging
 import marshal
-import multiprocessing
 import signal
+import socket as _socket
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -26,10 +29,12 @@ from typing import Any
 
 from healthd import munge
 from healthd.controller.auth import ReportRejected, verify_report
-from healthd.controller.config import MAX_REPORT_PROCESSES
 from healthd.report_schema import MAX_ERROR_CHARS, validate_report
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("healthd.controller.verifier")
+
+MAX_REPORT_PROCESSES = 64
+"""The most report_processes a controller starts."""
 
 
 
@@ -75,7 +80,7 @@ def check_report(body: bytes, *, socket: str | None, node_addrs: Mapping[str, st
 
 def _serve(conn: Connection, socket: str | None) -> None:
     """A worker: (body, now, node_addrs or None when unchanged) in, the outcome out, until EOF."""
-    # the controller stops its workers by closing their pipes (an interrupt or a stop signal for the whole
+    # the controller stops its workers by closing their sockets (an interrupt or a stop signal for the whole
     # service reaches them too, and must not end one before the controller has stopped using it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -100,18 +105,31 @@ def _serve(conn: Connection, socket: str | None) -> None:
 
 
 class _Worker:
-    def __init__(self, context: Any, socket: str | None, name: str):
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, socket), name=name, daemon=True)
-        self.process.start()
-        child.close()
+    """One worker: `python -m healthd.controller.verifier FD` with one end of a socket pair as FD. A
+    program of its own rather than a multiprocessing child: nothing of the controller's main module is
+    run again in it, and it imports only what the checks need."""
+
+    def __init__(self, socket: str | None):
+        ours, theirs = _socket.socketpair()
+        argv = [sys.executable, "-m", "healthd.controller.verifier", str(theirs.fileno())]
+        if socket:
+            argv += ["--munge-socket", socket]
+        try:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.pid = self.process.pid
         self.fd = self.conn.fileno()
         self.addrs: object = None
         """The node_addrs mapping last sent (by identity: the controller swaps the whole map)."""
 
     def send(self, body: bytes, now: float, addrs: Mapping[str, str]) -> None:
         sent = None if addrs is self.addrs else dict(addrs)
-        # one message at a time, to a worker waiting for it: the pipe takes it without blocking for long
+        # one message at a time, to a worker waiting for it: the socket takes it without blocking for long
         self.conn.send_bytes(marshal.dumps((bytes(body), now, sent)))
         self.addrs = addrs
 
@@ -122,11 +140,13 @@ class _Worker:
         return Refused(reply[1], reply[2], reply[3])
 
     def close(self) -> None:
+        """Close its socket (it ends at EOF), then wait for it; killed by PID if it does not end."""
         self.conn.close()
-        self.process.join(timeout=1)
-        if self.process.is_alive():
+        try:
+            self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.join(timeout=5)
+            self.process.wait(timeout=5)
 
 
 Done = Callable[[Checked | Refused], None]
@@ -136,7 +156,7 @@ class CheckerPool:
     """`processes` worker processes running check_report for the report server's event loop.
 
     submit() (on the loop) sends a report to an idle worker or queues it; the loop reads a worker's
-    answer when its pipe becomes readable and hands it to the report's `done`, also on the loop. No
+    answer when its socket becomes readable and hands it to the report's `done`, also on the loop. No
     thread waits on a worker: handing a report to another thread and back cost more interpreter time
     than the checks it moved. A worker that dies is replaced, and the report it held is answered 503
     (its agent sends the next one at its next heartbeat)."""
@@ -144,23 +164,18 @@ class CheckerPool:
     def __init__(self, processes: int, socket: str | None):
         if not 1 <= processes <= MAX_REPORT_PROCESSES:
             raise ValueError(f"report processes must be 1-{MAX_REPORT_PROCESSES}, got {processes}")
-        # spawn, not fork: the controller has threads (a fork would copy their locks mid-use)
-        self._context = multiprocessing.get_context("spawn")
         self._socket = socket
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._workers: list[_Worker] = [self._new(k) for k in range(processes)]
+        self._workers: list[_Worker] = [_Worker(socket) for _ in range(processes)]
         self._idle: collections.deque[_Worker] = collections.deque(self._workers)
         self._busy: dict[_Worker, Done] = {}
         self._pending: collections.deque[tuple[bytes, float, Mapping[str, str], Done]] = collections.deque()
         self.replaced = 0
         """Workers that died and were started again."""
 
-    def _new(self, k: int) -> _Worker:
-        return _Worker(self._context, self._socket, f"healthd-controller-check-{k}")
-
     @property
     def pids(self) -> list[int]:
-        return [w.process.pid for w in self._workers if w.process.pid is not None]
+        return [w.pid for w in self._workers]
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Serve `loop` (call on it): every later submit() and answer runs there."""
@@ -221,7 +236,7 @@ class CheckerPool:
             self._idle.append(w)
 
     def _replace(self, w: _Worker, exc: BaseException) -> None:
-        _log.error("report check process %s ended (%s: %s); starting another", w.process.pid,
+        _log.error("report check process %s ended (%s: %s); starting another", w.pid,
                    type(exc).__name__, exc)
         if self._loop is not None:
             self._loop.remove_reader(w.fd)
@@ -229,7 +244,7 @@ class CheckerPool:
         if w not in self._workers:  # closed meanwhile
             return
         k = self._workers.index(w)
-        self._workers[k] = fresh = self._new(k)
+        self._workers[k] = fresh = _Worker(self._socket)
         self.replaced += 1
         if self._loop is not None:
             self._loop.add_reader(fresh.fd, self._ready, fresh)
@@ -244,3 +259,17 @@ class CheckerPool:
 
 
 _GONE = "controller could not check the report (its checker process ended); send it again"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A worker's entry point (CheckerPool starts it): check the reports that come on socket FD."""
+    ap = argparse.ArgumentParser(prog="python -m healthd.controller.verifier", description=main.__doc__)
+    ap.add_argument("fd", type=int, help="this worker's end of the socket pair the controller made")
+    ap.add_argument("--munge-socket", default=None, help="the controller's munged socket")
+    args = ap.parse_args(argv)
+    _serve(Connection(args.fd), args.munge_socket)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
