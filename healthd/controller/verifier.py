@@ -191,9 +191,10 @@ class CheckerPool:
         for w in self._workers:
             loop.remove_reader(w.fd)
         waiting = [*self._busy.values(), *(job[3] for job in self._pending)]
-        self._busy.clear()
+        # a worker still checking answers later: on the next attach that answer is read and dropped,
+        # never taken for another report's
+        self._busy = {w: _dropped for w in self._busy}
         self._pending.clear()
-        self._idle = collections.deque(self._workers)
         for done in waiting:
             done(Refused(503, "controller is shutting down", True))
 
@@ -256,6 +257,10 @@ class CheckerPool:
         self._idle.clear()
         for w in workers:
             w.close()
+
+
+def _dropped(_out: Checked | Refused) -> None:
+    pass
 
 
 _GONE = "controller could not check the report (its checker process ended); send it again"

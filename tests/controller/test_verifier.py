@@ -161,6 +161,29 @@ def test_detach_answers_what_waits_and_close_ends_every_worker(fleet):
     assert [pid for pid in pids if os.path.exists(f"/proc/{pid}")] == []
 
 
+def test_an_answer_still_due_at_detach_is_never_taken_for_a_later_report(fleet):
+    """Detached with a report in the worker, attached again: the late answer is dropped, and each
+    later report gets its own outcome."""
+    pool = CheckerPool(1, fleet.controller_socket)
+    try:
+        loop = asyncio.new_event_loop()
+        answers: list[Checked | Refused] = []
+
+        async def main() -> None:
+            pool.attach(loop)
+            pool.submit(signed(fleet, "node01", 300), time.time(), dict(fleet.node_addrs), answers.append)
+            pool.detach()
+
+        loop.run_until_complete(main())
+        loop.close()
+        assert [o.status for o in answers if isinstance(o, Refused)] == [503]
+        later = run(pool, [(signed(fleet, NODES[k % 3], 310 + k), dict(fleet.node_addrs)) for k in range(3)])
+        assert [(o.node, o.doc["seq"]) for o in later if isinstance(o, Checked)] == \
+            [(NODES[k % 3], 310 + k) for k in range(3)]
+    finally:
+        pool.close()
+
+
 def test_the_number_of_processes_is_bounded():
     with pytest.raises(ValueError, match="report processes"):
         CheckerPool(0, None)
