@@ -187,6 +187,10 @@ class Reconciler:
         out = []
         ctld_started: list[float | None] = []  # read once per round, only when a held write is gone
         undoing = {a.idempotency_key for a in self.ledger.pending_actions() if a.idempotency_key.startswith(UNDO_PREFIX)}
+        # what the view shows was true when it was read, which can be before the round by a refresh
+        # period: a hold seen in a view read before slurmctld was killed and restored from an older
+        # state save was not seen after the restart, and its write is lost, not released
+        seen_at = now if view.read_at is None else min(now, view.read_at)
         for node, hold in self.ledger.holds().items():
             if not hold.confirmed and view.read_at is not None and hold.planned_at > view.read_at:
                 continue  # written after the view was read: confirmed by the next read, not re-read now
@@ -195,9 +199,9 @@ class Reconciler:
                 continue  # not readable now, or an operator's undo of it is under way (Executor.run_undos)
             if owned(hold, info):
                 if not hold.confirmed:
-                    self.ledger.confirm_hold(node, hold.action_id, info.reason_time, info.reason_user, at=now)
+                    self.ledger.confirm_hold(node, hold.action_id, info.reason_time, info.reason_user, at=seen_at)
                     out.append(Change(node, hold.action_id, "confirmed", describe_reason(info)))
-                self._seen[node] = now
+                self._seen[node] = max(seen_at, self._seen.get(node, 0.0))
                 if hold.kind == "drain-and-requeue" and info.draining and mode != "observe":
                     out.extend(self._finish_requeue(hold))
                 continue

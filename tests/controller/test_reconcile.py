@@ -203,6 +203,22 @@ def test_a_drain_slurm_lost_is_marked_lost_and_reapplied_through_the_gates_once(
     assert rig.be.state["node02"].drain_requested and rig.round() == []
 
 
+def test_a_drain_last_seen_in_a_view_read_before_slurmctld_restarted_is_lost_not_released(rig):
+    """The fleet view is read off the round: a round after slurmctld came back from an older state
+    save may still act on a view read before the kill. The hold was seen then, not at the round."""
+    rig.apply(rig.decision())
+    rig.round()
+    read_before_the_kill = dict(rig.be.state)
+    read_at = rig.clock.t
+    rig.clock.t += 10
+    rig.be.state["node02"] = NodeInfo(name="node02", state="idle", partitions=("gpu",))
+    rig.be.started_at = rig.clock.t
+    rig.clock.t += 2
+    assert rig.rec.round(read_before_the_kill, rig.clock(), "auto", read_at=read_at) == []
+    rig.clock.t += 3
+    assert whats(rig.rec.round(dict(rig.be.state), rig.clock(), "auto", read_at=rig.clock.t)) == [("node02", "lost")]
+
+
 def test_an_administrator_resuming_a_healthd_drain_is_a_release_not_a_loss(rig):
     d = rig.decision()
     rig.apply(d)
