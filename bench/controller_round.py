@@ -43,7 +43,7 @@ from common import ROOT, keep_skipped, rss_bytes, save, summary
 
 from controller_path import PARTITIONS, _finding, fleet_reports, node_names, state_document, topology_conf
 from healthd.controller.config import ControllerSettings
-from healthd.controller.daemon import Controller
+from healthd.controller.daemon import ROUND_INTERVAL_S, Controller
 from healthd.controller.executor import Executor
 from healthd.controller.ledger import Ledger
 from healthd.controller.policy import ControllerPolicySettings, FleetView, NodeReport
@@ -57,6 +57,8 @@ TARGET_P99_100K_MS = 500.0
 TARGET_RSS_100K_MIB = 500.0
 REAL_NODES = 4
 FLEET = 10_000
+BLOCK = 10
+"""Steady rounds in a row of one kind before the other kind's turn."""
 
 logging.getLogger("healthd").addHandler(logging.NullHandler())
 logging.getLogger("healthd").propagate = False
@@ -146,6 +148,65 @@ def t1_report(node: str, i: int, gpu: int, now: float) -> NodeReport:
 # --------------------------------------------------------------------------- 1. a real slurmctld
 
 
+@dataclasses.dataclass
+class Steady:
+    """Steady rounds of one kind, gathered over the blocks they ran in."""
+
+    gap_s: float
+    rounds: list[float] = dataclasses.field(default_factory=list)
+    node_reads: list[int] = dataclasses.field(default_factory=list)
+    overlapped: list[bool] = dataclasses.field(default_factory=list)
+    refreshes: int = 0
+    longest_wait_s: float = 0.0
+
+    def figures(self, node_reads: list[str]) -> dict:
+        steady, overlapped = self.rounds, self.overlapped
+        out = {"rounds": len(steady), "gap_s": self.gap_s, "steady_round_ms": _ms(steady)}
+        out["steady_rounds_single_node_reads"] = {"total": sum(self.node_reads), "rounds_with_any": sum(
+            1 for n in self.node_reads if n), "nodes": sorted(set(node_reads))[:20]}
+        # the fleet view's refresh shares the two cores with scontrol and slurmctld packing 10,000 nodes
+        out["steady_round_ms_while_the_fleet_view_refreshed"] = _ms(
+            [t for t, o in zip(steady, overlapped, strict=True) if o] or [0.0])
+        out["steady_rounds_overlapping_a_refresh"] = sum(overlapped)
+        out["steady_round_ms_otherwise"] = _ms([t for t, o in zip(steady, overlapped, strict=True) if not o] or [0.0])
+        out["steady_rounds_fleet_refreshes_meanwhile"] = self.refreshes
+        out["steady_rounds_longest_wait_ms"] = round(self.longest_wait_s * 1e3, 2)
+        return out
+
+
+def steady_rounds(ctl: Controller, names: list[str], node_reads: list[str], rounds: int, into: Steady, at: int,
+                  *, keep_clear: bool) -> int:
+    """`rounds` steady rounds `into.gap_s` apart as the daemon's loop runs them (the agents' reports
+    arriving between them), the fleet view's thread reading meanwhile; `keep_clear`: the loop says
+    when its next round is due and the thread keeps its reads out of the rounds (what the daemon
+    does), else the thread reads every period whatever the rounds do (before). Returns the churn
+    position."""
+    gap_s = into.gap_s
+    own = ctl.fleet.round_started
+    if not keep_clear:
+        ctl.fleet.round_started = lambda: None  # type: ignore[method-assign]
+    refreshes_before = ctl.fleet.refreshes
+    try:
+        with Ticker() as ticker:
+            for _ in range(rounds):
+                at = churn(ctl, names, at, round(FLEET / 30 * gap_s), time.time())
+                t = time.perf_counter()
+                before = len(node_reads)
+                refreshing = ctl.fleet.busy_since is not None
+                count = ctl.fleet.refreshes
+                assert ctl.evaluate(time.time()) is not None
+                into.rounds.append(time.perf_counter() - t)
+                into.node_reads.append(len(node_reads) - before)
+                into.overlapped.append(refreshing or ctl.fleet.refreshes != count or ctl.fleet.busy_since is not None)
+                ctl.between_rounds(time.monotonic(), gap_s if keep_clear else None)  # as the daemon's loop does
+                time.sleep(gap_s)
+    finally:
+        ctl.fleet.round_started = own  # type: ignore[method-assign]
+    into.refreshes += ctl.fleet.refreshes - refreshes_before
+    into.longest_wait_s = max(into.longest_wait_s, ticker.longest)
+    return at
+
+
 def bench_real(args, tmp: Path) -> dict:
     ghosts = FLEET - REAL_NODES
     ghost_names = node_names(ghosts)
@@ -196,7 +257,6 @@ def bench_real(args, tmp: Path) -> dict:
         fresh_at = time.time()  # the agents' heartbeats: every report stays inside report_ttl_s
         with ctl.reports_lock:
             ctl.reports.update({n: dataclasses.replace(r, received_at=fresh_at) for n, r in ctl.reports.items()})
-        steady: list[float] = []
         node_reads: list[str] = []
         counted = ctl.executor.read_node
 
@@ -205,34 +265,18 @@ def bench_real(args, tmp: Path) -> dict:
             return counted(name)
 
         ctl.executor.read_node = read_node  # type: ignore[method-assign]
-        reads_per_round: list[int] = []
-        overlapped: list[bool] = []
-        refreshes_before = ctl.fleet.refreshes
         at = 0
-        with Ticker() as ticker:
-            for _ in range(args.rounds):
-                at = churn(ctl, names, at, round(FLEET / 30 * args.round_gap_s), time.time())
-                t = time.perf_counter()
-                before = len(node_reads)
-                refreshing = ctl.fleet.busy_since is not None
-                count = ctl.fleet.refreshes
-                assert ctl.evaluate(time.time()) is not None
-                steady.append(time.perf_counter() - t)
-                reads_per_round.append(len(node_reads) - before)
-                overlapped.append(refreshing or ctl.fleet.refreshes != count or ctl.fleet.busy_since is not None)
-                ctl.between_rounds(time.monotonic())  # as the daemon's loop does
-                time.sleep(args.round_gap_s)
-        out["steady_round_ms"] = _ms(steady)
-        out["steady_rounds_single_node_reads"] = {"total": sum(reads_per_round), "rounds_with_any": sum(
-            1 for n in reads_per_round if n), "nodes": sorted(set(node_reads))[:20]}
-        out["steady_round_ms_without_node_reads"] = _ms([t for t, n in zip(steady, reads_per_round, strict=True)
-                                                         if not n] or [0.0])
-        # the fleet view's refresh shares the two cores with scontrol and slurmctld packing 10,000 nodes
-        out["steady_round_ms_while_the_fleet_view_refreshed"] = _ms([t for t, o in zip(steady, overlapped, strict=True)
-                                                                     if o] or [0.0])
-        out["steady_round_ms_otherwise"] = _ms([t for t, o in zip(steady, overlapped, strict=True) if not o] or [0.0])
-        out["steady_rounds_fleet_refreshes_meanwhile"] = ctl.fleet.refreshes - refreshes_before
-        out["steady_rounds_longest_wait_ms"] = round(ticker.longest * 1e3, 2)
+        # before (the view's thread reading every 5 s whatever the rounds do) and now, in alternating
+        # blocks of the same run so that the machine's moods land on both
+        before, now_ = Steady(args.round_gap_s), Steady(args.round_gap_s)
+        for _ in range(args.rounds // BLOCK):
+            at = steady_rounds(ctl, names, node_reads, BLOCK, before, at, keep_clear=False)
+            at = steady_rounds(ctl, names, node_reads, BLOCK, now_, at, keep_clear=True)
+        out["steady_before_reads_ignored_rounds"] = before.figures(node_reads)
+        out.update(now_.figures(node_reads))
+        back_to_back = Steady(0.1)
+        at = steady_rounds(ctl, names, node_reads, 100, back_to_back, at, keep_clear=True)
+        out["steady_rounds_0_1_s_apart"] = back_to_back.figures(node_reads)
 
         # rounds that drain: a new T1 finding on a real node, the round applies the drain
         acting: list[float] = []
@@ -368,11 +412,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and reads (a few minutes)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: real,synthetic")
+    ap.add_argument("--round-gap", type=float, default=ROUND_INTERVAL_S, dest="round_gap_s",
+                    help="seconds between steady rounds against the real slurmctld (the daemon's interval)")
     args = ap.parse_args()
-    args.rounds = 40 if args.quick else 100
+    args.rounds = 20 if args.quick else 60
     args.reads = 3 if args.quick else 5
     args.drains = 4 if args.quick else 10
-    args.round_gap_s = 0.1
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {"targets": {"round_p99_10k_ms": TARGET_P99_10K_MS, "round_p99_100k_ms": TARGET_P99_100K_MS,
                                  "rss_100k_mib": TARGET_RSS_100K_MIB}}

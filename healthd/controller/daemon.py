@@ -537,7 +537,18 @@ class Controller:
 
         Order: read the fleet; reconcile the ledger with it (adopt writes that landed, notice writes
         Slurm lost or someone took over); then decide from the reports, gate, record and apply. One
-        node's bad data is logged and skipped; every other node's decisions still happen."""
+        node's bad data is logged and skipped; every other node's decisions still happen. The fleet
+        view's reader does not start a read during a whole round (FleetCache.round_started)."""
+        if only is not None:
+            return self._evaluate(now, only, jobs)
+        self.fleet.round_started()
+        try:
+            return self._evaluate(now, None, jobs)
+        finally:
+            self.fleet.round_ended()
+
+    def _evaluate(self, now: float, only: str | None,
+                  jobs: Mapping[str, str] | None) -> list[tuple[GateResult, ExecResult | None]] | None:
         started = self.clock()
 
         def moment() -> float:
@@ -706,14 +717,17 @@ class Controller:
                             inband_stragglers=self.inband_round.flagged_by_tier(),
                             inband_hangs=len(self.inband_round.hangs))
 
-    def between_rounds(self, monotonic_now: float) -> None:
-        """Keep the collector's full passes out of the rounds. At 10,000 nodes the reports and the
-        fleet view are about a million long-lived objects, and each automatic full collection walked
-        them all, 40-140 ms in the middle of whatever ran (a round, a report). So after each round the
-        young generations are collected and every survivor is moved out of the collector's sight
-        (gc.freeze): its reference count still frees it when it is replaced (reports and node
-        entries are not in reference cycles), and a full collection here, between rounds, once every
-        FULL_COLLECT_EVERY_S frees whatever old object a cycle kept."""
+    def between_rounds(self, monotonic_now: float, next_round_in: float | None = None) -> None:
+        """Keep the collector's full passes and the fleet view's reads out of the rounds.
+
+        At 10,000 nodes the reports and the fleet view are about a million long-lived objects, and
+        each automatic full collection walked them all, 40-140 ms in the middle of whatever ran (a
+        round, a report). So after each round the young generations are collected and every
+        survivor is moved out of the collector's sight (gc.freeze): its reference count still frees
+        it when it is replaced (reports and node entries are not in reference cycles), and a full
+        collection here, between rounds, once every FULL_COLLECT_EVERY_S frees whatever old object
+        a cycle kept. `next_round_in`: seconds until the loop's next round, which the fleet view's
+        reader keeps clear of (FleetCache.expect_round)."""
         if monotonic_now - self._full_collect_at >= FULL_COLLECT_EVERY_S:
             gc.unfreeze()
             gc.collect()
@@ -721,6 +735,8 @@ class Controller:
         else:
             gc.collect(1)
         gc.freeze()
+        if next_round_in is not None:
+            self.fleet.expect_round(time.monotonic() + next_round_in)
 
     def _observe_round(self, now: float) -> None:
         """Hand this full round's figures to the metrics. Never raises: a metrics problem (the ledger
@@ -999,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
                     controller._limited.warning("watchdog", "not feeding the systemd watchdog: the read of Slurm's "
                                                 "node list has been stuck for %.0f s", stuck)
                 dog.feed(time.monotonic(), healthy=fed)
-            controller.between_rounds(time.monotonic())
+            controller.between_rounds(time.monotonic(), interval)
             # every `interval`, or at once when a report brings a new actionable finding
             controller.wake.wait(interval)
         _log.info("healthd-controller stopping")

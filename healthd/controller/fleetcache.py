@@ -12,7 +12,11 @@ report intake behind the parse. So the fleet view lives here instead:
   to date from the changed nodes, never recomputed per round;
 - the round reads the latest snapshot (an immutable value) and never waits for Slurm; the one node
   about to be written is re-read by the executor first, as the ownership rule requires, and that
-  read (and the one after the write) refreshes its entry here.
+  read (and the one after the write) refreshes its entry here;
+- the read keeps out of the rounds' way (`next_refresh_at`): never started while a round runs, and
+  the one that would run into the next round is started early enough to end before it. On a small
+  head node that also runs slurmctld, the read (`scontrol` printing 10,000 nodes, slurmctld packing
+  them) takes both cores for a tenth of a second, and a round sharing them took 3-10 times as long.
 
 A backend that cannot list lines (pyslurm, the in-memory one of tests) is read whole with `nodes()`
 and compared node by node: the same snapshots, without the line shortcut.
@@ -30,6 +34,38 @@ from types import MappingProxyType
 from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError
 
 _log = logging.getLogger("healthd.controller.fleetcache")
+
+
+MIN_LEAD_S = 0.25
+"""A read due this close to the next round (or closer than three of the latest read's durations)
+is started that much before the round instead, or after it."""
+
+
+def next_refresh_at(now: float, last_start: float, period_s: float, lead_s: float, *, poked: bool,
+                    in_round: bool, round_due: float | None) -> float | None:
+    """When the refresh thread starts its next read (time.monotonic()), or None: after the round
+    running now, or the one due within `lead_s`, has ended (pure).
+
+    A read is due a period after the last one began (at once when poked: a write or a failed
+    read). It never starts while a round runs, nor within `lead_s / 2` of the next one; one that
+    would start within `lead_s` of the next round starts `lead_s` before it instead, so that the
+    round acts on a view just read, unless that is within half a period of the last one (then it
+    waits for the round to end). However busy the rounds, a read is never put off past two periods
+    after the last began."""
+    overdue = last_start + 2 * period_s
+    if now >= overdue:
+        return now
+    if in_round:
+        return None
+    target = now if poked else last_start + period_s
+    if round_due is None:
+        return target
+    keep_out = round_due - lead_s
+    if now > round_due - lead_s / 2:  # a read started now might not end before the round
+        return None
+    if target < keep_out:
+        return target
+    return keep_out if keep_out >= last_start + period_s / 2 else None
 
 
 def out_of_service(info: NodeInfo | None) -> bool:
@@ -102,7 +138,12 @@ class FleetCache:
         """What the latest successful refresh found (the benchmark reads it)."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._poke = threading.Event()
+        self._wake = threading.Event()
+        """Set after any of the flags below changes: the thread works out its next read again."""
+        self._poked = False
+        self._in_round = False
+        self._round_due: float | None = None
+        """time.monotonic() the round loop expects its next round (None: not said since the last)."""
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -262,18 +303,29 @@ class FleetCache:
     # -- the refresh thread ------------------------------------------------------------------------
 
     def start(self, period_s: float, after: Callable[[], None] | None = None) -> None:
-        """Refresh every `period_s` in a thread of its own (daemon); `after` runs after each attempt
-        (the controller's NodeAddr refresh, say). A failing read is logged once per kind of failure."""
+        """Refresh every `period_s` in a thread of its own (daemon), out of the rounds' way
+        (next_refresh_at); `after` runs after each attempt (the controller's NodeAddr refresh, say).
+        A failing read is logged once per kind of failure."""
         if self._thread is not None:
             return
         self._stop.clear()
 
         def loop() -> None:
             said = None
-            if self.healthy:  # read just before the start: the first refresh is a period away
-                self._poke.wait(period_s)
-                self._poke.clear()
+            # read just before the start: the first refresh is a period away
+            last_start = time.monotonic() if self.healthy else float("-inf")
             while not self._stop.is_set():
+                now = time.monotonic()
+                at = next_refresh_at(now, last_start, period_s, self.lead_s(), poked=self._poked,
+                                     in_round=self._in_round, round_due=self._round_due)
+                if at is None or at > now:
+                    # flags are read before the wait and the event cleared after it: a change in
+                    # between leaves the event set or is seen when the next read is worked out again
+                    self._wake.wait(max(0.0, (at if at is not None else last_start + 2 * period_s) - now))
+                    self._wake.clear()
+                    continue
+                self._poked = False
+                last_start = now
                 try:
                     self.refresh()
                     if said is not None:
@@ -291,11 +343,32 @@ class FleetCache:
                         after()
                     except Exception:
                         _log.exception("after the fleet refresh")
-                self._poke.wait(period_s)
-                self._poke.clear()
 
         self._thread = threading.Thread(target=loop, name="healthd-fleet", daemon=True)
         self._thread.start()
+
+    def lead_s(self) -> float:
+        """How long before a round a read due near it starts: three of the latest read's durations,
+        at least MIN_LEAD_S."""
+        last = self.last
+        return max(MIN_LEAD_S, 3 * last.seconds) if last is not None else MIN_LEAD_S
+
+    def round_started(self) -> None:
+        """A control round began: no read starts until it ends."""
+        self._in_round = True
+        self._wake.set()
+
+    def round_ended(self) -> None:
+        """The round ended; when the next one is due is for the round loop to say (expect_round)."""
+        self._in_round = False
+        self._round_due = None
+        self._wake.set()
+
+    def expect_round(self, monotonic_at: float) -> None:
+        """The round loop's next round is due at `monotonic_at` (time.monotonic()): a read that would
+        run into it is started early enough to end before it."""
+        self._round_due = monotonic_at
+        self._wake.set()
 
     def stuck_for(self, monotonic_now: float) -> float:
         """How long the read in progress has been running (0 between reads): every Slurm call has a
@@ -311,8 +384,10 @@ class FleetCache:
         self.poke()
 
     def poke(self) -> None:
-        """Refresh now rather than at the end of the period (a write just changed a node)."""
-        self._poke.set()
+        """Refresh now rather than at the end of the period (a write just changed a node), or as soon
+        as the round running now has ended."""
+        self._poked = True
+        self._wake.set()
 
     @property
     def running(self) -> bool:
@@ -320,7 +395,7 @@ class FleetCache:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._poke.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None

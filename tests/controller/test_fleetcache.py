@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from healthd.controller.fleetcache import FleetCache, out_of_service
+from healthd.controller.fleetcache import MIN_LEAD_S, FleetCache, next_refresh_at, out_of_service
 from healthd.slurm.backend import NodeInfo, SlurmOutputError, SlurmUnavailable
 from healthd.slurm.scontrol import parse_node_addresses, parse_scontrol_node_line
 from tests.support.fake_slurm import FakeBackend
@@ -197,6 +197,76 @@ def test_the_refresh_thread_reads_until_stopped_and_a_poke_reads_at_once():
     finally:
         cache.stop()
     assert not cache.running
+
+
+def at(now, last=0.0, period=5.0, lead=0.5, *, poked=False, in_round=False, due=None):
+    return next_refresh_at(now, last, period, lead, poked=poked, in_round=in_round, round_due=due)
+
+
+def test_a_read_is_due_a_period_after_the_last_or_at_once_when_poked():
+    assert at(1.0) == 5.0 and at(1.0, poked=True) == 1.0
+    assert at(1.0, due=9.0) == 5.0  # the next round is far: the period as it is
+
+
+def test_no_read_starts_while_a_round_runs_not_even_a_poked_one():
+    assert at(6.0, in_round=True) is None and at(1.0, poked=True, in_round=True) is None
+
+
+def test_a_read_that_would_run_into_the_next_round_starts_early_enough_to_end_before_it():
+    assert at(1.0, due=5.2) == 4.7  # due at 5.0, 0.2 s before the round: started 0.5 s before it
+    assert at(4.8, due=5.2) == 4.7  # inside the lead, but a read begun now still ends before the round
+    assert at(5.0, due=5.2) is None and at(5.0, poked=True, due=5.2) is None  # too close: after the round
+    assert at(1.0, due=2.6) is None  # early would be within half a period of the last read: after the round
+
+
+def test_however_busy_the_rounds_a_read_is_never_put_off_past_two_periods():
+    assert at(10.0, in_round=True) == 10.0 and at(10.0, due=10.1) == 10.0
+    assert at(0.0, last=float("-inf"), in_round=True) == 0.0  # never read: at once
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0, 20), st.floats(0, 20), st.floats(0.5, 10), st.floats(0.25, 3), st.booleans(), st.booleans(),
+       st.one_of(st.none(), st.floats(0, 30)))
+def test_a_read_never_starts_in_a_round_or_its_lead_unless_two_periods_overdue(now, last, period, lead, poked,
+                                                                                in_round, due):
+    start = next_refresh_at(now, last, period, lead, poked=poked, in_round=in_round, round_due=due)
+    if now >= last + 2 * period:
+        assert start == now
+        return
+    if start is None:
+        assert in_round or due is not None
+        return
+    assert not in_round and start < last + 2 * period
+    if due is not None:  # begun when it says (or now, if that is past), a read of lead/2 ends before the round
+        assert max(start, now) <= due - lead / 2
+
+
+def test_the_thread_waits_out_a_round_and_reads_before_the_next_one():
+    """The daemon's loop: a round runs (no read starts, a poke included), ends, and says when the
+    next is due; the read due inside the lead starts before that round instead."""
+    src = Lines([line("n1")])
+    cache = FleetCache(src)  # type: ignore[arg-type]
+    cache.refresh()
+    period = 0.6
+    cache.round_started()
+    cache.start(period)
+    try:
+        cache.poke()
+        time.sleep(period + 0.2)  # past the period: still no read, the round runs
+        assert src.reads == 1
+        cache.round_ended()
+        deadline = time.monotonic() + 5
+        while src.reads < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert src.reads == 2  # the poked read, once the round ended
+        due = time.monotonic() + period + 0.05  # the next read would be due just before this round
+        cache.expect_round(due)
+        while src.reads < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        read_ahead = due - time.monotonic()
+        assert src.reads == 3 and read_ahead >= MIN_LEAD_S - 0.05
+    finally:
+        cache.stop()
 
 
 names = st.sampled_from([f"n{i}" for i in range(8)])
