@@ -9,7 +9,10 @@
    - baseline, same run: the whole-fleet read the round used to make before acting (`sinfo
      --json` + parse) and a whole `scontrol show node -o` read + parse of every line;
    - the fleet view's refresh: a first read (every line parsed) and steady reads (only changed lines);
-   - steady rounds (the refresh thread running meanwhile): median, p99;
+   - steady rounds at the daemon's pace (`--round-gap`, its 5 s interval; the refresh thread
+     running meanwhile): with the thread's reads kept out of the rounds (the daemon's way) and, in
+     alternating blocks of the same run, reading every period whatever the rounds do (before);
+     then 100 rounds 0.1 s apart, a pace that leaves a read no gap: median, p99;
    - rounds that drain a node (a new T1 finding on a real node): the round's time with its Slurm
      work (the node re-read before the write, the write), and the drain seen in `scontrol show node`;
    - report intake during a read: the longest a 1 ms ticker thread waits for the interpreter while

@@ -514,3 +514,34 @@ def test_someone_taking_the_node_right_after_the_write_ends_the_hold_at_the_next
     (action,) = [a for a in rig.ledger.actions(node="node02") if a.kind == "drain"]
     assert action.status == "released", action
     assert backend.state["node02"].reason == "admin: cabling"
+
+
+def test_the_fleet_view_reads_nothing_during_a_round_and_reads_once_it_ended(rig_factory):
+    """A read due (or poked) while a round runs waits for the round's end: on a small head node the
+    read and the round would share the cores."""
+    backend = FakeLinesBackend(NODES)
+    reads: list[float] = []
+    listed = backend.node_lines
+    backend.node_lines = lambda: (reads.append(time.monotonic()), listed())[1]  # type: ignore[method-assign]
+    rig = rig_factory("auto", backend=backend)
+    period = 0.5
+    rig.controller.start_fleet_refresh(period)
+    inside: list[tuple[float, float]] = []
+    reconcile = rig.controller.reconciler.round
+
+    def slow_round(*args, **kwargs):
+        began = time.monotonic()
+        rig.controller.fleet.poke()
+        time.sleep(1.6 * period)  # past the next read's time, short of two periods after the last
+        inside.append((began, time.monotonic()))
+        return reconcile(*args, **kwargs)
+
+    rig.controller.reconciler.round = slow_round  # type: ignore[method-assign]
+    seen = len(reads)
+    _until(lambda: len(reads) > seen)  # right after a read: the next is due during the round
+    assert rig.controller.evaluate(time.time()) is not None
+    ended = time.monotonic()
+    _until(lambda: any(t > ended for t in reads))
+    (began, slept) = inside[0]
+    assert not [t for t in reads if began <= t <= slept], (reads, inside)
+    assert min(t for t in reads if t > ended) - ended < period / 2  # the due (and poked) read, at once

@@ -241,6 +241,18 @@ def test_a_read_never_starts_in_a_round_or_its_lead_unless_two_periods_overdue(n
         assert max(start, now) <= due - lead / 2
 
 
+def test_the_lead_before_a_round_follows_the_read_of_slurm_not_a_first_parse_of_every_line():
+    src = Lines([line("n1"), line("n2")])
+    cache = FleetCache(src)  # type: ignore[arg-type]
+    assert cache.lead_s() == MIN_LEAD_S
+    src.parsing = lambda: time.sleep(0.3)  # the first read parses every line: slow once
+    cache.refresh()
+    assert cache.last.seconds >= 0.3 > cache.last.read_s and cache.lead_s() == MIN_LEAD_S
+    src.during = lambda: (time.sleep(0.2), [line("n1"), line("n2")])[1]  # a slow read of Slurm
+    cache.refresh()
+    assert cache.last.parsed == 0 and cache.lead_s() >= 0.6
+
+
 def test_the_thread_waits_out_a_round_and_reads_before_the_next_one():
     """The daemon's loop: a round runs (no read starts, a poke included), ends, and says when the
     next is due; the read due inside the lead starts before that round instead."""
