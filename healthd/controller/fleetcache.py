@@ -41,23 +41,23 @@ MIN_LEAD_S = 0.25
 is started that much before the round instead, or after it."""
 
 
-def next_refresh_at(now: float, last_start: float, period_s: float, lead_s: float, *, poked: bool,
+def next_refresh_at(now: float, last_end: float, period_s: float, lead_s: float, *, poked: bool,
                     in_round: bool, round_due: float | None) -> float | None:
     """When the refresh thread starts its next read (time.monotonic()), or None: after the round
     running now, or the one due within `lead_s`, has ended (pure).
 
-    A read is due a period after the last one began (at once when poked: a write or a failed
-    read). It never starts while a round runs, nor within `lead_s / 2` of the next one; one that
-    would start within `lead_s` of the next round starts `lead_s` before it instead, so that the
-    round acts on a view just read, unless that is within half a period of the last one (then it
-    waits for the round to end). However busy the rounds, a read is never put off past two periods
-    after the last began."""
-    overdue = last_start + 2 * period_s
+    A read is due a period after the last one ended (at once when poked: a write or a failed
+    read), so a slow or hung one is not followed by another at once. It never starts while a round
+    runs, nor within `lead_s / 2` of the next one; one that would start within `lead_s` of the next
+    round starts `lead_s` before it instead, so that the round acts on a view just read, unless
+    that is within half a period of the last one (then it waits for the round to end). However
+    busy the rounds, a read is never put off past two periods after the last."""
+    overdue = last_end + 2 * period_s
     if now >= overdue:
         return now
     if in_round:
         return None
-    target = now if poked else last_start + period_s
+    target = now if poked else last_end + period_s
     if round_due is None:
         return target
     keep_out = round_due - lead_s
@@ -65,7 +65,7 @@ def next_refresh_at(now: float, last_start: float, period_s: float, lead_s: floa
         return None
     if target < keep_out:
         return target
-    return keep_out if keep_out >= last_start + period_s / 2 else None
+    return keep_out if keep_out >= last_end + period_s / 2 else None
 
 
 def out_of_service(info: NodeInfo | None) -> bool:
@@ -320,19 +320,18 @@ class FleetCache:
         def loop() -> None:
             said = None
             # read just before the start: the first refresh is a period away
-            last_start = time.monotonic() if self.healthy else float("-inf")
+            last_end = time.monotonic() if self.healthy else float("-inf")
             while not self._stop.is_set():
                 now = time.monotonic()
-                at = next_refresh_at(now, last_start, period_s, self.lead_s(), poked=self._poked,
+                at = next_refresh_at(now, last_end, period_s, self.lead_s(), poked=self._poked,
                                      in_round=self._in_round, round_due=self._round_due)
                 if at is None or at > now:
                     # flags are read before the wait and the event cleared after it: a change in
                     # between leaves the event set or is seen when the next read is worked out again
-                    self._wake.wait(max(0.0, (at if at is not None else last_start + 2 * period_s) - now))
+                    self._wake.wait(max(0.0, (at if at is not None else last_end + 2 * period_s) - now))
                     self._wake.clear()
                     continue
                 self._poked = False
-                last_start = now
                 try:
                     self.refresh()
                     if said is not None:
@@ -350,6 +349,7 @@ class FleetCache:
                         after()
                     except Exception:
                         _log.exception("after the fleet refresh")
+                last_end = time.monotonic()
 
         self._thread = threading.Thread(target=loop, name="healthd-fleet", daemon=True)
         self._thread.start()

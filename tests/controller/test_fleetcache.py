@@ -241,6 +241,25 @@ def test_a_read_never_starts_in_a_round_or_its_lead_unless_two_periods_overdue(n
         assert max(start, now) <= due - lead / 2
 
 
+def test_a_slow_read_is_followed_by_the_next_a_period_after_it_ended_not_at_once():
+    """A read longer than the period (slurmctld slow, a client hung until its timeout) is not
+    followed by another at once: a failure it ends in stays visible to the rounds for a period."""
+    src = Lines([line("n1")])
+    src.during = lambda: (time.sleep(0.6), [line("n1")])[1]
+    cache = FleetCache(src)  # type: ignore[arg-type]
+    cache.start(0.3)
+    try:
+        deadline = time.monotonic() + 10
+        while cache.snapshot() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        ended = time.monotonic()
+        while src.reads < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert src.reads == 2 and time.monotonic() - ended >= 0.25
+    finally:
+        cache.stop()
+
+
 def test_the_lead_before_a_round_follows_the_read_of_slurm_not_a_first_parse_of_every_line():
     src = Lines([line("n1"), line("n2")])
     cache = FleetCache(src)  # type: ignore[arg-type]

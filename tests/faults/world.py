@@ -229,8 +229,26 @@ class FaultWorld(FleetHarness):
             "SELECT node, action_id, incident_id, kind, reason, reason_time, reason_user, since, planned_at, "
             "verified_at FROM holds")}
 
-    def wait(self, probe: Callable[[], T], timeout_s: float = 30, what: str = "condition") -> T:
-        return poll(probe, timeout_s, what, interval=0.1, error=HarnessError)
+    def wait(self, probe: Callable[[], T], timeout_s: float = 30, what: str = "condition",
+             node: str | None = None) -> T:
+        """Poll `probe`; a timeout says what the ledger, Slurm and the controller's log show (of
+        `node`, when given)."""
+        return poll(probe, timeout_s, what, interval=0.1, error=HarnessError,
+                    diagnostics=lambda: self.diagnostics(node))
+
+    def diagnostics(self, node: str | None = None) -> str:
+        """The ledger's actions, decisions and incidents (of `node`), what Slurm shows of it, and the
+        tail of the controller's log: why a wait timed out."""
+        out = [f"actions: {[(a['id'], a['kind'], a['attempt'], a['status'], a['outcome']) for a in self.actions(node)]}",
+               f"decisions: {self.rows('SELECT id, kind, outcome, refused_gate, refused_reason FROM decisions' + (' WHERE node = ?' if node else ''), (node,) if node else ())}",
+               f"incidents: {self.incidents(node)}"]
+        if node is not None:
+            try:
+                out.append(f"slurm: {self.node_info(node)}")
+            except Exception as exc:  # noqa: BLE001 - a diagnostic must not hide the timeout
+                out.append(f"slurm: cannot read {node}: {exc}")
+        out.append(f"--- controller log\n{_tail(self.controller_log, 40)}")
+        return "\n".join(out)
 
     def healthctl_run(self, *args: str) -> tuple[int, str]:
         """`healthctl ARGS` as an operator runs it: (exit status, stdout + stderr)."""
@@ -264,7 +282,7 @@ class FaultWorld(FleetHarness):
 
     def drained_once(self, node: str, timeout_s: float = 30) -> None:
         """Wait until healthd holds `node` and Slurm shows exactly its drain."""
-        self.wait(lambda: self.held_and_drained(node), timeout_s, f"{node} drained by healthd")
+        self.wait(lambda: self.held_and_drained(node), timeout_s, f"{node} drained by healthd", node)
 
     def submit_opted_in(self, node: str) -> str:
         """A job on `node` that opted in to being requeued, running; its id."""
@@ -466,7 +484,7 @@ class Checker:
         t0 = time.monotonic()
         self.w.inject_xid(node, xid, gpu=gpu)
         bound = rounds * self.w.round_s + 3.0 * self.w.agent_interval_s + 2.0
-        self.w.wait(lambda: self.w.held_and_drained(node), bound, f"{node}'s drain within {bound:.1f} s")
+        self.w.wait(lambda: self.w.held_and_drained(node), bound, f"{node}'s drain within {bound:.1f} s", node)
         return time.monotonic() - t0
 
 
