@@ -69,10 +69,14 @@ def judge_gone(hold: Hold, info: NodeInfo, ctld_started_at: float | None) -> tup
         return "released", f"now {describe_reason(info)}"
     if hold.kind == "reboot-asap" and info.boot_time is not None and info.boot_time >= hold.since - CLOCK_SKEW_S:
         return "completed", f"the node booted at {stamp(info.boot_time)}, after the reboot request"
+    # BOOT_TIME is to the second: a restart in the second the write was last seen reads as before it
     if ctld_started_at is not None and ctld_started_at >= hold.verified_at - CLOCK_SKEW_S / 60:
         return "lost", (f"slurmctld restarted at {stamp(ctld_started_at)}, after the write was last seen "
                         f"({stamp(hold.verified_at)}), and came back without it (state {info.state})")
-    return "released", f"cleared by someone else (state {info.state}, no reason)"
+    started = f"slurmctld up since {stamp(ctld_started_at)}" if ctld_started_at is not None else \
+        "slurmctld's start time unknown"
+    return "released", (f"cleared by someone else (state {info.state}, no reason; {started}, the write last "
+                        f"seen {stamp(hold.verified_at)})")
 
 
 class Reconciler:
@@ -266,7 +270,7 @@ class Reconciler:
         if not self._seen or now - self._flushed_at < self.verify_every_s:
             return
         try:
-            self.ledger.verify_holds(self._seen, at=now)
+            self.ledger.verify_holds(self._seen)
             self._flushed_at = now
         except Exception as exc:  # bookkeeping: a busy ledger waits for the next flush
             _log.warning("reconcile: cannot record verification times: %s", exc)

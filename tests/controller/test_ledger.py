@@ -420,8 +420,10 @@ def test_holds_follow_healthd_writes_and_how_they_end(led: Ledger) -> None:
     assert (n1.slurm_reason_time, n1.slurm_reason_user) == (10.0, "root")
     led.confirm_hold("n6", holds["n6"].action_id, 31.0, "slurm", at=40)
     assert led.hold("n6").confirmed and led.hold("n6").verified_at == 40
-    led.verify_holds(["n1", "n4"], at=50)
-    assert led.hold("n1").verified_at == 50 and led.hold("n4").verified_at == 50
+    led.verify_holds({"n1": 50.0, "n4": 45.0})
+    assert led.hold("n1").verified_at == 50 and led.hold("n4").verified_at == 45
+    led.verify_holds({"n1": 20.0})  # never moved back
+    assert led.hold("n1").verified_at == 50
     # lost and abandoned writes do not spend the rate-limit budget; the others do
     assert led.actions_applied_since(0) == 6
 

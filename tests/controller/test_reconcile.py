@@ -219,6 +219,23 @@ def test_a_drain_last_seen_in_a_view_read_before_slurmctld_restarted_is_lost_not
     assert whats(rig.rec.round(dict(rig.be.state), rig.clock(), "auto", read_at=rig.clock.t)) == [("node02", "lost")]
 
 
+def test_the_ledger_records_when_the_view_showing_a_hold_was_read_not_when_the_round_ran(rig):
+    """slurmctld killed and restored just after the view was read, the round a few seconds later:
+    the ledger's verification time is the read's, so the drain is still found lost after it."""
+    rec = Reconciler(rig.ex, verify_every_s=0)
+    rig.apply(rig.decision())
+    rec.round(dict(rig.be.state), rig.clock(), "auto")
+    read_at = rig.clock.t + 1
+    read_before_the_kill = dict(rig.be.state)
+    rig.be.state["node02"] = NodeInfo(name="node02", state="unknown", partitions=("gpu",))
+    rig.be.started_at = read_at + 0.5
+    rig.clock.t = read_at + 4
+    assert rec.round(read_before_the_kill, rig.clock(), "auto", read_at=read_at) == []
+    assert rig.led.hold("node02").verified_at == read_at
+    rig.clock.t += 1
+    assert whats(rec.round(dict(rig.be.state), rig.clock(), "auto", read_at=rig.clock.t)) == [("node02", "lost")]
+
+
 def test_an_administrator_resuming_a_healthd_drain_is_a_release_not_a_loss(rig):
     d = rig.decision()
     rig.apply(d)

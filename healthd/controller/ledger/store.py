@@ -33,7 +33,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -650,17 +650,21 @@ class Ledger:
             self._exec("UPDATE actions SET slurm_reason_time = ?, slurm_reason_user = ? WHERE id = ?",
                        (reason_time, reason_user, action_id))
 
-    def verify_holds(self, nodes: Iterable[str], at: float | None = None) -> None:
-        """Slurm was seen showing healthd's writes on `nodes` at `at`: one statement for all of them."""
-        names = sorted(set(nodes))
-        if not names:
+    def verify_holds(self, seen: Mapping[str, float]) -> None:
+        """Slurm was seen showing healthd's writes: node -> when (the time its view was read). One
+        statement per distinct time (a round's sightings share one), in one transaction."""
+        by_time: dict[float, list[str]] = {}
+        for node, at in seen.items():
+            by_time.setdefault(at, []).append(node)
+        if not by_time:
             return
-        ts = _now(at)
         with self.transaction():
-            for i in range(0, len(names), 500):
-                chunk = names[i:i + 500]
-                self._exec(f"UPDATE holds SET verified_at = MAX(verified_at, ?) WHERE node IN ({', '.join('?' for _ in chunk)})",
-                           (ts, *chunk))
+            for ts, nodes in sorted(by_time.items()):
+                names = sorted(nodes)
+                for i in range(0, len(names), 500):
+                    chunk = names[i:i + 500]
+                    self._exec(f"UPDATE holds SET verified_at = MAX(verified_at, ?) WHERE node IN "
+                               f"({', '.join('?' for _ in chunk)})", (ts, *chunk))
 
     def series(self, series: str) -> list[Action]:
         """Every attempt of one decision for one incident, first attempt first."""
