@@ -475,8 +475,7 @@ class Checker:
             time.sleep(0.5)
             problems = self.problems()
         if problems:
-            raise AssertionError("invariants broken:\n- " + "\n- ".join(problems) +
-                                 f"\ncontroller log tail:\n{_tail(self.w.controller_log, 40)}")
+            raise AssertionError("invariants broken:\n- " + "\n- ".join(problems) + "\n" + self.w.diagnostics())
 
     def drain_not_delayed(self, node: str, *, rounds: int = 4, xid: int = 48, gpu: int = 3) -> float:
         """A T1 fault on `node`: healthd's drain must be visible in Slurm within `rounds` rounds of the
