@@ -68,6 +68,10 @@ _INBAND = operator.attrgetter("inband")
 _VERDICT = operator.attrgetter("verdict")
 _RECEIVED_AT = operator.attrgetter("received_at")
 ADDR_REFRESH_S = 300.0
+WRITE_IN_FLIGHT_S = 30.0
+"""How long before the fleet view's read a write healthd planned may still have landed after it (a
+client that timed out, a slurmctld that answered slowly): such writes whose outcome the ledger does not
+know count as out of service and as spent budget in the gates (LedgerView.unsettled)."""
 FULL_COLLECT_EVERY_S = 3600.0
 """How often the daemon runs a full garbage collection between rounds (Controller.between_rounds)."""
 LEDGER_OUTCOME = {"allowed": "allowed", "waiting-approval": "waiting", "refused": "refused", "recorded": "refused"}
@@ -581,7 +585,8 @@ class Controller:
             self._load_incidents()
             self._ensure_incidents(reports, fleet.reporting_findings, now, jobs)
             lview = LedgerView(holds=self.ledger.holds(), incidents={k: str(v) for k, v in self._incidents.items()},
-                               escalations=self._escalations(reports, fleet.reporting_findings, now))
+                               escalations=self._escalations(reports, fleet.reporting_findings, now),
+                               unsettled=self.ledger.unsettled_removals(snap.read_at - WRITE_IN_FLIGHT_S))
             hour = now - 3600.0
             by_part = {p: self.ledger.actions_applied_since(hour, p) for p in fleet.partitions}
             approved = self._approved()

@@ -127,8 +127,9 @@ class GateContext:
     removed_in_batch: frozenset[str] = frozenset()
     """Nodes allowed out of service earlier in this batch (capacity floor counts them as gone)."""
     out_of_service: frozenset[str] | None = None
-    """Nodes Slurm shows drained, down, not responding or rebooting (computed from the fleet when None
-    and capacity floors are configured; without floors no gate reads it and it stays None)."""
+    """Nodes the fleet view shows drained, down, not responding or rebooting (computed from the fleet
+    when None and capacity floors are configured; without floors no gate reads it and it stays None).
+    The view may predate healthd's latest writes: the capacity floor adds own_removals to it."""
 
     def __post_init__(self) -> None:
         # only the capacity floor reads it: without floors, a walk over every node each round is waste
@@ -297,16 +298,27 @@ def gate_mode(decision: Decision, ctx: GateContext) -> Refusal | None:
     return None
 
 
+def unconfirmed(ctx: GateContext) -> frozenset[str]:
+    """Nodes whose node-removing write since the view was read has no applied record yet (planned, or
+    failed with its outcome unknown): they spend rate-limit budget until a later view settles them."""
+    unsettled = ctx.ledger.unsettled
+    return unsettled - ctx.ledger.holds.keys() if unsettled else unsettled
+
+
 def gate_rate_limit(decision: Decision, ctx: GateContext) -> Refusal | None:
-    """At most N node-removing actions per hour fleet-wide and per partition."""
+    """At most N node-removing actions per hour fleet-wide and per partition: those the ledger has
+    applied, those allowed earlier in this batch, and writes whose outcome Slurm has not shown yet."""
     if decision.kind not in REMOVING_KINDS:
         return None
     s = ctx.settings
-    if ctx.actions_last_hour >= s.max_actions_per_hour:
-        return Refusal("rate-limit", f"fleet rate limit: {ctx.actions_last_hour} of {s.max_actions_per_hour} "
-                                     "actions in the last hour")
+    pending = unconfirmed(ctx) - {decision.node}  # a retry of its own unconfirmed write is not a second one
+    used = ctx.actions_last_hour + len(pending)
+    if used >= s.max_actions_per_hour:
+        return Refusal("rate-limit", f"fleet rate limit: {used} of {s.max_actions_per_hour} actions in the last hour"
+                                     + (f" ({len(pending)} not yet confirmed by Slurm)" if pending else ""))
     for p in ctx.fleet.partitions_of(decision.node):
-        used = ctx.actions_last_hour_by_partition.get(p, 0)
+        members = ctx.fleet.partitions.get(p, frozenset())
+        used = ctx.actions_last_hour_by_partition.get(p, 0) + (len(pending & members) if pending else 0)
         limit = s.partition_limit(p)
         if used >= limit:
             return Refusal("rate-limit", f"partition {p} rate limit: {used} of {limit} actions in the last hour")
@@ -338,15 +350,22 @@ def gate_correlation(decision: Decision, ctx: GateContext) -> Refusal | None:
 
 
 
+def own_removals(ctx: GateContext) -> frozenset[str]:
+    """Nodes out of service by healthd's own doing, whatever the fleet view shows: every node it
+    holds, every removing write since the view was read, and those allowed earlier in this batch."""
+    return frozenset(ctx.ledger.holds.keys()) | ctx.ledger.unsettled | ctx.removed_in_batch
+
+
 def gate_capacity(decision: Decision, ctx: GateContext) -> Refusal | None:
-    """Never take a partition below its configured healthy minimum (drained, down, not
-    responding, rebooting and nodes removed earlier in this batch are not healthy)."""
+    """Never take a partition below its configured healthy minimum. Not healthy: what the fleet view
+    shows drained, down, not responding or rebooting, plus healthd's own removals (own_removals), so a
+    view read before healthd's last drain never counts that node as healthy."""
     if decision.kind not in REMOVING_KINDS:
         return None
     floors = ctx.settings.capacity_floors
     if not floors:
         return None
-    unhealthy = (ctx.out_of_service or frozenset()) | ctx.removed_in_batch
+    unhealthy = (ctx.out_of_service or frozenset()) | own_removals(ctx)
     for p in ctx.fleet.partitions_of(decision.node):
         floor = floors.get(p)
         if floor is None:

@@ -340,6 +340,10 @@ class LedgerView:
     escalations: Mapping[tuple[str, str], str] = field(default_factory=dict)
     """(node, finding id) -> `inspect-hardware` or `contact-support` when the remediation counters
     say a drain for it is no longer routine (reintegrate.ReintegrationSettings)."""
+    unsettled: frozenset[str] = frozenset()
+    """Nodes with a node-removing write healthd planned, or made without knowing whether it landed
+    (a timeout, a crash), since the fleet view was read: Slurm may already show it. The capacity
+    floor counts them as gone and the rate limit as spent until a later view settles them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "holds", _frozen_map(self.holds))

@@ -270,6 +270,78 @@ def test_capacity_floor_counts_drained_and_down_nodes():
     assert o["node02"].label == "refused-by-capacity" and "minimum 1" in o["node02"].reason
 
 
+def test_capacity_floor_counts_healthds_own_drain_the_view_has_not_shown_yet():
+    """The view was read before healthd's drain of node01 landed: node01 still looks idle there, but
+    the ledger holds it, so draining node02 as well would breach the floor of 3."""
+    infos = [info(n) for n in NODES]
+    held = LedgerView(holds={"node01": hold_for(info("node01", flags={"DRAIN"}, reason="healthd: x [#1]"))})
+    outs, _, _ = run([report("node02", finding())], infos=infos, ledger=held, capacity_floors={"gpu": 3})
+    assert by_node(outs)["node02"].label == "refused-by-capacity", by_node(outs)["node02"]
+    outs, _, _ = run([report("node02", finding())], infos=infos, capacity_floors={"gpu": 3})
+    assert by_node(outs)["node02"].status == "allowed"  # without the hold the floor allows one
+
+
+def test_unsettled_writes_count_as_gone_and_as_spent_budget_except_for_their_own_retry():
+    """node01's drain failed with its outcome unknown (a client that timed out) after the view was read:
+    it may have landed. It counts against the floor and the rate limit for every other node; node01's own
+    retry is not a second removal."""
+    unsettled = LedgerView(unsettled=frozenset({"node01"}))
+    outs, _, _ = run([report("node02", finding())], ledger=unsettled, capacity_floors={"gpu": 3})
+    assert by_node(outs)["node02"].label == "refused-by-capacity"
+    outs, _, _ = run([report("node02", finding())], ledger=unsettled, max_actions_per_hour=1)
+    o = by_node(outs)["node02"]
+    assert o.label == "refused-by-rate-limit" and "1 not yet confirmed by Slurm" in o.reason, o
+    outs, _, _ = run([report("node02", finding())], ledger=unsettled, max_actions_per_partition_per_hour=1)
+    assert by_node(outs)["node02"].label == "refused-by-rate-limit"
+    outs, _, _ = run([report("node01", finding())], ledger=unsettled, max_actions_per_hour=1,
+                     capacity_floors={"gpu": 3})
+    assert by_node(outs)["node01"].status == "allowed"  # its own write again: budget and floor unchanged
+
+
+@st.composite
+def stale_views(draw):
+    """A fleet where healthd holds some nodes and has unsettled writes on others, and the same fleet as
+    a view read before those writes landed (the held nodes idle there, with no reason)."""
+    names = [f"node{i:02d}" for i in range(1, draw(st.integers(2, 9)))]
+    infos = [info(n, flags=draw(st.sampled_from([(), ("DRAIN",)])),
+                  reason=draw(st.sampled_from(["", "maintenance"]))) for n in names]
+    held = draw(st.sets(st.sampled_from(names)))
+    unsettled = frozenset(draw(st.sets(st.sampled_from(names))))
+    current = [info(i.name, flags={"DRAIN"}, reason=f"healthd: x [#{k}]") if i.name in held else i
+               for k, i in enumerate(infos)]
+    ledger = LedgerView(holds={i.name: hold_for(i) for i in current if i.name in held}, unsettled=unsettled)
+    stale = [info(i.name) if i.name in held else i for i in current]
+    reports = [report(n, finding()) for n in names if draw(st.booleans())]
+    s = ControllerPolicySettings(mode="auto", breaker_percent=100.0, breaker_nodes=1000,
+                                 max_actions_per_hour=draw(st.integers(0, 9)),
+                                 capacity_floors={"gpu": draw(st.integers(0, len(names)))})
+    return names, current, stale, ledger, reports, s
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stale_views())
+def test_a_view_read_before_healthds_writes_never_allows_more_removals(sample):
+    """Metamorphic: the gates over a view that has not yet shown healthd's own writes allow no more
+    node removals than over the view that shows them, and never take a partition below its floor as
+    Slurm really is (the view's out-of-service nodes, healthd's holds and unsettled writes)."""
+    names, current, stale, ledger, reports, s = sample
+    allowed = {}
+    for label, infos in (("current", current), ("stale", stale)):
+        fleet = FleetView.build(reports, infos, "", s)
+        ctx, _ = build_context(fleet, ledger, s, NOW)
+        outs = apply_gates(decide(fleet, ledger, s, NOW), ctx)
+        allowed[label] = {o.decision.node for o in outs
+                          if o.status == "allowed" and o.decision.kind in ("drain", "drain-and-requeue", "reboot-asap")}
+    really_gone = ({i.name for i in current if "DRAIN" in i.flags} | set(ledger.holds) | ledger.unsettled)
+    # a held node the stale view shows idle may be decided again: the executor's re-read settles that
+    # write as already made; what must not grow is the removal of nodes still in service
+    assert len(allowed["stale"] - really_gone) <= len(allowed["current"] - really_gone), allowed
+    for label in ("current", "stale"):
+        healthy_after = len(set(names) - really_gone - allowed[label])
+        if allowed[label] - really_gone:
+            assert healthy_after >= s.capacity_floors["gpu"], (label, allowed[label], really_gone)
+
+
 def test_capacity_floor_zero_and_other_partition_unaffected():
     outs, _, _ = run([report(n, finding()) for n in NODES], capacity_floors={"other": 10})
     assert all(o.status == "allowed" for o in acting(outs))

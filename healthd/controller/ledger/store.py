@@ -635,6 +635,17 @@ class Ledger:
         """node -> healthd's hold on it: every node healthd has taken out of service and still owns."""
         return {r[0]: Hold(*r) for r in self.query(f"SELECT {self._HOLD_COLS} FROM holds ORDER BY node")}
 
+    def unsettled_removals(self, since: float) -> frozenset[str]:
+        """Nodes with a node-removing action (REMEDIATION_KINDS) planned at or after `since` that is
+        still planned, or failed: whether such a write reached Slurm is known only from a view of the
+        fleet read after it (a client that timed out after its write landed, a crash mid-write)."""
+        rows = self.query(
+            "SELECT DISTINCT node FROM actions WHERE status IN ('planned', 'failed') AND planned_at >= ? "
+            f"AND kind IN ({', '.join('?' for _ in REMEDIATION_KINDS)})",
+            (since, *REMEDIATION_KINDS),
+        )
+        return frozenset(r[0] for r in rows)
+
     def hold(self, node: str) -> Hold | None:
         row = self.query_one(f"SELECT {self._HOLD_COLS} FROM holds WHERE node = ?", (node,))
         return None if row is None else Hold(*row)
