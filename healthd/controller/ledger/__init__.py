@@ -6,7 +6,10 @@ the queries `healthctl report` and the rate limiter need.
 
   * records: the vocabulary (statuses, kinds, states) and the frozen records reads return;
   * schema: the schema version, its migrations and `migrate()`;
-  * store: `Ledger`, the connection, transactions, every write and the controller's reads;
+  * core: the connection, transactions and reads every store runs on;
+  * incidents (with findings and clears), decisions (with approvals), actions (with holds, budgets
+    and escalation counts), reintegrations, breaker: one store each, every write and read of it;
+  * store: `Ledger`, the stores composed over one connection;
   * reports: the figures people query (repeat offenders, false-positive rate, MTBF, stage timings).
 """
 
@@ -44,7 +47,8 @@ from healthd.controller.ledger.reports import (
     percentile,
 )
 from healthd.controller.ledger.schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION, migrate
-from healthd.controller.ledger.store import DEFAULT_BUSY_TIMEOUT_S, Ledger
+from healthd.controller.ledger.core import DEFAULT_BUSY_TIMEOUT_S
+from healthd.controller.ledger.store import Ledger
 
 __all__ = [
     "ACTION_STATUSES",
