@@ -18,11 +18,9 @@ error budget's burn rate.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +29,7 @@ from dataclasses import dataclass, field
 from healthd import goodput
 from healthd.controller import goodput_ledger
 from healthd.controller.goodput_gather import job_parts, read_parts
+from healthd.controller.ledger.accounted import ACCOUNTED_NAME, AccountedStore
 from healthd.controller.metrics import GoodputFigures
 from healthd.slurm.backend import JobInfo, JobRun, SlurmBackend, SlurmError
 
@@ -102,49 +101,9 @@ def label(value: str | None) -> str:
     return value if value and LABEL.fullmatch(value) else ("other" if value else UNKNOWN)
 
 
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS jobs (
-        job TEXT PRIMARY KEY,
-        partition TEXT NOT NULL,
-        account TEXT NOT NULL,
-        accounted_at REAL,
-        last_write REAL,
-        held_gpu_s REAL,
-        gpu_s TEXT,
-        lost TEXT,
-        problems TEXT)""",
-    # what the counters export: only ever increased, so deleting an old job or accounting one again
-    # never makes a counter go down (which Prometheus would read as a reset)
-    """CREATE TABLE IF NOT EXISTS totals (
-        partition TEXT NOT NULL,
-        kind TEXT NOT NULL,
-        key TEXT NOT NULL,
-        value REAL NOT NULL,
-        PRIMARY KEY (partition, kind, key))""",
-)
-
-
-class AccountedJobs:
+class AccountedJobs(AccountedStore):
     """`<directory>/accounted.sqlite`: one row per job (its partition as soon as it is known, its
     account once it ended) and the running totals the metrics export. Used by one thread."""
-
-    def __init__(self, path: str):
-        self.db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        for statement in _SCHEMA:
-            self.db.execute(statement)
-
-    def close(self) -> None:
-        self.db.close()
-
-    def known(self) -> dict[str, tuple[str, str, float | None, float | None]]:
-        """job -> (partition, account, accounted_at, the newest write it was accounted with)."""
-        return {job: (p, a, at, lw) for job, p, a, at, lw in
-                self.db.execute("SELECT job, partition, account, accounted_at, last_write FROM jobs")}
-
-    def seen(self, job: str, partition: str, account: str) -> None:
-        self.db.execute("INSERT INTO jobs (job, partition, account) VALUES (?, ?, ?) ON CONFLICT(job) DO UPDATE "
-                        "SET partition = excluded.partition, account = excluded.account", (job, partition, account))
 
     def accounted(self, job: str, partition: str, account: str, at: float, last_write: float,
                   acc: goodput.Account) -> None:
@@ -153,43 +112,26 @@ class AccountedJobs:
         lost: dict[str, float] = {}
         for inc in acc.incidents:
             lost[inc.cause] = lost.get(inc.cause, 0.0) + inc.total_gpu_s
-        before = self.db.execute("SELECT partition, gpu_s, lost FROM jobs WHERE job = ? AND accounted_at IS NOT NULL",
-                                 (job,)).fetchone()
+        before = self.last_account(job)
         old_part = label(before[0]) if before else None
-        old_cats, old_lost = (_floats(before[1]), _floats(before[2])) if before else ({}, {})
+        old_cats, old_lost = (before[1], before[2]) if before else ({}, {})
         part = label(partition)
         same = old_part == part
-        with self.db:
-            self.db.execute("BEGIN")
-            self.db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(job) DO UPDATE SET "
-                "partition = excluded.partition, account = excluded.account, accounted_at = excluded.accounted_at, "
-                "last_write = excluded.last_write, held_gpu_s = excluded.held_gpu_s, gpu_s = excluded.gpu_s, "
-                "lost = excluded.lost, problems = excluded.problems",
-                (job, partition, account, at, last_write, acc.held_gpu_s, json.dumps(dict(acc.gpu_s)),
-                 json.dumps(lost), json.dumps(list(acc.problems))))
-            if not before or not same:
-                self._add(part, "jobs", "", 1.0)
-            for c, v in acc.gpu_s.items():
-                self._add(part, "gpu_s", c, v - (old_cats.get(c, 0.0) if same else 0.0))
-            for cause, v in lost.items():
-                self._add(part, "lost", cause, v - (old_lost.get(cause, 0.0) if same else 0.0))
-
-    def _add(self, partition: str, kind: str, key: str, value: float) -> None:
-        if value <= 0:
-            return
-        self.db.execute("INSERT INTO totals VALUES (?, ?, ?, ?) ON CONFLICT(partition, kind, key) DO UPDATE "
-                        "SET value = value + excluded.value", (partition, kind, key, value))
-
-    def forget(self, job: str) -> None:
-        """Delete the job's row; the totals keep what it added."""
-        self.db.execute("DELETE FROM jobs WHERE job = ?", (job,))
+        adds: list[tuple[str, str, str, float]] = []
+        if not before or not same:
+            adds.append((part, "jobs", "", 1.0))
+        for c, v in acc.gpu_s.items():
+            adds.append((part, "gpu_s", c, v - (old_cats.get(c, 0.0) if same else 0.0)))
+        for cause, v in lost.items():
+            adds.append((part, "lost", cause, v - (old_lost.get(cause, 0.0) if same else 0.0)))
+        self.record_account(job, partition, account, at, last_write, acc.held_gpu_s, acc.gpu_s, lost, acc.problems,
+                            adds)
 
     def figures(self, settings: GoodputSettings) -> GoodputFigures:
         gpu_s: dict[tuple[str, str], float] = {}
         lost_raw: dict[tuple[str, str], float] = {}
         jobs: dict[str, int] = {}
-        for partition, kind, key, value in self.db.execute("SELECT partition, kind, key, value FROM totals"):
+        for partition, kind, key, value in self.totals():
             if kind == "jobs":
                 jobs[partition] = int(value)
             elif kind == "gpu_s" and key in goodput.CATEGORIES:
@@ -212,14 +154,6 @@ class AccountedJobs:
         return GoodputFigures(gpu_s, lost, jobs, {p: settings.objective_of(p) for p in sorted(partitions)})
 
 
-def _floats(text: str | None) -> dict[str, float]:
-    try:
-        doc = json.loads(text or "{}")
-    except ValueError:
-        return {}
-    return {str(k): float(v) for k, v in doc.items() if isinstance(v, (int, float))} if isinstance(doc, dict) else {}
-
-
 def _newest_write(directory: str) -> float:
     return max((os.stat(p).st_mtime for p in job_parts(directory)), default=0.0)
 
@@ -237,7 +171,7 @@ class GoodputAccountant:
         self.publish = publish
         self.clock = clock
         os.makedirs(settings.directory, mode=0o750, exist_ok=True)
-        self.jobs = AccountedJobs(os.path.join(settings.directory, "accounted.sqlite"))
+        self.jobs = AccountedJobs(os.path.join(settings.directory, ACCOUNTED_NAME))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._no_accounting = False

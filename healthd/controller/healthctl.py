@@ -34,6 +34,7 @@ from healthd.controller import goodput_ledger
 from healthd.controller.goodput_gather import job_parts, read_parts
 from healthd.controller.goodput_jobs import GATHERED_NAME, UNKNOWN
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
+from healthd.controller.ledger.accounted import ACCOUNTED_NAME, recorded_jobs
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
                                       Ledger, LedgerError)
 from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
@@ -665,17 +666,10 @@ def _account_file(paths: list[str], job: str | None, requeues: goodput_ledger.Re
 def _recorded_jobs(logs: str) -> dict[str, tuple[str, str]]:
     """job -> (partition, account) as the controller recorded them beside its gathered logs (empty
     without them)."""
-    path = os.path.join(logs, "accounted.sqlite")
+    path = os.path.join(logs, ACCOUNTED_NAME)
     if not os.path.isfile(path):
         return {}
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-        try:
-            return {job: (p, a) for job, p, a in db.execute("SELECT job, partition, account FROM jobs")}
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return {}
+    return recorded_jobs(path)
 
 
 def _goodput_fleet(args: argparse.Namespace) -> int:

@@ -10,7 +10,9 @@ the queries `healthctl report` and the rate limiter need.
   * incidents (with findings and clears), decisions (with approvals), actions (with holds, budgets
     and escalation counts), reintegrations, breaker: one store each, every write and read of it;
   * store: `Ledger`, the stores composed over one connection;
-  * reports: the figures people query (repeat offenders, false-positive rate, MTBF, stage timings).
+  * reports: the figures people query (repeat offenders, false-positive rate, MTBF, stage timings);
+  * accounted: not the ledger but goodput's accounted jobs, in a file of their own beside the
+    gathered logs; here with the rest of the controller's SQL.
 """
 
 from healthd.controller.ledger.records import (
