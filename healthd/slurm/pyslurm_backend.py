@@ -59,7 +59,8 @@ from healthd.slurm.backend import (
     validate_reservation_name,
     validate_users,
 )
-from healthd.slurm.scontrol import UNAVAILABLE_MARKERS, ScontrolBackend
+from healthd.slurm.scontrol import ScontrolBackend
+from healthd.slurmtext import UNAVAILABLE_MARKERS
 
 log = logging.getLogger(__name__)
 
