@@ -432,6 +432,26 @@ def validate_next_state(next_state: str) -> str:
     return next_state
 
 
+def reservation_args(
+    name: str, nodes: str | Sequence[str], duration_min: int, users: Sequence[str], flags: Sequence[str]
+) -> tuple[str, str, int, list[str], list[str]]:
+    """A maintenance reservation's name, hostlist, duration, users and flags, validated in that order
+    (ValueError), as every backend writes them."""
+    return (validate_reservation_name(name), slurm_hostlist(nodes), validate_duration(duration_min),
+            validate_users(users), validate_reservation_flags(flags))
+
+
+def requested_nodes(names: str | Iterable[str] | None) -> list[str] | None:
+    """The nodes a read is asked for as a list of names or hostlists, validated (ValueError): None asks
+    for every node, an empty list for none (the read has nothing to do)."""
+    if names is None:
+        return None
+    items = [names] if isinstance(names, str) else list(names)
+    if items:
+        validate_nodes(items)
+    return items
+
+
 # ---------------------------------------------------------------------------------------------
 # state strings shared by the scontrol and pyslurm readers
 

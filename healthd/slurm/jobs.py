@@ -12,14 +12,11 @@ from healthd.slurm.backend import (
     JobRun,
     SlurmRefused,
     SlurmUnavailable,
-    slurm_hostlist,
+    reservation_args,
     validate_admin_comment,
-    validate_duration,
     validate_job_id,
     validate_node_name,
-    validate_reservation_flags,
     validate_reservation_name,
-    validate_users,
 )
 from healthd.slurm.nodeparse import local_epoch
 from healthd.slurm.runner import ClientRunner
@@ -96,11 +93,7 @@ class JobsAndReservations(ClientRunner):
         users: Sequence[str] = ("root",),
         flags: Sequence[str] = ("MAINT", "IGNORE_JOBS"),
     ) -> list[str]:
-        name = validate_reservation_name(name)
-        hl = slurm_hostlist(nodes)
-        duration_min = validate_duration(duration_min)
-        users = validate_users(users)
-        flags = validate_reservation_flags(flags)
+        name, hl, duration_min, users, flags = reservation_args(name, nodes, duration_min, users, flags)
         argv = [
             self._bin("scontrol"),
             "create",

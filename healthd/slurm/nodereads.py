@@ -24,6 +24,7 @@ from healthd.slurm.backend import (
     SlurmRefused,
     SlurmUnavailable,
     filter_nodes,
+    requested_nodes,
     validate_nodes,
 )
 from healthd.slurm.nodeparse import (
@@ -118,11 +119,9 @@ class NodeReads(ClientRunner):
     """node -> NodeAddr from lines of node_lines() (joined by newlines)."""
 
     def nodes(self, names: Iterable[str] | None = None) -> list[NodeInfo]:
-        if names is not None:
-            names = [names] if isinstance(names, str) else list(names)
-            if not names:
-                return []
-            validate_nodes(names)
+        names = requested_nodes(names)
+        if names == []:
+            return []
         return filter_nodes(self._read_all(), names)
 
     def node(self, name: str) -> NodeInfo:
@@ -144,13 +143,14 @@ class NodeReads(ClientRunner):
 
     def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """node -> its NodeAddr as Slurm has it (`scontrol show node -o`), all nodes or those named."""
-        if names is not None:
-            names = [names] if isinstance(names, str) else list(names)
-            if not names:
-                return {}
-            wanted = set(validate_nodes(names))
+        names = requested_nodes(names)
+        if names == []:
+            return {}
         addrs = parse_node_addresses(self._run([self._bin("scontrol"), "show", "node", "-o"]))
-        return addrs if names is None else {n: a for n, a in addrs.items() if n in wanted}
+        if names is None:
+            return addrs
+        wanted = set(validate_nodes(names))
+        return {n: a for n, a in addrs.items() if n in wanted}
 
     def ctld_started_at(self) -> float | None:
         """BOOT_TIME of `scontrol show config`: when the running slurmctld started."""

@@ -46,18 +46,17 @@ from healthd.slurm.backend import (
     filter_nodes,
     guarded_state_write,
     parse_state_string,
+    requested_nodes,
+    reservation_args,
     slurm_hostlist,
     validate_admin_comment,
     validate_argv,
-    validate_duration,
     validate_job_id,
     validate_next_state,
     validate_node_name,
     validate_nodes,
     validate_reason,
-    validate_reservation_flags,
     validate_reservation_name,
-    validate_users,
 )
 from healthd.slurm.scontrol import ScontrolBackend
 from healthd.slurmtext import UNAVAILABLE_MARKERS
@@ -259,11 +258,7 @@ class PyslurmBackend:
         return ([f"pyslurm.Job({jid}).requeue()"], lambda: ps.Job(jid).requeue())
 
     def _plan_create_reservation(self, name, nodes, duration_min, users=("root",), flags=("MAINT", "IGNORE_JOBS")):
-        name = validate_reservation_name(name)
-        hl = slurm_hostlist(nodes)
-        duration_min = validate_duration(duration_min)
-        users = validate_users(users)
-        flags = validate_reservation_flags(flags)
+        name, hl, duration_min, users, flags = reservation_args(name, nodes, duration_min, users, flags)
         ps = self._ps
         members = [RESERVATION_FLAG_NAMES[f] for f in flags]
         flag_text = " | ".join(f"pyslurm.ReservationFlags.{m}" for m in members)
@@ -295,11 +290,9 @@ class PyslurmBackend:
         return str(self._call("pyslurm.slurmctld.Config.load().version", lambda: ps.slurmctld.Config.load().version))
 
     def nodes(self, names: Iterable[str] | None = None) -> list[NodeInfo]:
-        if names is not None:
-            names = [names] if isinstance(names, str) else list(names)
-            if not names:
-                return []
-            validate_nodes(names)
+        names = requested_nodes(names)
+        if names == []:
+            return []
         ps = self._ps
         loaded = self._call("pyslurm.Nodes.load()", lambda: list(ps.Nodes.load().values()))
         return filter_nodes([node_from_pyslurm(n) for n in loaded], names)
@@ -422,11 +415,9 @@ class PyslurmBackend:
             self.planned.extend(fb.planned[-1:])
 
     def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
-        if names is not None:
-            names = [names] if isinstance(names, str) else list(names)
-            if not names:
-                return {}
-            validate_nodes(names)
+        names = requested_nodes(names)
+        if names == []:
+            return {}
         return self._need_fallback("node_addresses").node_addresses(names)
 
     def run_step(self, argv: Sequence[str], timeout_s: float) -> StepResult:

@@ -21,6 +21,8 @@ from healthd.slurm.backend import (
     SlurmRefused,
     SlurmUnavailable,
     parse_state_string,
+    requested_nodes,
+    reservation_args,
     slurm_hostlist,
     validate_nodes,
     validate_reason,
@@ -404,6 +406,32 @@ def test_hostlists_clustershell_and_slurm_read_differently_are_refused():
 def test_hostlists_fold_through_clustershell():
     assert str(validate_nodes(["node03", "node01", "node02"])) == "node[01-03]"
     assert str(validate_nodes("gpu[001-128]")) == "gpu[001-128]" and len(validate_nodes("gpu[001-128]")) == 128
+
+
+def test_the_nodes_a_read_asks_for():
+    """Both backends' nodes() and node_addresses() take names the same way: None is every node, an
+    empty list none (nothing is read), anything else is validated before a read."""
+    assert requested_nodes(None) is None
+    assert requested_nodes([]) == [] and requested_nodes(iter(())) == []
+    assert requested_nodes("gpu[01-02]") == ["gpu[01-02]"]
+    assert requested_nodes(("n1", "n2")) == ["n1", "n2"]
+    with pytest.raises(ValueError):
+        requested_nodes(["n1", "bad name"])
+
+
+def test_reservation_arguments_are_validated_in_order():
+    assert reservation_args("maint-1", ["n2", "n1"], 30, ("root",), ("MAINT",)) == ("maint-1", "n[1-2]", 30, ["root"],
+                                                                                  ["MAINT"])
+    with pytest.raises(ValueError, match="reservation name"):
+        reservation_args("bad name", "bad node", 0, (), ("NOPE",))
+    with pytest.raises(ValueError, match="node"):
+        reservation_args("ok", "bad node", 0, (), ("NOPE",))
+    with pytest.raises(ValueError, match="duration"):
+        reservation_args("ok", "n1", 0, (), ("NOPE",))
+    with pytest.raises(ValueError, match="user"):
+        reservation_args("ok", "n1", 5, (), ("NOPE",))
+    with pytest.raises(ValueError, match="flag"):
+        reservation_args("ok", "n1", 5, ("root",), ("NOPE",))
 
 
 # ----------------------------------------------------------------------------- ScontrolBackend with a fake runner
