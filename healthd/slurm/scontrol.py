@@ -9,7 +9,8 @@ every Slurm version. `ScontrolBackend` is composed of:
 - jobs: requeue, the jobs on a node, a job's runs and AdminComment in Slurm's accounting, and
   maintenance reservations, with the parsers of squeue and sacct.
 
-Every name this module offered before it was split is still importable from here.
+The names callers use from those modules (the parsers, the runner, the formats and the markers of
+Slurm's answers) are importable from here too.
 """
 
 from __future__ import annotations
