@@ -106,7 +106,12 @@ def build(cls: type, raw: Any, file: str, prefix: str) -> Any:
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(file, f"{prefix}.{missing[0]}" if prefix else missing[0], "a value", "<missing>")
-    return cls(**values)
+    section = cls(**values)
+    # A section may say what its types cannot (a range, an absolute path): a new section needs no check here.
+    check = getattr(section, "problems", None)
+    for key, expected, found in check() if check is not None else ():
+        raise ConfigError(file, f"{prefix}.{key}" if prefix else key, expected, found)
+    return section
 
 
 def convert(tp: Any, value: Any, file: str, key: str) -> Any:

@@ -681,6 +681,9 @@ class Snapshot:
     infiniband: InfinibandSample
     host: HostSample
     collect_seconds: Mapping[str, float] = field(default_factory=dict)
+    samples: Mapping[str, Any] = field(default_factory=dict)
+    """The samples of the sources the fields above do not name, by source name (the agent's source
+    registry, healthd.agent.sources, says where each source's sample is)."""
 
     def __post_init__(self) -> None:
         if _real(self.time) is None:

@@ -1,7 +1,9 @@
 """Settings: frozen dataclasses, one per config section. The YAML loader is healthd.config.
 
 Defaults are the values an administrator gets with an empty config file; thresholds cite where they
-come from (see README "Configuration").
+come from (see README "Configuration"). A section whose values have limits its types cannot say (a
+range, an absolute path) lists what is wrong in a `problems()` method: (key, expected, found) for
+each; the loader refuses the first, naming the file and the key.
 """
 
 from __future__ import annotations

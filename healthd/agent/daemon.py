@@ -25,14 +25,11 @@ from typing import Any, Callable
 
 from healthd import __version__
 from healthd import config as config_mod
-from healthd.agent.collectors.host import HostCollector
-from healthd.agent.collectors.infiniband import InfinibandCollector
-from healthd.agent.collectors.kernel_log import KernelLogFollower
-from healthd.agent.collectors.nvml import NvmlCollector
+from healthd.agent import sources as registry
 from healthd.agent.metrics import Metrics, TickFigures
 from healthd.agent.reporter import Reporter
 from healthd.agent.classify.catalog import Catalog, load_catalog
-from healthd.agent.classify import IB_ERROR_COUNTERS, Classification, classify
+from healthd.agent.classify import Classification, classify
 from healthd.agent.history import History, HistoryError
 from healthd.agent.hookfiles import HookFiles, merge
 from healthd.agent import inband_jobs
@@ -40,16 +37,7 @@ from healthd.agent.goodput_log import GoodputLog
 from healthd.agent.goodput_ship import GoodputShipper
 from healthd.agent.inband_jobs import InbandJobs, JobView
 from healthd.agent.instructions import apply_clears, carry_episodes, clear_scope, merge_clears, parse_clear
-from healthd.model import (
-    GpuSample,
-    HostSample,
-    InfinibandSample,
-    KernelSample,
-    NvmlSample,
-    Snapshot,
-    XidEvent,
-    iso,
-)
+from healthd.model import KernelSample, Snapshot, XidEvent, iso
 from healthd.persist import read_boot_id, read_json_or_quarantine, write_json_atomic
 from healthd.sdnotify import Notifier, Watchdog, notifier_from_env, stalled_reason, watchdog_period_s
 from healthd.settings import Settings
@@ -60,17 +48,26 @@ EXIT_CODES = {"healthy": 0, "degraded": 1, "failed": 2, "unknown": 3}
 MEMORY_VERSION = 1
 
 
-@dataclass
 class Sources:
-    """The agent's I/O seams. Tests pass collectors pointed at fixtures; None means disabled."""
+    """The agent's I/O seams: a collector per registered source, by source name (`Sources(nvml=...)`,
+    `sources.nvml`), and the kernel log's follower as `kernel`. Tests pass collectors pointed at
+    fixtures; None (or left out) means disabled."""
 
-    nvml: Any = None
-    infiniband: Any = None
-    host: Any = None
-    kernel: Any = None
+    def __init__(self, kernel: Any = None, **collectors: Any):
+        unknown = sorted(set(collectors) - {s.name for s in registry.PERIODIC})
+        if unknown:
+            raise TypeError(f"Sources: no periodic source named {', '.join(unknown)}")
+        self.kernel = kernel
+        self.periodic: dict[str, Any] = {s.name: collectors.get(s.name) for s in registry.PERIODIC}
+
+    def __getattr__(self, name: str) -> Any:
+        periodic = self.__dict__.get("periodic", {})
+        if name in periodic:
+            return periodic[name]
+        raise AttributeError(name)
 
     def close(self) -> None:
-        for c in (self.nvml, self.infiniband, self.host, self.kernel):
+        for c in (*self.periodic.values(), self.kernel):
             if c is not None:
                 try:
                     c.close()
@@ -110,8 +107,9 @@ class Memory:
 
     history: History
     cursor: str | None = None
-    ib_baseline: dict | None = None
-    nvml_baseline: dict | None = None
+    saved: dict = dataclasses.field(default_factory=dict)
+    """Source name -> what its collector saved last (`state()`: counter baselines), for the sources
+    that persist one."""
     cleared: dict = dataclasses.field(default_factory=dict)
     """finding id -> epoch: evidence up to then no longer counts (the controller's clear-finding)."""
     dismissed: dict = dataclasses.field(default_factory=dict)
@@ -134,20 +132,21 @@ class Memory:
             log.error("%s: history is unusable (%s); starting a fresh history", path, e)
             history = History()
         cursor = doc.get("cursor") if isinstance(doc.get("cursor"), str) else None
-        baseline = doc.get("infiniband") if isinstance(doc.get("infiniband"), dict) else None
-        nvml = doc.get("nvml") if isinstance(doc.get("nvml"), dict) else _nvml_baseline_of(doc.get("history"))
-        return cls(history=history, cursor=cursor, ib_baseline=baseline, nvml_baseline=nvml, cleared=_times(doc.get("cleared")),
+        saved = {s.name: doc[s.name] for s in registry.PERIODIC if s.persists and isinstance(doc.get(s.name), dict)}
+        if "nvml" not in saved and (legacy := _nvml_baseline_of(doc.get("history"))) is not None:
+            saved["nvml"] = legacy
+        return cls(history=history, cursor=cursor, saved=saved, cleared=_times(doc.get("cleared")),
                    dismissed=_times(doc.get("dismissed")), episodes=_times(doc.get("episodes")))
 
-    def save(self, state_dir: str, ib_state: dict | None, nvml_state: dict | None) -> None:
+    def save(self, state_dir: str, states: dict[str, dict | None]) -> None:
+        """Write the memory file, with each persisting source's collector state from `states`."""
         write_json_atomic(
             Path(state_dir) / "agent-state.json",
             {
                 "version": MEMORY_VERSION,
                 "saved_at": time.time(),
                 "cursor": self.cursor,
-                "infiniband": ib_state,
-                "nvml": nvml_state,
+                **{s.name: states.get(s.name) for s in registry.PERIODIC if s.persists},
                 "history": self.history.to_json(),
                 "cleared": self.cleared,
                 "dismissed": self.dismissed,
@@ -158,29 +157,14 @@ class Memory:
 
 
 def build_sources(settings: Settings, memory: Memory) -> Sources:
-    """The real collectors, each pointed at the roots the config names."""
-    s = settings
-    return Sources(
-        nvml=NvmlCollector(timeout_s=s.nvml.call_timeout_s, expected_gpus=s.nvml.expected_gpus, baseline=memory.nvml_baseline,
-                           nvlink_counter_interval_s=s.nvml.nvlink_counter_interval_s)
-        if s.nvml.enabled
-        else None,
-        infiniband=InfinibandCollector(sysfs_root=s.infiniband.sysfs_root, baseline=memory.ib_baseline,
-                                       counters=IB_ERROR_COUNTERS)
-        if s.infiniband.enabled
-        else None,
-        host=HostCollector(proc_root=s.host.proc_root, filesystems=s.host.filesystems,
-                           dstate_scan_min_load=s.host.dstate_scan_min_load,
-                           dstate_scan_interval_s=s.host.dstate_scan_interval_s) if s.host.enabled else None,
-        kernel=KernelLogFollower(
-            journal_dir=s.kernel_log.journal_dir,
-            kmsg_path=s.kernel_log.kmsg_path,
-            cursor=memory.cursor,
-            start_at=s.kernel_log.start_at,
-        )
-        if s.kernel_log.enabled
-        else None,
-    )
+    """The real collectors of the enabled sources, each pointed at the roots the config names and
+    given back what it saved."""
+    built = {
+        s.name: s.build(settings, memory.cursor if s.followed else memory.saved.get(s.name))
+        for s in registry.SOURCES
+        if getattr(settings, s.name).enabled
+    }
+    return Sources(kernel=built.pop(registry.FOLLOWED.name, None), **built)
 
 
 def _disabled(cls: type) -> Any:
@@ -256,11 +240,7 @@ class Agent:
         every document; it sends on change or heartbeat from its own thread."""
         self.boot_id = read_boot_id()
         self.started_at = clock()
-        self.last: dict[str, Any] = {
-            "nvml": _disabled(NvmlSample),
-            "infiniband": _disabled(InfinibandSample),
-            "host": _disabled(HostSample),
-        }
+        self.last: dict[str, Any] = {s.name: _disabled(s.sample) for s in registry.PERIODIC}
         self.timings: dict[str, float] = {}
         self.kernel_status = KernelSample(status="ok")
         """Status and detail of the follower's latest read, for ticks without new kernel lines."""
@@ -297,11 +277,8 @@ class Agent:
 
     def collect_periodic(self) -> None:
         now = self.clock()
-        self.last = {
-            "nvml": _collect(self.sources.nvml, NvmlSample, now, self.timings),
-            "infiniband": _collect(self.sources.infiniband, InfinibandSample, now, self.timings),
-            "host": _collect(self.sources.host, HostSample, now, self.timings),
-        }
+        self.last = {s.name: _collect(self.sources.periodic[s.name], s.sample, now, self.timings)
+                     for s in registry.PERIODIC}
         start = time.perf_counter()
         try:
             gpus = {g.index: g.bus_id for g in self.last["nvml"].gpus if g.bus_id}
@@ -341,21 +318,13 @@ class Agent:
             except Exception as e:
                 log.exception("kernel log follower raised")
                 sample = KernelSample(status="error", detail=f"follower crashed: {type(e).__name__}: {e}")
-        self.timings["kernel_log"] = time.perf_counter() - start
+        self.timings[registry.FOLLOWED.name] = time.perf_counter() - start
         self.kernel_status = KernelSample(status=sample.status, detail=sample.detail)
         return sample
 
     def classify(self, kernel: KernelSample) -> Classification:
-        snap = Snapshot(
-            node=self.settings.node_name,
-            time=self.clock(),
-            boot_id=self.boot_id,
-            nvml=self.last["nvml"],
-            kernel=kernel,
-            infiniband=self.last["infiniband"],
-            host=self.last["host"],
-            collect_seconds=dict(self.timings),
-        )
+        snap = registry.snapshot(self.settings.node_name, self.clock(), self.boot_id,
+                                 {**self.last, registry.FOLLOWED.name: kernel}, dict(self.timings))
         before = self.result
         result = classify(snap, self.memory.history, self.catalog, self.settings)
         result = self.hook_files.apply(result, snap.time, self.settings)
@@ -418,9 +387,9 @@ class Agent:
         except OSError as e:
             log.error("cannot write state file %s: %s", self.settings.state_file, e)
         try:
-            ib = self.sources.infiniband.state() if self.sources.infiniband is not None else None
-            nvml = self.sources.nvml.state() if self.sources.nvml is not None else None
-            self.memory.save(self.settings.state_dir, ib, nvml)
+            states = {s.name: c.state() for s in registry.PERIODIC
+                      if s.persists and (c := self.sources.periodic[s.name]) is not None}
+            self.memory.save(self.settings.state_dir, states)
         except OSError as e:
             log.error("cannot save agent state in %s: %s", self.settings.state_dir, e)
         if self.metrics is not None:
@@ -449,21 +418,11 @@ class Agent:
                 "boot_id": snap.boot_id,
             },
             "sources": {
-                name: {"status": sample.status, "detail": sample.detail, "seconds": round(snap.collect_seconds.get(name, 0.0), 6)}
-                for name, sample in (("nvml", snap.nvml), ("kernel_log", snap.kernel), ("infiniband", snap.infiniband), ("host", snap.host))
+                s.name: {"status": (sample := registry.sample_of(snap, s)).status, "detail": sample.detail,
+                         "seconds": round(snap.collect_seconds.get(s.name, 0.0), 6)}
+                for s in registry.SOURCES
             },
-            "gpus": [_gpu_json(g) for g in snap.nvml.gpus],
-            "ports": [
-                {
-                    "device": p.device,
-                    "port": p.port,
-                    "state": p.state,
-                    "phys_state": p.phys_state,
-                    "rate_gbps": p.rate_gbps,
-                    "link_layer": p.link_layer,
-                }
-                for p in snap.infiniband.ports
-            ],
+            **{s.document_key: s.document(registry.sample_of(snap, s)) for s in registry.SOURCES if s.document},
             "findings": [f.to_json() for f in res.findings],
             "would_do": [dict(w) for w in res.would_do],
             "inband": inband_jobs.to_json(self.inband_jobs, snap, res.findings,
@@ -500,24 +459,6 @@ def _journal_fields(node: str, f: Any) -> dict[str, Any]:
     if f.xid is not None:
         fields["XID"] = str(f.xid)
     return fields
-
-
-def _gpu_json(g: GpuSample) -> dict[str, Any]:
-    return {
-        "index": g.index,
-        "name": g.name,
-        "uuid": g.uuid,
-        "serial": g.serial,
-        "bus_id": g.bus_id,
-        "state": "lost" if g.lost else "ok",
-        "temperature_c": g.temperature_c,
-        "margin_c": g.margin_c,
-        "ecc_uncorrected_volatile": g.ecc_uncorrected_volatile,
-        "remap_pending": g.remap_pending,
-        "remap_failure": g.remap_failure,
-        "pcie": f"gen{g.pcie_gen}x{g.pcie_width}" if g.pcie_gen is not None and g.pcie_width is not None else None,
-        "no_data": list(g.no_data),
-    }
 
 
 # --------------------------------------------------------------------------- the daemon loop
@@ -667,8 +608,7 @@ def _reload(agent: Agent, config_path: str | None) -> None:
         log.error("reload refused, keeping the running configuration: %s", e)
         return
     def roots(s: Settings) -> tuple:
-        return (s.nvml.enabled, s.infiniband.sysfs_root, s.host.proc_root, s.host.filesystems,
-                s.kernel_log, s.state_file, s.state_dir, s.metrics, s.controller)
+        return (registry.restart_settings(s), s.state_file, s.state_dir, s.metrics, s.controller)
 
     if roots(settings) != roots(agent.settings):
         log.warning("reload: collector roots, state paths, metrics or controller changed; they take effect at restart")

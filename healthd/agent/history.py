@@ -15,9 +15,9 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
-from healthd.model import ACTIONS, ATTRIBUTIONS, TS_MAX, Component, Evidence, Finding
+from healthd.model import ACTIONS, ATTRIBUTIONS, TS_MAX, Component, Evidence, Finding, Source
 
 HISTORY_VERSION = 1
 
@@ -32,7 +32,7 @@ MAX_LATCHES = 512
 MAX_TEXT = 2000
 """Longest log line or text kept; kernel lines are short, this only stops a corrupt or hostile file."""
 
-_SOURCES = ("nvml", "kernel_log", "infiniband", "host")
+_SOURCES: tuple[str, ...] = get_args(Source)
 _KINDS = ("gpu", "port", "node", "filesystem")
 
 
@@ -132,6 +132,9 @@ class History:
     """Read time of the last InfiniBand sample whose counter deltas were counted."""
     nvml_read: float | None = None
     """Read time of the last NVML sample whose counter deltas were counted."""
+    reads: Mapping[str, float] = field(default_factory=dict)
+    """Source -> read time of its last sample whose counter deltas were counted, for the sources
+    `ib_read` and `nvml_read` do not name (TickContext.fresh)."""
 
     # ------------------------------------------------------------------ bounds
 
@@ -180,6 +183,7 @@ class History:
             "latches": {k: {"until": la.until, "finding": finding_to_json(la.finding)} for k, la in self.latches.items()},
             "ib_read": self.ib_read,
             "nvml_read": self.nvml_read,
+            "reads": dict(self.reads),
         }
 
     @classmethod
@@ -209,6 +213,7 @@ class History:
             latches=section("latches", r.latch),
             ib_read=r.opt_time(d.get("ib_read"), "history.ib_read"),
             nvml_read=r.opt_time(d.get("nvml_read"), "history.nvml_read"),
+            reads=section("reads", r.time),
         )
         return hist.capped()
 

@@ -11,8 +11,9 @@ Labels are bounded per node: verdict, tier, attribution, collector, GPU index/UU
 code; never a job id, PID or message text. The IB link rate is in bytes per second, the unit of
 node_exporter's `node_infiniband_rate_bytes_per_second` (400 Gb/s NDR = 5e10).
 
-The agent hands over each tick's figures (`TickFigures`, built from its snapshot and verdict); this
-module reads nothing of the agent. The per-tick gauges are served by a collector from one immutable
+The agent hands over each tick's figures (`TickFigures`, built from its snapshot and verdict, with
+one collector figure per registered source, healthd.agent.sources); this module reads nothing of the
+agent itself. The per-tick gauges are served by a collector from one immutable
 set of samples that each update replaces whole, so a scrape sees one tick's values and never a
 family half filled. The kernel-log counters only grow, by what each tick read.
 """
@@ -26,12 +27,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server, write_to_textfile
 
+from healthd.agent import sources as registry
 from healthd.gauges import Family, Samples, SnapshotGauges
 from healthd.model import VERDICTS, Finding, Snapshot
 from healthd.settings import MetricsSettings
 
 log = logging.getLogger(__name__)
-COLLECTORS = ("nvml", "kernel_log", "infiniband", "host")
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,7 @@ class TickFigures:
     def of(cls, snapshot: Snapshot, verdict: str, findings: Iterable[Finding],
            inband: Iterable[Any] = ()) -> TickFigures:
         """The figures of one tick's snapshot and its classification."""
-        samples = (("nvml", snapshot.nvml), ("kernel_log", snapshot.kernel), ("infiniband", snapshot.infiniband),
-                   ("host", snapshot.host))
+        samples = tuple((s.name, registry.sample_of(snapshot, s)) for s in registry.SOURCES)
         return cls(
             at=snapshot.time,
             verdict=verdict,

@@ -6,8 +6,8 @@ and returns it with the findings. The history it was given is never changed. Eve
 evidence a human can check: the kernel line with its journal cursor and count, the counter delta and
 its window, the NVML value.
 
-The rules live in one module per source (`gpu`, `xid`, `infiniband`, `host`) over a shared
-`context.TickContext`; `engine` runs them in that order. What each kind of finding means for the node
+The rules live in one module per source over a shared `context.TickContext`; `engine` runs them
+in the order the source registry (healthd.agent.sources) lists the sources. What each kind of finding means for the node
 (tier, attribution, action) is data: the rules table in `rules` (documented in docs/agent.md,
 "Tiers, attribution and actions") and, for Xids, healthd/data/xid_catalog.yaml.
 

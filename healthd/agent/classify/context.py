@@ -116,6 +116,7 @@ class TickContext:
         self.latches = dict(hist.latches)
         self.ib_read = hist.ib_read
         self.nvml_read = hist.nvml_read
+        self.reads = dict(hist.reads)
         self.nvml_fresh = True
         """This tick's NVML sample was not counted before (its read time is new)."""
         self.findings: dict[str, Finding] = {}
@@ -220,6 +221,17 @@ class TickContext:
         self.latches[f.id] = Latch(f, self.now + max(0.0, finite_or(hold_s, 0.0)))
         self.fired.add(f.id)
         self.add(f)
+
+    def fresh(self, source: str, read_time: float | None) -> bool:
+        """Whether the counter deltas of `source`'s sample read at `read_time` are new: a sample
+        classified again (the kernel follower ticks between collections) carries the same read time,
+        and its deltas must not be counted twice. Remembers `read_time` for the next tick."""
+        new = read_time is None or read_time != self.reads.get(source)
+        if read_time is None:
+            self.reads.pop(source, None)
+        else:
+            self.reads[source] = read_time
+        return new
 
     def collector_error(self, source: str, detail: str) -> None:
         self.emit(

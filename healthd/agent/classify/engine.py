@@ -1,17 +1,18 @@
-"""One classification: the rule modules in order over a shared TickContext, then the held findings,
-the pruned History, the verdict and the requests."""
+"""One classification: each registered source (healthd.agent.sources) in order over a shared
+TickContext, its status handled before its rules, then the held findings, the pruned History, the
+verdict and the requests."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.agent.classify import gpu, host, infiniband, xid
+# The registry imports the rule modules (this package), so it is read at call time, not bound here.
+from healthd.agent import sources as registry
+from healthd.agent.classify import xid
 from healthd.agent.classify.catalog import Catalog
-from healthd.agent.classify.context import HOUR_S, TickContext, finite_or, iso
-from healthd.agent.classify.gpu import SBE_WINDOW_S
+from healthd.agent.classify.context import TickContext, iso
 from healthd.agent.classify.rules import rule
 from healthd.agent.history import History, PortRecord
 from healthd.model import NODE, Evidence, Finding, Snapshot, verdict, would_do
@@ -19,14 +20,6 @@ from healthd.settings import Settings
 
 PORT_MAX_AGE_S = 7 * 86400.0
 """The record of a port not seen for this long is forgotten."""
-
-SECTIONS: tuple[tuple[str, Callable[[TickContext], None]], ...] = (
-    ("nvml", gpu.evaluate),
-    ("kernel_log", xid.evaluate),
-    ("infiniband", infiniband.evaluate),
-    ("host", host.evaluate),
-)
-"""Each source's rules, in the order they run."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +40,10 @@ def classify(snapshot: Snapshot, history: History, catalog: Catalog, settings: S
     ctx = TickContext(snapshot, history, catalog, settings)
     if ctx.boot_changed:
         forget_on_reboot(ctx)
-    for name, section in SECTIONS:
+    for source in registry.SOURCES:
+        name = source.name
         try:
-            section(ctx)
+            section(ctx, source, registry.sample_of(snapshot, source))
         except Exception as exc:  # noqa: BLE001 - a rule bug must not stop the other rules or the agent
             r = rule("classify.error")
             ctx.add(
@@ -67,6 +61,19 @@ def classify(snapshot: Snapshot, history: History, catalog: Catalog, settings: S
                 )
             )
     return result(ctx)
+
+
+def section(ctx: TickContext, source: registry.Source, sample: Any) -> None:
+    """One source: its status first (an error, an absent source), then its rules."""
+    if sample.status == "error":
+        if source.on_error is not None:
+            source.on_error(ctx, sample)
+        else:
+            ctx.collector_error(source.name, sample.detail)
+    elif sample.status == "no_data" and source.on_no_data is not None:
+        source.on_no_data(ctx, sample)
+    if sample.status == "ok" or source.always:
+        source.rules(ctx, sample)
 
 
 def forget_on_reboot(ctx: TickContext) -> None:
@@ -97,15 +104,18 @@ def emit_latches(ctx: TickContext) -> None:
 
 def prune(ctx: TickContext) -> History:
     """The new History: what the rules' windows still need, within the size limits."""
-    cs, ib = ctx.settings.classify, ctx.settings.infiniband
+    cs = ctx.settings.classify
     now = ctx.now
-    keep_s = max(SBE_WINDOW_S, finite_or(cs.hw_slowdown_window_s, 0.0), finite_or(ib.flap_window_s, 0.0), HOUR_S)
+    keep = {s.name: s.keep_s(ctx.settings) for s in registry.SOURCES}
+    owned = [(s.series_prefix, keep[s.name]) for s in registry.SOURCES if s.series_prefix]
+    longest = max((w for _, w in owned), default=0.0)
     series = {}
     for k, pts in ctx.series.items():
+        keep_s = next((w for prefix, w in owned if k.startswith(prefix)), longest)
         kept = tuple(p for p in pts if p[0] > now - keep_s)
         if kept:
             series[k] = kept
-    xid_keep = max(cs.xid_repeat_window_s, cs.finding_ttl_s, cs.sympathetic_window_s)
+    xid_keep = keep[xid.KERNEL_LOG]
     xids = {}
     for k, r in ctx.xids.items():
         occ = tuple(o for o in r.occurrences if o.last_ts > now - xid_keep)
@@ -124,13 +134,14 @@ def prune(ctx: TickContext) -> History:
         latches=latches,
         ib_read=ctx.ib_read,
         nvml_read=ctx.nvml_read,
+        reads=ctx.reads,
     ).capped()
 
 
 def result(ctx: TickContext) -> Classification:
     emit_latches(ctx)
     findings = tuple(sorted(ctx.findings.values(), key=lambda f: (f.tier, f.id)))
-    statuses = [ctx.snap.nvml.status, ctx.snap.kernel.status, ctx.snap.infiniband.status, ctx.snap.host.status]
+    statuses = [registry.sample_of(ctx.snap, s).status for s in registry.SOURCES]
     return Classification(
         findings=findings,
         history=prune(ctx),

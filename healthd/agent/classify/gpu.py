@@ -17,7 +17,7 @@ from healthd.agent.classify.context import (
     finite_or,
     fmt,
 )
-from healthd.model import NODE, Component, CounterDelta, Evidence, GpuSample
+from healthd.model import NODE, Component, CounterDelta, Evidence, GpuSample, NvmlSample
 
 NVML = "nvml"
 
@@ -41,37 +41,57 @@ def increase(ctx: TickContext, g: GpuSample, name: str) -> CounterDelta | None:
     return d
 
 
-def evaluate(ctx: TickContext) -> None:
-    n, cfg = ctx.snap.nvml, ctx.settings.nvml
+def noted(ctx: TickContext, n: NvmlSample) -> None:
+    """Remember this sample's read time: a sample classified again (the kernel follower ticks between
+    collections) does not count its counter deltas twice."""
     ctx.nvml_fresh = n.time is None or n.time != ctx.nvml_read
     ctx.nvml_read = n.time
-    expected = cfg.expected_gpus if isinstance(cfg.expected_gpus, int) and not isinstance(cfg.expected_gpus, bool) else None
-    status_ev = Evidence(
+
+
+def expected_gpus(ctx: TickContext) -> int | None:
+    cfg = ctx.settings.nvml
+    return cfg.expected_gpus if isinstance(cfg.expected_gpus, int) and not isinstance(cfg.expected_gpus, bool) else None
+
+
+def status_evidence(n: NvmlSample) -> Evidence:
+    return Evidence(
         "state",
         f"nvml status {n.status}, error_kind {n.error_kind}: {n.detail or 'no detail'}",
         {"status": n.status, "error_kind": n.error_kind, "detail": n.detail},
     )
-    if n.status == "error":
-        if n.error_kind in ("driver_not_loaded", "init_failed", "library_not_found"):
-            # Not a GPU fault: the driver stack is missing or mismatched (typically a driver
-            # upgrade without a reboot: "Driver/library version mismatch"). No GPU job can start;
-            # a reboot loads the matching module.
-            ctx.emit("nvml.driver", "node", NODE, NVML,
-                     f"NVIDIA driver unusable ({n.error_kind}): {n.detail or 'no detail'}", [status_ev])
-        elif n.error_kind == "timeout":
-            ctx.emit("nvml.hung", "node", NODE, NVML,
-                     f"NVML hung: {n.detail or 'a driver call did not return'}",
-                     [status_ev, Evidence("config", f"nvml.call_timeout_s = {cfg.call_timeout_s}")])
-        else:
-            ctx.collector_error(NVML, n.detail)
-        return
-    if n.status != "ok":
-        if n.status == "no_data" and cfg.enabled and expected:
-            ctx.emit("nvml.driver", "node", NODE, NVML,
-                     f"expected {expected} GPUs but NVML is not available: {n.detail or 'no detail'}",
-                     [status_ev, Evidence("config", f"nvml.expected_gpus = {expected}", {"expected_gpus": expected})])
-        return
 
+
+def unreadable(ctx: TickContext, n: NvmlSample) -> None:
+    """NVML could not be read: a driver that is missing or mismatched, a hung call, or any other
+    error (the collector finding)."""
+    noted(ctx, n)
+    if n.error_kind in ("driver_not_loaded", "init_failed", "library_not_found"):
+        # Not a GPU fault: the driver stack is missing or mismatched (typically a driver
+        # upgrade without a reboot: "Driver/library version mismatch"). No GPU job can start;
+        # a reboot loads the matching module.
+        ctx.emit("nvml.driver", "node", NODE, NVML,
+                 f"NVIDIA driver unusable ({n.error_kind}): {n.detail or 'no detail'}", [status_evidence(n)])
+    elif n.error_kind == "timeout":
+        ctx.emit("nvml.hung", "node", NODE, NVML,
+                 f"NVML hung: {n.detail or 'a driver call did not return'}",
+                 [status_evidence(n), Evidence("config", f"nvml.call_timeout_s = {ctx.settings.nvml.call_timeout_s}")])
+    else:
+        ctx.collector_error(NVML, n.detail)
+
+
+def absent(ctx: TickContext, n: NvmlSample) -> None:
+    """No NVML on this node: a fault only where the config expects GPUs."""
+    noted(ctx, n)
+    expected = expected_gpus(ctx)
+    if ctx.settings.nvml.enabled and expected:
+        ctx.emit("nvml.driver", "node", NODE, NVML,
+                 f"expected {expected} GPUs but NVML is not available: {n.detail or 'no detail'}",
+                 [status_evidence(n), Evidence("config", f"nvml.expected_gpus = {expected}", {"expected_gpus": expected})])
+
+
+def evaluate(ctx: TickContext, n: NvmlSample) -> None:
+    noted(ctx, n)
+    expected = expected_gpus(ctx)
     count = n.count if n.count is not None else len(n.gpus)
     if expected is not None and count < expected:
         seen = sorted(b for b in ctx.bus_map)

@@ -4,19 +4,14 @@ memory, pressure stall information and processes stuck in uninterruptible sleep.
 from __future__ import annotations
 
 from healthd.agent.classify.context import TickContext, fmt
-from healthd.model import NODE, Component, Evidence, FilesystemProbe
+from healthd.model import NODE, Component, Evidence, FilesystemProbe, HostSample
 from healthd.settings import FilesystemSpec
 
 HOST = "host"
 
 
-def evaluate(ctx: TickContext) -> None:
-    h, cfg = ctx.snap.host, ctx.settings.host
-    if h.status == "error":
-        ctx.collector_error(HOST, h.detail)
-        return
-    if h.status != "ok":
-        return
+def evaluate(ctx: TickContext, h: HostSample) -> None:
+    cfg = ctx.settings.host
     specs = {fs.path: fs for fs in cfg.filesystems}
     for probe in h.filesystems:
         filesystem(ctx, probe, specs.get(probe.path) or FilesystemSpec(path=probe.path))

@@ -12,7 +12,7 @@ import dataclasses
 
 from healthd.agent.classify.context import HOUR_S, MINUTE_S, TickContext, dur, fmt, iso
 from healthd.agent.history import PortRecord
-from healthd.model import NODE, Component, CounterDelta, Evidence, PortSample
+from healthd.model import NODE, Component, CounterDelta, Evidence, InfinibandSample, PortSample
 
 INFINIBAND = "infiniband"
 
@@ -45,19 +45,23 @@ IB_ERROR_COUNTERS = frozenset(
 are not errors and are never reported."""
 
 
-def evaluate(ctx: TickContext) -> None:
-    ib, cfg = ctx.snap.infiniband, ctx.settings.infiniband
-    expected = cfg.expected_ports if isinstance(cfg.expected_ports, int) and not isinstance(cfg.expected_ports, bool) else None
-    if ib.status == "error":
-        ctx.collector_error(INFINIBAND, ib.detail)
-        return
-    if ib.status != "ok":
-        if ib.status == "no_data" and cfg.enabled and expected:
-            ctx.emit("ib.port_count", "node", NODE, INFINIBAND,
-                     f"0 of {expected} InfiniBand ports present ({ib.detail or 'no HCA found'})",
-                     [Evidence("state", f"infiniband status {ib.status}: {ib.detail}", {"status": ib.status, "detail": ib.detail}),
-                      Evidence("config", f"infiniband.expected_ports = {expected}", {"expected_ports": expected})])
-        return
+def expected_ports(ctx: TickContext) -> int | None:
+    cfg = ctx.settings.infiniband
+    return cfg.expected_ports if isinstance(cfg.expected_ports, int) and not isinstance(cfg.expected_ports, bool) else None
+
+
+def absent(ctx: TickContext, ib: InfinibandSample) -> None:
+    """No HCA on this node: a fault only where the config expects ports."""
+    expected = expected_ports(ctx)
+    if ctx.settings.infiniband.enabled and expected:
+        ctx.emit("ib.port_count", "node", NODE, INFINIBAND,
+                 f"0 of {expected} InfiniBand ports present ({ib.detail or 'no HCA found'})",
+                 [Evidence("state", f"infiniband status {ib.status}: {ib.detail}", {"status": ib.status, "detail": ib.detail}),
+                  Evidence("config", f"infiniband.expected_ports = {expected}", {"expected_ports": expected})])
+
+
+def evaluate(ctx: TickContext, ib: InfinibandSample) -> None:
+    expected = expected_ports(ctx)
     fresh = ib.time is None or ib.time != ctx.ib_read
     ctx.ib_read = ib.time
     # A down port matters if it was up this boot (something broke) or if the node has fewer

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from healthd.agent.classify.catalog import XidOutcome
 from healthd.agent.classify.context import TickContext, dur, fmt, in_range, iso, norm_bus
 from healthd.agent.history import MAX_TEXT, Occurrence, XidRecord
-from healthd.model import ACTION_SEVERITY, NODE, Component, Evidence, Finding, XidEvent
+from healthd.model import ACTION_SEVERITY, NODE, Component, Evidence, Finding, KernelSample, XidEvent
 
 KERNEL_LOG = "kernel_log"
 INIT_FAILED_XID = 143
@@ -31,10 +31,7 @@ _SYNTHESIZED = {
 _RECOVERY = re.compile(r"\bto\s+(?:0x[0-9a-fA-F]+\s*)?\(([^)]*)\)")
 
 
-def evaluate(ctx: TickContext) -> None:
-    k = ctx.snap.kernel
-    if k.status == "error":
-        ctx.collector_error(KERNEL_LOG, k.detail)
+def evaluate(ctx: TickContext, k: KernelSample) -> None:
     if k.gap:
         ctx.emit("kernel.gap", "node", NODE, KERNEL_LOG,
                  "kernel log lines may have been lost (the saved journal cursor was vacuumed)",
