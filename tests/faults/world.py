@@ -10,7 +10,8 @@ Nothing inside healthd is patched. The faults come from where they come in produ
 - `ScontrolFaults`: a wrapper first on the controller's PATH in front of the real scontrol. A rule (a
   substring of the arguments and an action, fired once) SIGKILLs the controller (its parent) before the
   write reaches slurmctld or right after it landed, or holds the client past the backend's timeout after
-  the write landed (the controller sees a timeout for a write Slurm applied).
+  the write landed (the controller sees a timeout for a write Slurm applied). `slow_reads` makes every
+  read of the whole node list answer late with the nodes as they were when asked: a stale fleet view.
 - slurmctld stopped (SIGSTOP) with a write in flight, stopped cleanly (SIGTERM) between healthd's read of
   the node and its write, or SIGKILLed right after a write
   and restarted from a state save taken before it (`snapshot_ctld_state` / `kill_ctld_restore`).
@@ -76,10 +77,15 @@ class ScontrolFaults:
         self.rules = self.dir / "rules"
         self.fired_log = self.dir / "fired.log"
         script = self.dir / "scontrol"
+        self.read_delay = self.dir / "read_delay"
         script.write_text(f"""#!/bin/bash
 # healthd fault-injection wrapper (tests/faults/world.py): the real scontrol, except when a rule fires
 real={REAL_SCONTROL}
 rules={self.rules}
+# a slurmctld that answers the whole node list slowly: the answer is as of the call, delivered late
+if [ "$*" = "show node -o" ] && [ -s {self.read_delay} ]; then
+  out=$("$real" "$@"); rc=$?; sleep "$(cat {self.read_delay})"; printf '%s\n' "$out"; exit $rc
+fi
 if [ -s "$rules" ] && mv -f "$rules" "$rules.$$" 2>/dev/null; then
   fired=""
   while IFS='|' read -r pat action arg; do
@@ -111,6 +117,12 @@ exec "$real" "$@"
 
     def disarm(self) -> None:
         self.rules.unlink(missing_ok=True)
+        self.read_delay.unlink(missing_ok=True)
+
+    def slow_reads(self, seconds: float) -> None:
+        """Every read of the whole node list (the controller's fleet view) answers `seconds` late, with
+        the nodes as they were when it was asked: the view the rounds act on is always that stale."""
+        self.read_delay.write_text(f"{seconds:g}\n")
 
     def fired(self) -> list[str]:
         try:
