@@ -1,6 +1,7 @@
 """The figures people query from the ledger (`healthctl report`): repeat offenders by node and by
 GPU serial, the false-positive rate of proposals, MTBF per node, and percentiles of the incident
-stage timings. Each is a read of the ledger's tables; `Ledger` offers them as methods."""
+stage timings. Each is a read of the ledger's tables through its incidents' store and the connection
+beneath it; `Ledger` offers them as methods."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from healthd.controller.ledger.records import LedgerError
 
-if TYPE_CHECKING:
-    from healthd.controller.ledger.store import Ledger
+if TYPE_CHECKING:  # the reads need only the incidents' store: the ledger itself imports this module
+    from healthd.controller.ledger.incidents import IncidentStore
 
 EXCLUDED_INCIDENT_STATUSES = ("false_positive",)
 """Incidents with these statuses are left out of MTBF, repeat-offender and latency figures."""
@@ -66,7 +67,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
-def _offenders(ledger: Ledger, table: str, key: str, since: float | None, min_incidents: int) -> list[Offender]:
+def _offenders(ledger: IncidentStore, table: str, key: str, since: float | None, min_incidents: int) -> list[Offender]:
     rows = ledger.query(
         f"SELECT m.{key}, COUNT(DISTINCT i.id), MAX(i.created_at) FROM {table} m JOIN incidents i ON m.incident_id = i.id "
         f"WHERE {_COUNTED} AND (? IS NULL OR i.created_at >= ?) GROUP BY m.{key} HAVING COUNT(DISTINCT i.id) >= ? "
@@ -76,17 +77,17 @@ def _offenders(ledger: Ledger, table: str, key: str, since: float | None, min_in
     return [Offender(r[0], int(r[1]), r[2]) for r in rows]
 
 
-def repeat_offenders_by_node(ledger: Ledger, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
+def repeat_offenders_by_node(ledger: IncidentStore, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
     """Nodes in at least `min_incidents` incidents (created at or after `since`), worst first."""
     return _offenders(ledger, "incident_nodes", "node", since, min_incidents)
 
 
-def repeat_offenders_by_gpu(ledger: Ledger, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
+def repeat_offenders_by_gpu(ledger: IncidentStore, *, since: float | None = None, min_incidents: int = 2) -> list[Offender]:
     """GPU serials in at least `min_incidents` incidents: follows a GPU moved between nodes."""
     return _offenders(ledger, "incident_gpus", "gpu_serial", since, min_incidents)
 
 
-def false_positive_rate(ledger: Ledger, *, mode: str = "observe", since: float | None = None) -> FalsePositiveRate:
+def false_positive_rate(ledger: IncidentStore, *, mode: str = "observe", since: float | None = None) -> FalsePositiveRate:
     """Operators' verdicts on the proposals made in `mode` (default observe):
     rate = rejected / (approved + rejected); None when nothing was judged."""
     row = ledger.query_one(
@@ -98,7 +99,7 @@ def false_positive_rate(ledger: Ledger, *, mode: str = "observe", since: float |
     return FalsePositiveRate(approved=int(row[0]), rejected=int(row[1]))
 
 
-def mtbf_per_node(ledger: Ledger, *, start: float, end: float) -> list[NodeMtbf]:
+def mtbf_per_node(ledger: IncidentStore, *, start: float, end: float) -> list[NodeMtbf]:
     """Per node with at least one failure whose first evidence lies in [start, end]:
     MTBF = (end - start) / failures. Nodes with no failure have no finite MTBF and are absent."""
     if end <= start:
@@ -112,7 +113,7 @@ def mtbf_per_node(ledger: Ledger, *, start: float, end: float) -> list[NodeMtbf]
     return [NodeMtbf(node=r[0], failures=int(r[1]), window_s=window, mtbf_s=window / int(r[1])) for r in rows]
 
 
-def latency_percentiles(ledger: Ledger, *, since: float | None = None) -> dict[str, Percentiles]:
+def latency_percentiles(ledger: IncidentStore, *, since: float | None = None) -> dict[str, Percentiles]:
     """p50/p90/p99 (nearest rank) over incidents created at or after `since`, for
     `detection` (first evidence → detected), `decision` (detected → decided), `action`
     (decided → applied) and `recovery` (first evidence → back in service). Incidents missing
