@@ -139,6 +139,8 @@ class FaultWorld(FleetHarness):
         kw.setdefault("heartbeat_s", 1.0)
         kw.setdefault("round_s", 0.5)
         super().__init__(policy=dict(SUITE_POLICY, **(policy or {})), **kw)
+        self.base_policy = dict(self.policy)
+        """The envelope `reset` restores (a test may start the controller with its own)."""
         self.scontrol: ScontrolFaults | None = None
         self.checker: Checker | None = None
         self.kills = 0
@@ -307,8 +309,9 @@ class FaultWorld(FleetHarness):
     # -- resetting between tests --------------------------------------------------------------------
 
     def reset(self) -> None:
-        """A fresh controller and ledger, fresh agents (no memory, a new journal), every node resumed and
-        idle, no rules armed, no job, slurmctld running; the checker forgets what it allowed."""
+        """A fresh controller and ledger with the world's own envelope, fresh agents (no memory, a new
+        journal), every node resumed and idle, no rules armed and no slow reads, no job, slurmctld
+        running; the checker forgets what it allowed."""
         assert self.cluster is not None and self.scontrol is not None
         self.scontrol.disarm()
         try:
@@ -318,6 +321,7 @@ class FaultWorld(FleetHarness):
         if not self.cluster._running("slurmctld"):  # noqa: SLF001
             self.cluster.start_ctld()
         self.stop_controller(fresh_ledger=True)
+        self.policy = dict(self.base_policy)
         self.validation_rc.write_text("0\n")
         jobs = self.slurm(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
         if jobs:
