@@ -28,7 +28,7 @@ library's tools too, and namespaced `healthd_event` records for what it lacks:
                      recurred, or an operator's `undo --why`)
 
 Every GPU-second from the first run's start to the last run's end falls in exactly one category
-(`CATEGORIES`); they sum to the held GPU-seconds. A log that cannot be read whole (a truncated
+(healthd.goodput_categories); they sum to the held GPU-seconds. A log that cannot be read whole (a truncated
 line, events out of order, a run without an end, a clock step) gives a partial answer whose
 `problems` say what was assumed; never an exception, never a silently different total.
 """
@@ -43,17 +43,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-CATEGORIES: tuple[str, ...] = ("productive", "checkpoint", "lost", "detection", "decision", "waiting", "restart",
-                               "straggler", "false_positive", "other")
-"""productive: steps whose work survived (a later restore or durable checkpoint covers them, or the
-job ran to its end, which counts the time after its last step mark); checkpoint: the blocking part of saves; lost: steps redone after an
-interruption; detection: first evidence to detection; decision: detection to the action applied
-(approval waits included); waiting: after the action until the next run starts; restart: a later
-run's start to its first step; straggler: what a flagged slow rank cost the whole job; false_positive:
-the whole cost of an incident whose action was wrong; other: the rest (startup, the end of a job)."""
-
-INCIDENT_CATEGORIES = ("lost", "detection", "decision", "waiting", "restart")
-"""What an interruption costs, charged to its incident (to false_positive when the action was wrong)."""
+from healthd.goodput_categories import CATEGORIES, INCIDENT_CATEGORIES
 
 MAX_LINE_BYTES = 64 * 1024
 MAX_EVENTS = 5_000_000

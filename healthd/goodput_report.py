@@ -15,11 +15,10 @@ import html
 import math
 from collections.abc import Iterable, Sequence
 
-from healthd.goodput import CATEGORIES, Account, IntervalAdvice, Log, efficiency, number, runs_of
+from healthd.goodput import Account, IntervalAdvice, Log, efficiency, number, runs_of
+from healthd.goodput_categories import TABLE
 
-COLOURS = {"productive": "#2e7d32", "checkpoint": "#1565c0", "lost": "#c62828", "detection": "#ef6c00",
-           "decision": "#f9a825", "waiting": "#6d4c41", "restart": "#8e24aa", "straggler": "#00838f",
-           "false_positive": "#ad1457", "other": "#9e9e9e"}
+COLOURS = {c.name: c.colour for c in TABLE}
 WIDTH = 900
 
 _CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:960px}
@@ -67,16 +66,16 @@ def slo_chart(acc: Account, slo: float) -> str:
 def category_chart(acc: Account) -> str:
     held = acc.held_gpu_s or 1.0
     body, x = [], 0.0
-    for c in CATEGORIES:
-        w = (WIDTH - 20) * acc.gpu_s[c] / held
-        if w > 0:
-            body.append(_rect(x, 10, w, 30, COLOURS[c], f"{c}: {_hours(acc.gpu_s[c])} ({acc.gpu_s[c] / held:.1%})"))
-            x += w
-    shown = [c for c in CATEGORIES if acc.gpu_s[c] > 0]
+    shown = [c for c in TABLE if acc.gpu_s[c.name] > 0]
+    for c in shown:
+        v = acc.gpu_s[c.name]
+        w = (WIDTH - 20) * v / held
+        body.append(_rect(x, 10, w, 30, c.colour, f"{c.name} ({c.help}): {_hours(v)} ({v / held:.1%})"))
+        x += w
     for i, c in enumerate(shown):
         lx, ly = (i % 4) * 220, 60 + (i // 4) * 20
-        body += [_rect(lx, ly - 10, 12, 12, COLOURS[c]),
-                 _text(lx + 18, ly, f"{c} {_hours(acc.gpu_s[c])} ({acc.gpu_s[c] / held:.1%})")]
+        body += [_rect(lx, ly - 10, 12, 12, c.colour, c.help),
+                 _text(lx + 18, ly, f"{c.name} {_hours(acc.gpu_s[c.name])} ({acc.gpu_s[c.name] / held:.1%})")]
     return _svg("categories", 70 + 20 * math.ceil(max(len(shown), 1) / 4), body, "GPU-hours by category")
 
 
@@ -259,8 +258,9 @@ def render(acc: Account, log: Log, advice: IntervalAdvice | None, slo: float = 0
     """The whole report, as one HTML document."""
     job = acc.job or "?"
     held = acc.held_gpu_s
-    rows = "".join(f"<tr><td>{_e(c)}</td><td>{acc.gpu_s[c] / 3600:.3f}</td>"
-                   f"<td>{(acc.gpu_s[c] / held if held else 0):.1%}</td></tr>" for c in CATEGORIES if acc.gpu_s[c] > 0)
+    rows = "".join(f"<tr><td title=\"{_e(c.definition)}\">{_e(c.name)}</td><td>{_e(c.help)}</td>"
+                   f"<td>{acc.gpu_s[c.name] / 3600:.3f}</td><td>{(acc.gpu_s[c.name] / held if held else 0):.1%}</td></tr>"
+                   for c in TABLE if acc.gpu_s[c.name] > 0)
     incidents = "".join(
         f"<tr><td>{_e(i.incident)}</td><td>{_e(i.cause)}</td><td>{_e(i.node or '-')}</td><td>{_e(i.gpu or '-')}</td>"
         f"<td>{i.total_gpu_s / 3600:.3f}</td><td>{'false positive' if i.false_positive else ''}</td></tr>"
@@ -270,7 +270,8 @@ def render(acc: Account, log: Log, advice: IntervalAdvice | None, slo: float = 0
         + "; ".join(_e(p) for p in acc.problems[:20]) + "</p>")
     sections: Sequence[tuple[str, str]] = (
         ("Goodput against the SLO", slo_chart(acc, slo)),
-        ("GPU-hours by category", category_chart(acc) + f"<table><tr><th>category</th><th>GPU-h</th><th>share</th></tr>{rows}</table>"),
+        ("GPU-hours by category", category_chart(acc) + "<table><tr><th>category</th><th>what</th><th>GPU-h</th>"
+                                  f"<th>share</th></tr>{rows}</table>"),
         ("Lost GPU-hours by cause", pareto_chart(acc) + (
             "<table><tr><th>incident</th><th>cause</th><th>node</th><th>GPU serial</th><th>GPU-h</th><th></th></tr>"
             f"{incidents}</table>" if incidents else "")),

@@ -31,6 +31,7 @@ from healthd.controller import goodput_ledger
 from healthd.controller.goodput_gather import job_parts, read_parts
 from healthd.controller.ledger.accounted import ACCOUNTED_NAME, AccountedStore
 from healthd.controller.metrics import GoodputFigures
+from healthd.goodput_categories import CATEGORIES
 from healthd.slurm.backend import JobInfo, JobRun, SlurmBackend, SlurmError
 
 _log = logging.getLogger("healthd.controller")
@@ -134,13 +135,13 @@ class AccountedJobs(AccountedStore):
         for partition, kind, key, value in self.totals():
             if kind == "jobs":
                 jobs[partition] = int(value)
-            elif kind == "gpu_s" and key in goodput.CATEGORIES:
+            elif kind == "gpu_s" and key in CATEGORIES:
                 gpu_s[(partition, key)] = value
             elif kind == "lost":
                 cause = label(key)
                 lost_raw[(partition, cause)] = lost_raw.get((partition, cause), 0.0) + value
         for part in jobs:
-            for c in goodput.CATEGORIES:
+            for c in CATEGORIES:
                 gpu_s.setdefault((part, c), 0.0)
         weight: dict[str, float] = {}
         for (_, cause), v in lost_raw.items():

@@ -21,7 +21,7 @@ import re
 import sqlite3
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from healthd.config import ConfigError
 from healthd.controller import goodput_ledger
 from healthd.controller.goodput_gather import job_parts, read_parts
 from healthd.controller.goodput_jobs import GATHERED_NAME, UNKNOWN
+from healthd.goodput_categories import CATEGORIES
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger.accounted import ACCOUNTED_NAME, recorded_jobs
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
@@ -587,6 +588,13 @@ def goodput_doc(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -> 
             "partial": acc.partial, "problems": list(acc.problems)}
 
 
+def _category_table(gpu_s: Mapping[str, float], held: float) -> list[str]:
+    """GPU-hours and share by category, in the categories' order, those with time only."""
+    return table(["category", "GPU-h", "share"],
+                 [[c, f"{gpu_s[c] / 3600:.3f}", f"{gpu_s[c] / held:.1%}" if held else "-"]
+                  for c in CATEGORIES if gpu_s.get(c, 0) > 0])
+
+
 def goodput_lines(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -> list[str]:
     """`healthctl goodput` as a person reads it: the share, where the GPU-hours went, what each
     interruption cost (largest first), and the checkpoint interval against Young's and Daly's."""
@@ -594,14 +602,13 @@ def goodput_lines(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -
     share = "-" if acc.goodput is None else f"{acc.goodput:.1%}"
     lines = [f"job {acc.job or '?'}: goodput {share} of {held / 3600:.2f} GPU-h over {acc.runs} run(s), "
              f"{acc.interruptions} interruption(s)" + (f" (MTBI {_duration(acc.mtbi_s)})" if acc.mtbi_s else "")]
-    rows = [[c, f"{v / 3600:.3f}", f"{v / held:.1%}" if held else "-"] for c, v in acc.gpu_s.items() if v > 0]
-    lines += table(["category", "GPU-h", "share"], rows)
+    lines += _category_table(acc.gpu_s, held)
     if acc.incidents:
         lines.append("interruptions, by GPU-hours lost:")
         lines += table(["incident", "cause", "node", "gpu", "GPU-h", "of which"],
                        [[i.incident, i.cause, i.node or "-", i.gpu or "-", f"{i.total_gpu_s / 3600:.3f}",
                          ("FALSE POSITIVE " if i.false_positive else "")
-                         + ", ".join(f"{c} {v / 3600:.3f}" for c, v in i.gpu_s.items() if v > 0)]
+                         + ", ".join(f"{c} {i.gpu_s[c] / 3600:.3f}" for c in CATEGORIES if i.gpu_s.get(c, 0) > 0)]
                         for i in acc.incidents])
     if advice is not None:
         gain = "" if advice.gain is None else f"; at Daly's interval goodput {advice.gain * 100:+.1f} points"
@@ -686,7 +693,7 @@ def _goodput_fleet(args: argparse.Namespace) -> int:
     requeues = goodput_ledger.ledger_requeues(args.ledger)
     recorded = _recorded_jobs(args.logs) if args.by in ("partition", "account") else {}
     jobs: list[goodput.Account] = []
-    totals = dict.fromkeys(goodput.CATEGORIES, 0.0)
+    totals = dict.fromkeys(CATEGORIES, 0.0)
     groups: dict[str, dict[str, float]] = {}
     unreadable: list[str] = []
     for name in names:
@@ -733,8 +740,7 @@ def _goodput_fleet(args: argparse.Namespace) -> int:
         lines += table(["job", "goodput", "GPU-h", "interruptions", ""],
                        [[a.job or "?", "-" if a.goodput is None else f"{a.goodput:.1%}", f"{a.held_gpu_s / 3600:.2f}",
                          a.interruptions, "PARTIAL" if a.partial else ""] for a in jobs])
-        lines += table(["category", "GPU-h", "share"],
-                       [[c, f"{v / 3600:.3f}", f"{v / held:.1%}"] for c, v in totals.items() if v > 0])
+        lines += _category_table(totals, held)
     if ranked and args.by in ("partition", "account"):
         lines.append(f"by {args.by}:")
         lines += table([args.by, "jobs", "GPU-h", "goodput", "interruptions", "lost GPU-h"],

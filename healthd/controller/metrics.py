@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from healthd.controller.ledger import REINTEGRATION_STATES
 from healthd.gauges import Family, Samples, SnapshotGauges
+from healthd.goodput_categories import CATEGORIES
 from healthd.model import VERDICTS
 
 _log = logging.getLogger("healthd.controller")
@@ -173,8 +174,7 @@ class GoodputCollector:
     def _families(f: GoodputFigures | None) -> list[Metric]:
         held = CounterMetricFamily(
             "healthd_goodput_gpu_seconds", "GPU-seconds held by the jobs that ended, by partition and category "
-            "(productive, checkpoint, lost, detection, decision, waiting, restart, straggler, false_positive, other)",
-            labels=("partition", "category"))
+            f"({', '.join(CATEGORIES)})", labels=("partition", "category"))
         lost = CounterMetricFamily(
             "healthd_goodput_lost_gpu_seconds", "GPU-seconds interruptions cost the jobs that ended (lost work, "
             "detection, decision, waiting, restart), by partition and cause", labels=("partition", "cause"))
