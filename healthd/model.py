@@ -16,7 +16,7 @@ from typing import Any, Iterable, Literal, Mapping, get_args
 from healthd.reason import build_reason
 
 Attribution = Literal["hardware", "fabric", "storage", "software", "user", "unknown"]
-Source = Literal["nvml", "kernel_log", "infiniband", "host", "inband"]
+Source = Literal["nvml", "kernel_log", "infiniband", "host", "nvme", "inband"]
 Action = Literal[
     "none",
     "reset-gpu-when-idle",

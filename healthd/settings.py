@@ -120,6 +120,54 @@ class HostSettings:
 
 
 @dataclass(frozen=True)
+class NvmeSettings:
+    """The node's NVMe drives: wear, critical warnings and media errors from each controller's SMART /
+    Health log. Off by default; on, it reads sysfs and the SMART logs a site's timer writes, and runs
+    a command only when `smart_log_command` names one."""
+
+    enabled: bool = False
+    """Read the NVMe controllers at all."""
+    sysfs_root: str = "/sys/class/nvme"
+    """The class directory holding one entry per controller (nvme0, nvme1, ...): its model, serial,
+    firmware_rev and state."""
+    smart_log_dir: str | None = None
+    """Directory of SMART / Health logs, one `<controller>.json` each: what `nvme smart-log -o json
+    /dev/<controller>` (or `smartctl -j -A`) prints, written there by the site (a systemd timer), so
+    the agent runs nothing. None: no files are read."""
+    smart_log_max_age_s: float = 3600.0
+    """A SMART log written longer ago than this is stale: reported as unreadable, its values unused."""
+    smart_log_command: tuple[str, ...] = ()
+    """Instead of files: the command that prints one controller's SMART / Health log as JSON, as a
+    list of arguments to which `/dev/<controller>` is appended, e.g. [nvme, smart-log, -o, json]; run
+    without a shell, with a fixed PATH. Empty: no command is run."""
+    command_timeout_s: float = 5.0
+    """Hard limit on one run of `smart_log_command`; a run past it is killed and reported, and no
+    second run for that controller starts until the first has exited."""
+    wear_warn_pct: int = 90
+    """Percentage used (the drive's estimate of its rated endurance used, which passes 100 on a
+    drive used beyond it) at or above which a drive is reported worn (T3)."""
+    media_errors_window_s: float = 86400.0
+    """How long a rise of a drive's media errors (unrecovered data integrity errors) stays reported (T2)."""
+
+    def problems(self) -> list[tuple[str, str, object]]:
+        """(key, expected, found) for each value the loader must refuse."""
+        out: list[tuple[str, str, object]] = []
+        if not self.sysfs_root.startswith("/"):
+            out.append(("sysfs_root", "an absolute path", self.sysfs_root))
+        if self.smart_log_dir is not None and not self.smart_log_dir.startswith("/"):
+            out.append(("smart_log_dir", "an absolute path, or null", self.smart_log_dir))
+        if self.smart_log_command and (not all(self.smart_log_command) or self.smart_log_dir is not None):
+            out.append(("smart_log_command", "a list of non-empty arguments, and smart_log_dir null",
+                        list(self.smart_log_command)))
+        for key in ("smart_log_max_age_s", "command_timeout_s", "media_errors_window_s"):
+            if not 0 < getattr(self, key) < float("inf"):
+                out.append((key, "a finite number greater than 0", getattr(self, key)))
+        if not 1 <= self.wear_warn_pct <= 255:
+            out.append(("wear_warn_pct", "a percentage from 1 to 255", self.wear_warn_pct))
+        return out
+
+
+@dataclass(frozen=True)
 class XidOverride:
     """A site's change to one catalog row; unset fields keep the catalog's value."""
 
@@ -305,6 +353,8 @@ class Settings:
     kernel_log: KernelLogSettings = field(default_factory=KernelLogSettings)
     infiniband: InfinibandSettings = field(default_factory=InfinibandSettings)
     host: HostSettings = field(default_factory=HostSettings)
+    nvme: NvmeSettings = field(default_factory=NvmeSettings)
+    """The node's NVMe drives (off by default)."""
     catalog: CatalogSettings = field(default_factory=CatalogSettings)
     classify: ClassifySettings = field(default_factory=ClassifySettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)

@@ -20,11 +20,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.agent.classify import gpu, host, infiniband, xid
+from healthd.agent.classify import gpu, host, infiniband, nvme, xid
 from healthd.agent.classify.context import HOUR_S, TickContext, finite_or
 from healthd.agent.collectors.host import HostCollector
 from healthd.agent.collectors.infiniband import InfinibandCollector
 from healthd.agent.collectors.kernel_log import KernelLogFollower
+from healthd.agent.collectors import nvme as nvme_collector
 from healthd.agent.collectors.nvml import NvmlCollector
 from healthd.model import (
     GpuSample,
@@ -35,7 +36,7 @@ from healthd.model import (
     Snapshot,
     Source as SourceName,
 )
-from healthd.settings import HostSettings, InfinibandSettings, KernelLogSettings, NvmlSettings, Settings
+from healthd.settings import HostSettings, InfinibandSettings, KernelLogSettings, NvmeSettings, NvmlSettings, Settings
 
 Rules = Callable[[TickContext, Any], None]
 
@@ -113,6 +114,13 @@ def _host(s: Settings, saved: Any) -> HostCollector:
                          dstate_scan_interval_s=h.dstate_scan_interval_s)
 
 
+def _nvme(s: Settings, saved: Any) -> nvme_collector.NvmeCollector:
+    n = s.nvme
+    return nvme_collector.NvmeCollector(sysfs_root=n.sysfs_root, smart_log_dir=n.smart_log_dir,
+                                        smart_log_command=n.smart_log_command, command_timeout_s=n.command_timeout_s,
+                                        baseline=saved)
+
+
 # --------------------------------------------------------------------------- state document sections
 
 
@@ -168,6 +176,12 @@ SOURCES: tuple[Source, ...] = (
     Source(
         name="host", sample=HostSample, settings=HostSettings, build=_host, rules=host.evaluate,
         keep_s=lambda s: 0.0, field="host", restart_keys=("enabled", "proc_root", "filesystems"),
+    ),
+    Source(
+        name="nvme", sample=nvme_collector.NvmeSample, settings=NvmeSettings, build=_nvme, rules=nvme.evaluate,
+        keep_s=lambda s: finite_or(s.nvme.media_errors_window_s, 0.0), series_prefix="nvme/", persists=True,
+        document=nvme_collector.document, document_key="nvme",
+        restart_keys=("enabled", "sysfs_root", "smart_log_dir", "smart_log_command", "command_timeout_s"),
     ),
 )
 """Every source, in the order the agent collects and classifies them."""

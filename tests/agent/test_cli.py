@@ -11,10 +11,33 @@ import time
 
 import pytest
 
+from healthd.report_schema import validate_report
+from tests.agent.collectors.nvme.tree import controller, nvme_cli_2, smart_file
 from tests.support.agent_node import HEALTHD, Node
 from tests.support.fake_nvml import write_nvml_config
 from tests.support.ib_tree import set_state
 from tests.support.polling import read_text, scrape, wait_for
+
+
+def xid_count(state: dict, xid: int) -> int:
+    return sum(f["count"] for f in state["findings"] if f.get("xid") == xid)
+
+
+def ticks_later(node: Node, proc: subprocess.Popen, ticks: int = 2) -> dict | None:
+    """The state the agent publishes `ticks` ticks from now (each stamps its own generated_at), or None
+    if the agent exits first. One tick may already be under way with what it read before now; every
+    later one starts after it."""
+    seen: list[str] = []
+
+    def later(state: dict) -> bool:
+        if proc.poll() is not None:
+            return True
+        if not seen or state["generated_at"] != seen[-1]:
+            seen.append(state["generated_at"])
+        return len(seen) > ticks
+
+    state = wait_for(node.state, later)
+    return None if proc.poll() is not None else state
 
 
 @pytest.fixture
@@ -37,7 +60,8 @@ def test_healthy_node_exits_0_and_writes_nothing(node):
     assert len({g["uuid"] for g in doc["gpus"]}) == 8 and all(g["serial"] for g in doc["gpus"])
     assert len(doc["ports"]) == 8 and all(p["state"] == "ACTIVE" and p["rate_gbps"] == 400 for p in doc["ports"])
     assert {s: v["status"] for s, v in doc["sources"].items()} == {
-        "nvml": "ok", "kernel_log": "ok", "infiniband": "ok", "host": "ok"}
+        "nvml": "ok", "kernel_log": "ok", "infiniband": "ok", "host": "ok", "nvme": "no_data"}
+    assert doc["sources"]["nvme"]["detail"] == "disabled in config" and doc["nvme"] == []
     # --dry-run touches nothing
     assert not node.state_file.exists() and not node.state_dir.exists()
     assert not (node.root / "healthd.prom").exists()
@@ -88,6 +112,28 @@ def test_node_without_gpu_or_hca_says_no_data_and_exits_0(node):
     assert doc["gpus"] == [] and doc["ports"] == []
 
 
+def test_nvme_drives_from_sysfs_and_smart_log_files(node):
+    """The NVMe source end to end: turned on in the config, read from a sysfs tree and the JSON files a
+    site's timer writes, classified, and sent in a report the controller accepts."""
+    sysfs, logs = node.root / "sys/class/nvme", node.root / "smart"
+    for name in ("nvme0", "nvme1", "nvme2"):
+        controller(sysfs, name)
+    smart_file(logs, "nvme0", nvme_cli_2(critical_warning=0x08, percent_used=12))
+    smart_file(logs, "nvme1", nvme_cli_2(percent_used=93, media_errors=4))
+    smart_file(logs, "nvme2", "Passthru error: No such device")
+    node.write_config(nvme={"enabled": True, "sysfs_root": str(sysfs), "smart_log_dir": str(logs)})
+    rc, doc, err = node.dry_run()
+    assert rc == 1, err
+    assert doc["verdict"] == "degraded" and doc["sources"]["nvme"]["status"] == "ok"
+    found = {i: (f["tier"], f["attribution"], f["action"], f["source"]) for i, f in by_id(doc).items()}
+    assert found == {"nvme.critical_warning:nvme0": (2, "storage", "drain", "nvme"),
+                     "nvme.wear:nvme1": (3, "storage", "none", "nvme"),
+                     "nvme.unreadable:nvme2": (3, "unknown", "none", "nvme")}
+    assert [(d["device"], d["percentage_used"], d["media_errors"]) for d in doc["nvme"]] == [
+        ("nvme0", 12, 0), ("nvme1", 93, 4), ("nvme2", None, None)]
+    validate_report(doc, "node01")
+
+
 def test_bad_config_exits_3_naming_the_key(node):
     node.config.write_text("nvml: {expected_gpus: eight}\n")
     rc, doc, err = node.dry_run()
@@ -122,12 +168,9 @@ def test_daemon_follows_the_journal_publishes_and_resumes_exactly_once(node):
     proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        state = wait_for(node.state,
-                         lambda d: d["agent"]["pid"] == proc.pid and any(f["xid"] == 95 for f in d["findings"]))
-        time.sleep(1.5)
-        state = node.state()
-        x95 = [f for f in state["findings"] if f["xid"] == 95][0]
-        assert x95["count"] == 2
+        wait_for(node.state, lambda d: d["agent"]["pid"] == proc.pid and xid_count(d, 95) >= 2)
+        state = ticks_later(node, proc)  # a line read again would be counted by then
+        assert state is not None and xid_count(state, 95) == 2
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=15)
@@ -195,7 +238,7 @@ def test_bad_config_on_reload_keeps_the_last_good_one_and_metrics_serve_on_loopb
 
         node.config.write_text("interval_s: soon\n")
         proc.send_signal(signal.SIGHUP)
-        time.sleep(1.5)
+        ticks_later(node, proc)  # the loop takes a reload before its next tick: two ticks on, this one was taken
         assert proc.poll() is None, "a bad config on reload must not stop the agent"
         # still running on the old config: a new Xid is still detected and published
         node.xid("0000:18:00", 48, "pid=9, name=python3, DBE")

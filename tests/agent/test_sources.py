@@ -221,7 +221,7 @@ def test_a_reload_that_changes_a_collector_root_waits_for_a_restart():
         section = getattr(base, s.name)
         for key in s.restart_keys:
             value = getattr(section, key)
-            other = (not value) if isinstance(value, bool) else ("/elsewhere" if isinstance(value, str) or value is None
-                                                                  else (*value, "x") if isinstance(value, tuple) else value)
+            other = (not value if isinstance(value, bool) else (*value, "x") if isinstance(value, tuple)
+                     else value + 1 if isinstance(value, (int, float)) else "/elsewhere")
             changed = dataclasses.replace(base, **{s.name: dataclasses.replace(section, **{key: other})})
             assert registry.restart_settings(changed) != registry.restart_settings(base), f"{s.name}.{key}"

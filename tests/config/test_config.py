@@ -27,6 +27,13 @@ host:
   filesystems:
     - {path: /checkpoint, role: checkpoint, timeout_s: 5, max_latency_s: 1}
     - {path: /datasets, role: dataset}
+nvme:
+  enabled: true
+  sysfs_root: /sys/class/nvme
+  smart_log_command: [nvme, smart-log, -o, json]
+  command_timeout_s: 5
+  wear_warn_pct: 85
+  media_errors_window_s: 86400
 catalog:
   overrides:
     94: {tier: 2, action: reset-gpu-when-idle}
@@ -50,12 +57,16 @@ def test_full_config_maps_onto_settings():
     )
     assert s.catalog.overrides == {94: XidOverride(tier=2, action="reset-gpu-when-idle"), 13: XidOverride(ignore=True)}
     assert s.metrics.listen == "127.0.0.1:9840"
+    assert s.nvme.enabled and s.nvme.smart_log_command == ("nvme", "smart-log", "-o", "json")
+    assert (s.nvme.smart_log_dir, s.nvme.wear_warn_pct, s.nvme.smart_log_max_age_s) == (None, 85, 3600.0)
 
 
 def test_empty_file_gives_defaults_with_hostname():
     s = config.parse("", "empty.yaml")
     assert isinstance(s, Settings) and s.node_name == config.default_node_name()
     assert s.state_file == "/run/healthd/state.json" and s.interval_s == 10.0
+    # a source added since reads nothing until a site turns it on
+    assert not s.nvme.enabled and s.nvme.smart_log_dir is None and s.nvme.smart_log_command == ()
 
 
 def test_absent_default_file_is_defaults_but_named_file_must_exist(tmp_path):
@@ -84,6 +95,15 @@ def test_absent_default_file_is_defaults_but_named_file_must_exist(tmp_path):
         ("node_name: 'gpu 01'", "f.yaml: node_name: expected a Slurm node name without spaces"),
         ("[1, 2]", r"f.yaml: \(top level\): expected a mapping of keys"),
         ("a: [", r"f.yaml: \(top level\): expected valid YAML, found <a syntax error at line [12]"),
+        ("nvme: {sysfs_root: sys/class/nvme}", "f.yaml: nvme.sysfs_root: expected an absolute path, found 'sys/class/nvme'"),
+        ("nvme: {smart_log_dir: smart}", "f.yaml: nvme.smart_log_dir: expected an absolute path, or null, found 'smart'"),
+        ("nvme: {smart_log_command: nvme smart-log}", "f.yaml: nvme.smart_log_command: expected a list, found 'nvme smart-log'"),
+        ("nvme: {smart_log_command: [nvme, '']}", "f.yaml: nvme.smart_log_command: expected a list of non-empty arguments"),
+        ("nvme: {smart_log_command: [nvme], smart_log_dir: /run/smart}", "nvme.smart_log_command: .*and smart_log_dir null"),
+        ("nvme: {command_timeout_s: 0}", "f.yaml: nvme.command_timeout_s: expected a finite number greater than 0, found 0.0"),
+        ("nvme: {media_errors_window_s: .inf}", "f.yaml: nvme.media_errors_window_s: expected a finite number greater than 0"),
+        ("nvme: {wear_warn_pct: 0}", "f.yaml: nvme.wear_warn_pct: expected a percentage from 1 to 255, found 0"),
+        ("nvme: {wear_warn_pct: 90.5}", "f.yaml: nvme.wear_warn_pct: expected an integer, found 90.5"),
     ],
 )
 def test_errors_name_file_key_expected_found(text, message):
@@ -96,7 +116,7 @@ yaml_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12) | st.integers(), inner, max_size=4),
     max_leaves=20,
 )
-keys = st.sampled_from(["node_name", "interval_s", "nvml", "kernel_log", "infiniband", "host", "catalog",
+keys = st.sampled_from(["node_name", "interval_s", "nvml", "kernel_log", "infiniband", "host", "nvme", "catalog",
                         "classify", "metrics", "state_file", "bogus"])
 
 
@@ -120,3 +140,19 @@ def test_no_text_crashes_the_loader(text):
         config.parse(text, "h.yaml")
     except ConfigError as e:
         assert str(e).startswith("h.yaml: ")
+
+
+nvme_keys = st.sampled_from(["enabled", "sysfs_root", "smart_log_dir", "smart_log_max_age_s", "smart_log_command",
+                             "command_timeout_s", "wear_warn_pct", "media_errors_window_s"])
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(st.dictionaries(nvme_keys, yaml_values, max_size=4))
+def test_no_nvme_section_crashes_the_loader(section):
+    """A section that checks its own values (`problems()`) refuses what it cannot use with a ConfigError too."""
+    try:
+        s = config.parse(yaml.safe_dump({"nvme": section}), "h.yaml")
+    except ConfigError as e:
+        assert str(e).startswith("h.yaml: nvme")
+    else:
+        assert s.nvme.problems() == []

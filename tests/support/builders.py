@@ -26,13 +26,8 @@ from healthd.model import (
     Snapshot,
     XidEvent,
 )
-from healthd.settings import (
-    ClassifySettings,
-    HostSettings,
-    InfinibandSettings,
-    NvmlSettings,
-    Settings,
-)
+from healthd.agent.sources import SOURCES
+from healthd.settings import ClassifySettings, Settings
 
 NOW = 1_750_000_000.0
 BUS = [f"00000000:{b:02X}:00.0" for b in (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)]
@@ -41,7 +36,7 @@ CATALOG = load_catalog()
 
 def settings(**sections: Any) -> Settings:
     """settings(classify={"xid_repeat_count": 2}, nvml={"expected_gpus": 8}, ...)"""
-    kinds = {"nvml": NvmlSettings, "infiniband": InfinibandSettings, "host": HostSettings, "classify": ClassifySettings}
+    kinds = {**{s.name: s.settings for s in SOURCES}, "classify": ClassifySettings}
     kw = {name: kinds[name](**values) for name, values in sections.items() if name in kinds}
     rest = {k: v for k, v in sections.items() if k not in kinds}
     return Settings(node_name="gpu001", **kw, **rest)

@@ -69,6 +69,11 @@ RULES: tuple[Rule, ...] = (
     Rule("host.psi_memory", 3, "software", "none"),
     Rule("host.psi_io", 3, "storage", "none"),
     Rule("host.dstate", 3, "storage", "none"),
+    # NVMe drives
+    Rule("nvme.critical_warning", 2, "storage", "drain"),
+    Rule("nvme.media_errors", 2, "storage", "none"),
+    Rule("nvme.wear", 3, "storage", "none"),
+    Rule("nvme.unreadable", 3, "unknown", "none"),
     # the hooks' quick checks (healthd.agent.hookfiles); hooks.check is any other check's failure
     Rule("hooks.gpu_count", 1, "hardware", "drain"),
     Rule("hooks.dcgmi_diag", 2, "hardware", "drain"),
@@ -78,6 +83,7 @@ RULES: tuple[Rule, ...] = (
     Rule("collector.kernel_log", 3, "unknown", "none"),
     Rule("collector.infiniband", 3, "unknown", "none"),
     Rule("collector.host", 3, "unknown", "none"),
+    Rule("collector.nvme", 3, "unknown", "none"),
     Rule("classify.error", 3, "unknown", "none"),
 )
 
