@@ -346,7 +346,7 @@ class Settings:
     state_dir: str = "/var/lib/healthd"
     """Where the journal cursor, counter baselines and history windows persist across restarts."""
     interval_s: float = 10.0
-    """Period of the NVML, InfiniBand and host collectors (the kernel log is followed continuously)."""
+    """Period of the NVML, InfiniBand, host and NVMe collectors (the kernel log is followed continuously)."""
     log_level: str = "info"
     """debug | info | warning | error (the daemon's log; `--log-level` overrides)."""
     nvml: NvmlSettings = field(default_factory=NvmlSettings)

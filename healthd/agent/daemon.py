@@ -2,7 +2,7 @@
 
 `Agent.tick()` is one pass; `run()` is the daemon loop the systemd unit starts. The kernel log is
 followed on its own thread (an Xid is classified the moment it is read, not at the next interval);
-NVML, InfiniBand and host are collected every `interval_s`.
+the other sources (healthd.agent.sources) are collected every `interval_s`.
 
 Exactly-once across restarts: the journal cursor and the history the kernel events were folded
 into are written in ONE atomic file (`<state_dir>/agent-state.json`), so a crash either keeps both

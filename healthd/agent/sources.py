@@ -1,13 +1,13 @@
 """The agent's sources, registered once.
 
 A source is one thing the agent reads: NVML, the kernel log, InfiniBand sysfs, the host's own
-signals. Everything the agent does with a source comes from its entry in `SOURCES`: the daemon builds
-its collector from the settings and hands back what it saved, collects it every interval (or follows
-it, for the kernel log), the Snapshot carries its sample, the classifier handles its status and then
-runs its rules, history keeps what its rules' windows need, the state document lists it under
-`sources` and the metrics label its outcome. Nothing else spells the list of sources, so a place
-that iterates `SOURCES` cannot leave one out; `check_registry` refuses an entry that lacks a part when this
-module is imported.
+signals, the NVMe drives. Everything the agent does with a source comes from its entry in `SOURCES`:
+the daemon builds its collector from the settings and hands back what it saved, collects it every
+interval (or follows it, for the kernel log), the Snapshot carries its sample, the classifier handles
+its status and then runs its rules, history keeps what its rules' windows need, the state document
+lists it under `sources` and the metrics label its outcome. Nothing else spells the list of sources,
+so a place that iterates `SOURCES` cannot leave one out; `check_registry` refuses an entry that lacks
+a part when this module is imported.
 
 Adding a source: docs/architecture.md, "Adding a source".
 """
@@ -186,7 +186,6 @@ SOURCES: tuple[Source, ...] = (
 )
 """Every source, in the order the agent collects and classifies them."""
 
-NAMES: tuple[str, ...] = tuple(s.name for s in SOURCES)
 PERIODIC: tuple[Source, ...] = tuple(s for s in SOURCES if not s.followed)
 """The sources collected once per interval."""
 
