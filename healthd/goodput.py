@@ -1,35 +1,14 @@
 """Goodput accounting: where every GPU-second of a training job went, charged to its cause.
 
-Pure functions over a job's event log, a JSONL file with one object per line. It uses the entry keys
-of Google's ml-goodput-measurement where they exist, so a log healthd writes can be read by that
-library's tools too, and namespaced `healthd_event` records for what it lacks:
-
-    {"job_name": J, "job_start_time": T}                       a run starts (every requeue starts one)
-    {"job_name": J, "step_count": N, "step_start_time": T}     step N starts at T (a mark; one per
-                                                               window is enough: the steps between two
-                                                               marks share the time between them)
-    {"job_name": J, "custom_badput_event_type": "checkpoint_save",
-     "custom_badput_event_start_time": T}                      ... and `custom_badput_event_end_time`:
-                                                               the blocking part of a save
-    {"job_name": J, "job_end_time": T}                         the job ended (its last run completed)
-    {"job_name": J, "healthd_event": KIND, "time": T, ...}     healthd's own, KIND one of:
-        allocation   gpus, nodes: what the run holds (at its start)
-        run_end      state: a run ended (Slurm's state: COMPLETED, FAILED, NODE_FAIL, REQUEUED, ...;
-                     ENDED when the epilog could not tell: the last run's steps then count as done)
-        durable      step: the checkpoint of that step is safely on storage
-        restored     step: the run loaded the checkpoint of that step
-        interrupt    incident, cause, node, gpu, rank: what ended the run, as the ledger has it
-        evidence     incident: the first evidence of it (the ledger's first_evidence_at)
-        detected     incident: detected (the ledger's detected_at)
-        decided      incident: the action applied (the ledger's action_applied_at)
-        straggler    end, share, rank, node, gpu, incident: from `time` to `end` the job ran `share`
-                     slower than without the slow rank (its compute over the others' slowest, less 1)
-        false_positive incident: the incident's action was wrong (validation passed and nothing
-                     recurred, or an operator's `undo --why`)
+Pure functions over a job's event log, a JSONL file with one object per line: ml-goodput-measurement's
+entries (runs, step marks, the blocking part of saves) and healthd's own events (what a run holds and
+how it ended, durable checkpoints and restores, incidents from the ledger, stragglers). Its keys and
+kinds are healthd.goodput_events; docs/goodput.md says what each means. A run_end whose state is
+ENDED (the epilog could not tell how it ended) counts its last run's steps as done.
 
 Every GPU-second from the first run's start to the last run's end falls in exactly one category
-(healthd.goodput_categories); they sum to the held GPU-seconds. A log that cannot be read whole (a truncated
-line, events out of order, a run without an end, a clock step) gives a partial answer whose
+(healthd.goodput_categories); they sum to the held GPU-seconds. A log that cannot be read whole (a
+truncated line, events out of order, a run without an end, a clock step) gives a partial answer whose
 `problems` say what was assumed; never an exception, never a silently different total.
 """
 
@@ -43,15 +22,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from healthd import goodput_events as ev
 from healthd.goodput_categories import CATEGORIES, INCIDENT_CATEGORIES
+from healthd.goodput_events import log_line  # noqa: F401 - the writers' and the tests' name for it
 
 MAX_LINE_BYTES = 64 * 1024
 MAX_EVENTS = 5_000_000
 
-HEALTHD_KINDS = frozenset({"allocation", "run_end", "durable", "restored", "interrupt", "evidence", "detected",
-                           "decided", "straggler", "false_positive", "ranks", "windows"})
-"""`ranks` (where each rank runs) and `windows` (each rank's step compute time in one window) are
-the controller's, for the report's heatmap; they are not accounted."""
+HEALTHD_KINDS = frozenset(ev.EVENTS)
+"""`ranks` and `windows` (ev.UNACCOUNTED_EVENTS) are read for the report's heatmap, not accounted."""
 
 
 # --------------------------------------------------------------------------- the log
@@ -82,28 +61,28 @@ def number(v: Any) -> float | None:
 
 def _event(doc: Mapping[str, Any], line: int) -> Event | str:
     """One entry as an Event, or the reason it is not one."""
-    if "healthd_event" in doc:
-        kind, t = doc.get("healthd_event"), number(doc.get("time"))
+    if ev.EVENT in doc:
+        kind, t = doc.get(ev.EVENT), number(doc.get(ev.TIME))
         if kind not in HEALTHD_KINDS:
-            return f"unknown healthd_event {str(kind)[:40]!r}"
+            return f"unknown {ev.EVENT} {str(kind)[:40]!r}"
         if t is None:
-            return f"healthd_event {kind} without a time"
-        return Event(t, kind, {k: v for k, v in doc.items() if k not in ("healthd_event", "time", "job_name")}, line)
-    if "step_count" in doc:
-        n, t = doc.get("step_count"), number(doc.get("step_start_time"))
+            return f"{ev.EVENT} {kind} without a time"
+        return Event(t, kind, {k: v for k, v in doc.items() if k not in (ev.EVENT, ev.TIME, ev.JOB_NAME)}, line)
+    if ev.STEP_COUNT in doc:
+        n, t = doc.get(ev.STEP_COUNT), number(doc.get(ev.STEP_START_TIME))
         if not isinstance(n, int) or isinstance(n, bool) or t is None:
-            return "step entry without an integer step_count and a step_start_time"
+            return f"step entry without an integer {ev.STEP_COUNT} and a {ev.STEP_START_TIME}"
         return Event(t, "step", {"step": n}, line)
-    if "custom_badput_event_type" in doc:
-        what = doc.get("custom_badput_event_type")
-        start, end = number(doc.get("custom_badput_event_start_time")), number(doc.get("custom_badput_event_end_time"))
-        if what != "checkpoint_save":
+    if ev.CUSTOM_EVENT_TYPE in doc:
+        what = doc.get(ev.CUSTOM_EVENT_TYPE)
+        start, end = number(doc.get(ev.CUSTOM_EVENT_START_TIME)), number(doc.get(ev.CUSTOM_EVENT_END_TIME))
+        if what != ev.CHECKPOINT_SAVE:
             return ""  # another custom event: not one healthd accounts for (it stays in `other`)
         if (start is None) == (end is None):
-            return "checkpoint_save entry without exactly one of a start and an end time"
+            return f"{ev.CHECKPOINT_SAVE} entry without exactly one of a start and an end time"
         return Event(start if start is not None else end, "checkpoint_start" if start is not None else "checkpoint_end",
                      {}, line)  # type: ignore[arg-type]
-    for key, kind in (("job_start_time", "job_start"), ("job_end_time", "job_end")):
+    for key, kind in ((ev.JOB_START_TIME, "job_start"), (ev.JOB_END_TIME, "job_end")):
         if key in doc:
             t = number(doc.get(key))
             return Event(t, kind, {}, line) if t is not None else f"{key} is not a number"
@@ -143,7 +122,7 @@ def parse_log(text: str, job: str | None = None) -> Log:
         if not isinstance(doc, dict):
             problems.append(f"line {i}: not a JSON object; skipped")
             continue
-        name = doc.get("job_name")
+        name = doc.get(ev.JOB_NAME)
         if job is not None and name != job:
             continue
         if isinstance(name, str):
@@ -227,11 +206,6 @@ def with_runs(log: Log, runs: Iterable[SlurmRun]) -> Log:
             extra.append(Event(r.end, "run_end", {"state": r.state, "from": "accounting"}))
     events = sorted((*kept, *extra), key=lambda e: (e.time, _TIE.get(e.kind, 1), e.line))
     return Log(log.job, tuple(events), log.problems)
-
-
-def log_line(job: str, **entry: Any) -> str:
-    """One entry of the log, as healthd writes it."""
-    return json.dumps({"job_name": job, **entry}, sort_keys=True, separators=(",", ":"))
 
 
 # --------------------------------------------------------------------------- runs

@@ -19,15 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from healthd.agent.inband import CKPT_BEGIN, CKPT_END, DURABLE, RESTORED, STEP, RingHeader, RingRecord
-from healthd.goodput import log_line
+from healthd import goodput_events as ev
 from healthd.lograte import WarnOnce
 from healthd.persist import write_json_atomic
-from healthd.settings import GOODPUT_LOG_DIR
 from healthd.text import clean
 
 log = logging.getLogger("healthd")
 
 MAX_CURSOR_BYTES = 256
+CURSOR_SUFFIX = ".cursor"
+"""`<job>.cursor` beside the job's log: how far into rank 0's ring the log reaches."""
+SHIPPED_SUFFIX = ".shipped"
+"""`<job>.shipped` beside the job's log: how far the controller's copy reaches (healthd.agent.goodput_ship)."""
 
 
 def entries(header: RingHeader, records: Iterable[RingRecord], window_steps: int, *,
@@ -38,24 +41,24 @@ def entries(header: RingHeader, records: Iterable[RingRecord], window_steps: int
     out: list[dict[str, Any]] = []
     if new_run:
         start = header.start_wall_ns / 1e9
-        out.append({"job_start_time": start})
+        out.append(ev.job_start(start))
         if header.world_size > 0:
             # one rank per GPU: what a data-parallel job holds
-            out.append({"healthd_event": "allocation", "time": start, "gpus": header.world_size})
+            out.append(ev.event("allocation", start, gpus=header.world_size))
     for r in records:
         wall = r.wall_ns / 1e9
         if r.kind == STEP:
             if first_step or (window_steps > 0 and r.step % window_steps == 0):
-                out.append({"step_count": r.step, "step_start_time": (r.wall_ns - r.dur_ns) / 1e9})
+                out.append(ev.step_mark(r.step, (r.wall_ns - r.dur_ns) / 1e9))
                 first_step = False
         elif r.kind == CKPT_BEGIN:
-            out.append({"custom_badput_event_type": "checkpoint_save", "custom_badput_event_start_time": wall})
+            out.append(ev.checkpoint_start(wall))
         elif r.kind == CKPT_END:
-            out.append({"custom_badput_event_type": "checkpoint_save", "custom_badput_event_end_time": wall})
+            out.append(ev.checkpoint_end(wall))
         elif r.kind == DURABLE:
-            out.append({"healthd_event": "durable", "time": wall, "step": r.step})
+            out.append(ev.event("durable", wall, step=r.step))
         elif r.kind == RESTORED:
-            out.append({"healthd_event": "restored", "time": wall, "step": r.step})
+            out.append(ev.event("restored", wall, step=r.step))
             first_step = True  # the first step after a restore ends the restart
     return out, first_step
 
@@ -85,7 +88,7 @@ class GoodputLog:
 
     @property
     def directory(self) -> str:
-        return os.path.join(self.state_dir, GOODPUT_LOG_DIR)
+        return os.path.join(self.state_dir, ev.LOG_DIR)
 
     def take(self, job: str, header: RingHeader, records: Iterable[RingRecord]) -> None:
         """Rank 0's records read this tick (all of them after a new ring; the new ones otherwise)."""
@@ -100,7 +103,7 @@ class GoodputLog:
         got, first = entries(header, fresh, self.window_steps, new_run=new_run, first_step=cursor.first_step)  # type: ignore[union-attr]
         self._cursors[job] = _Cursor(identity, max([cursor.seq, *(r.seq for r in fresh)]), first)  # type: ignore[union-attr]
         if got:
-            self._pending.setdefault(job, []).extend(log_line(job, **e) for e in got)
+            self._pending.setdefault(job, []).extend(ev.log_line(job, **e) for e in got)
 
     def flush(self) -> None:
         """Append what this tick found, one write per job, then remember how far it got."""
@@ -113,7 +116,7 @@ class GoodputLog:
             self._warn(f"goodput log directory {self.directory} not made: {clean(e, 200)}")
             return
         for job, lines in pending.items():
-            path = os.path.join(self.directory, f"{job}.jsonl")
+            path = os.path.join(self.directory, job + ev.LOG_SUFFIX)
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
                 try:
@@ -130,7 +133,8 @@ class GoodputLog:
         if self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S:
             return []
         self._pruned_at = now
-        keep = {f"{job}.{ext}" for job in running for ext in ("jsonl", "cursor", "shipped")}
+        suffixes = (ev.LOG_SUFFIX, CURSOR_SUFFIX, SHIPPED_SUFFIX)
+        keep = {job + suffix for job in running for suffix in suffixes}
         gone = []
         try:
             names = os.listdir(self.directory)
@@ -140,7 +144,7 @@ class GoodputLog:
             self._warn(f"goodput log directory {self.directory} not listed: {clean(e, 200)}")
             return []
         for name in names:
-            if name in keep or not name.endswith((".jsonl", ".cursor", ".shipped")):
+            if name in keep or not name.endswith(suffixes):
                 continue
             path = os.path.join(self.directory, name)
             try:
@@ -163,7 +167,7 @@ class GoodputLog:
         return self._cursors
 
     def _cursor_path(self, job: str) -> str:
-        return os.path.join(self.directory, f"{job}.cursor")
+        return os.path.join(self.directory, job + CURSOR_SUFFIX)
 
     def _load(self, job: str) -> _Cursor | None:
         try:

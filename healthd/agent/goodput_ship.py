@@ -3,8 +3,9 @@ epilog's run ends) to the controller, which gathers each job's parts on the head
 (healthd.controller.goodput_gather).
 
 On its own thread, woken after each tick: for every log longer than what the controller has, the
-next whole lines (at most MAX_SHIPMENT_BYTES) go to `POST /v1/goodput`, signed by munged like a
-report, from the byte offset the controller last acknowledged. That offset is kept in
+next whole lines (at most MAX_SHIPMENT_BYTES of healthd.goodput_events, the shipment's format) go to
+`POST /v1/goodput`, signed by munged like a report, from the byte offset the controller last
+acknowledged. That offset is kept in
 `<job>.shipped`, so a restart sends nothing twice and a lost answer only repeats lines the
 controller skips. The controller answers how far its copy reaches; a copy that is behind (the head
 node's disk was restored from a backup) is sent again from there. Failures back off exponentially
@@ -24,17 +25,16 @@ from collections.abc import Callable
 from typing import Any
 
 from healthd import envelope
+from healthd.agent.goodput_log import SHIPPED_SUFFIX
 from healthd.agent.inband_jobs import JOB_NAME
 from healthd.client import Poster, one_line, refusal_reason, urllib_post
 from healthd.lograte import WarnOnce
 from healthd.persist import write_json_atomic
-from healthd.settings import GOODPUT_LOG_DIR, ControllerClientSettings
+from healthd import goodput_events as ev
+from healthd.settings import ControllerClientSettings
 
 log = logging.getLogger("healthd")
 
-GOODPUT_PATH = "/v1/goodput"
-MAX_SHIPMENT_BYTES = 512 * 1024
-"""What the controller takes in one shipment (healthd.controller.goodput_gather)."""
 MAX_SHIPPED_BYTES = 64
 MAX_SHIPMENTS_PER_PASS = 64
 """Shipments of one log in one pass (32 MiB); the rest goes at the next tick."""
@@ -51,8 +51,8 @@ class GoodputShipper:
             raise ValueError("GoodputShipper needs controller.url")
         self.settings = settings
         self.node = node
-        self.directory = os.path.join(state_dir, GOODPUT_LOG_DIR)
-        self.url = settings.url.rstrip("/") + GOODPUT_PATH
+        self.directory = os.path.join(state_dir, ev.LOG_DIR)
+        self.url = settings.url.rstrip("/") + ev.SHIPMENT_PATH
         self.post = post
         self.sign = sign
         self.clock = clock
@@ -104,13 +104,13 @@ class GoodputShipper:
         """Send what the controller lacks of every log, a shipment at a time; False when the
         controller could not be reached or did not take one (the rest waits for the backoff)."""
         try:
-            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".jsonl"))
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith(ev.LOG_SUFFIX))
         except FileNotFoundError:
             return True
         except OSError as exc:
             self._warn(f"goodput logs in {self.directory} not listed: {one_line(exc)}")
             return True
-        jobs = [n[:-len(".jsonl")] for n in names]
+        jobs = [n.removesuffix(ev.LOG_SUFFIX) for n in names]
         for gone in set(self._shipped) - set(jobs):  # deleted by the agent's pruning
             del self._shipped[gone]
             self._refused_at.pop(gone, None)
@@ -128,7 +128,7 @@ class GoodputShipper:
     def _ship(self, job: str) -> bool | None:
         """One shipment of `job`'s log: True when one was taken and more may follow, False when there
         is nothing (more) to send, None when the controller did not take it."""
-        path = os.path.join(self.directory, f"{job}.jsonl")
+        path = os.path.join(self.directory, job + ev.LOG_SUFFIX)
         shipped = self.shipped(job)
         try:
             size = os.lstat(path).st_size  # one call for a log with nothing new: the usual case
@@ -142,12 +142,12 @@ class GoodputShipper:
             return False
         try:
             size = os.fstat(fd).st_size
-            raw = os.pread(fd, min(MAX_SHIPMENT_BYTES, size - shipped), shipped)
+            raw = os.pread(fd, min(ev.MAX_SHIPMENT_BYTES, size - shipped), shipped)
         finally:
             os.close(fd)
         cut = raw.rfind(b"\n") + 1
         if cut == 0:
-            if len(raw) >= MAX_SHIPMENT_BYTES:
+            if len(raw) >= ev.MAX_SHIPMENT_BYTES:
                 self._refused(job, size, "a line longer than a shipment")
             return False  # the rest of a line still being written
         try:
@@ -155,7 +155,7 @@ class GoodputShipper:
         except UnicodeDecodeError:
             self._refused(job, size, "not UTF-8")
             return False
-        answer = self._post({"kind": "goodput-lines", "job": job, "offset": shipped, "data": data})
+        answer = self._post(ev.shipment(job, shipped, data))
         if answer is None:
             return None
         status, doc = answer
@@ -219,7 +219,7 @@ class GoodputShipper:
         return int(text) if text.isdigit() else 0
 
     def _shipped_path(self, job: str) -> str:
-        return os.path.join(self.directory, f"{job}.shipped")
+        return os.path.join(self.directory, job + SHIPPED_SUFFIX)
 
     def _save(self, job: str, through: int) -> None:
         self._shipped[job] = through

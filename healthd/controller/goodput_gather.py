@@ -26,15 +26,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from healthd import goodput
+from healthd import goodput_events as ev
 from healthd.envelope import NODE_NAME
 from healthd.persist import write_json_atomic
 from healthd.goodput import MAX_LINE_BYTES
 from healthd.slurm.backend import validate_job_id
 
-MAX_SHIPMENT_BYTES = 512 * 1024
-"""Lines in one shipment (the report envelope carries at most 1 MiB)."""
-NODE_KINDS = frozenset({"allocation", "run_end", "durable", "restored"})
-"""The healthd records a node writes; the others come from the ledger."""
 MAX_OFFSET_BYTES = 64
 
 
@@ -54,9 +51,9 @@ class Shipment:
 
 def parse_shipment(doc: object) -> Shipment:
     """A shipment document -> Shipment; ShipmentRefused(400) naming what is wrong (pure)."""
-    if not isinstance(doc, dict) or doc.get("kind") != "goodput-lines":
-        raise ShipmentRefused(400, "not a goodput-lines shipment")
-    extra = sorted(set(doc) - {"kind", "job", "offset", "data"})
+    if not isinstance(doc, dict) or doc.get("kind") != ev.SHIPMENT_KIND:
+        raise ShipmentRefused(400, f"not a {ev.SHIPMENT_KIND} shipment")
+    extra = sorted(set(doc) - ev.SHIPMENT_FIELDS)
     if extra:
         raise ShipmentRefused(400, f"unknown field {extra[0][:40]!r}")
     job, offset, data = doc.get("job"), doc.get("offset"), doc.get("data")
@@ -66,8 +63,8 @@ def parse_shipment(doc: object) -> Shipment:
         raise ShipmentRefused(400, f"job {str(job)[:40]!r} is not a Slurm job id") from None
     if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < 1 << 48:
         raise ShipmentRefused(400, "offset is not a byte offset")
-    if not isinstance(data, str) or len(data.encode("utf-8", "surrogatepass")) > MAX_SHIPMENT_BYTES:
-        raise ShipmentRefused(400, f"data is not text of at most {MAX_SHIPMENT_BYTES} bytes")
+    if not isinstance(data, str) or len(data.encode("utf-8", "surrogatepass")) > ev.MAX_SHIPMENT_BYTES:
+        raise ShipmentRefused(400, f"data is not text of at most {ev.MAX_SHIPMENT_BYTES} bytes")
     if data and not data.endswith("\n"):
         raise ShipmentRefused(400, "data does not end with a whole line")
     for n, line in enumerate(data.split("\n")[:-1], 1):
@@ -87,11 +84,12 @@ def line_problem(line: str, job: str) -> str:
         return "not JSON"
     if not isinstance(doc, dict):
         return "not a JSON object"
-    if doc.get("job_name") != job:
-        return f"job_name is not {job}"
-    kind = doc.get("healthd_event")
-    if kind is not None and kind not in NODE_KINDS:
-        return f"healthd_event {str(kind)[:40]!r} comes from the ledger, not from a node"
+    if doc.get(ev.JOB_NAME) != job:
+        return f"{ev.JOB_NAME} is not {job}"
+    kind = doc.get(ev.EVENT)
+    if kind is not None and kind not in ev.NODE_EVENTS:
+        writer = ev.EVENTS[kind][0] if kind in ev.EVENTS else "no writer"
+        return f"{ev.EVENT} {str(kind)[:40]!r} comes from the {writer}, not from a node"
     return ""
 
 
@@ -245,9 +243,8 @@ class StragglerEpisodes:
             if ep.last <= ep.first:
                 continue  # one round: no time to charge
             job, rank = key
-            by_job.setdefault(job, []).append(goodput.log_line(
-                job, healthd_event="straggler", time=ep.first, end=ep.last, share=round(ep.effect, 4), rank=rank,
-                node=ep.node, gpu=ep.gpu))
+            by_job.setdefault(job, []).append(ev.log_line(job, **ev.event(
+                "straggler", ep.first, end=ep.last, share=round(ep.effect, 4), rank=rank, node=ep.node, gpu=ep.gpu)))
         for job, lines in by_job.items():
             self.write(job, lines)
 
@@ -313,8 +310,8 @@ class WindowRecords:
             moved = sorted((r.rank, r.node, r.gpu, r.rail) for r in ranks if known.get(r.rank) != (r.node, r.gpu, r.rail))
             if moved:
                 known.update((rank, (node, gpu, rail)) for rank, node, gpu, rail in moved)
-                lines.append(goodput.log_line(job, healthd_event="ranks", time=now, ranks=[
-                    {"rank": rank, "node": node, "gpu": gpu, "rail": rail} for rank, node, gpu, rail in moved]))
+                lines.append(ev.log_line(job, **ev.event("ranks", now, ranks=[
+                    {"rank": rank, "node": node, "gpu": gpu, "rail": rail} for rank, node, gpu, rail in moved])))
             size = (world or {}).get(job)
             newest = [max((w for w, _ in r.windows), default=-1) for r in ranks]
             complete = min(newest) if size is None or len({r.rank for r in ranks}) >= size else -1
@@ -325,8 +322,7 @@ class WindowRecords:
                     if done < w <= complete:
                         by_window.setdefault(w, []).append([r.rank, round(compute, 6)])
             for w in sorted(by_window):
-                lines.append(goodput.log_line(job, healthd_event="windows", time=now, window=w,
-                                              compute=sorted(by_window[w])))
+                lines.append(ev.log_line(job, **ev.event("windows", now, window=w, compute=sorted(by_window[w]))))
             self._done[job] = max(complete, done)
             if lines:
                 self.write(job, lines)

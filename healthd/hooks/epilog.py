@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 
-from healthd import fastjson
+from healthd import fastjson, goodput_events
 from healthd.bindings import charges, close_binding, read_binding, remove_binding
 from healthd.checks import CHECKS_FILE, gpu_count_result, merged_doc
 from healthd.hooks import inband_dirs
@@ -56,9 +56,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-GOODPUT_LOG_DIR = "goodput"
-"""healthd.settings.GOODPUT_LOG_DIR, repeated so that the epilog need not import the settings
-dataclasses (a test checks they agree)."""
 HOOK = "healthd-epilog"
 OK = 0
 WHEN_IDLE = ("reboot-when-idle", "reset-gpu-when-idle")
@@ -115,12 +112,10 @@ def epilog(ctx: Context) -> int:
 def end_goodput_run(ctx: Context, job: str, end: float) -> None:
     """The run's end, into the job's goodput log where this node keeps one (the node of rank 0,
     whose agent writes it): Slurm's exit code when the epilog is given one, else `ENDED`."""
-    path = os.path.join(ctx.settings.state_dir, GOODPUT_LOG_DIR, f"{job}.jsonl")
+    path = os.path.join(ctx.settings.state_dir, goodput_events.LOG_DIR, job + goodput_events.LOG_SUFFIX)
     code = (ctx.env.get("SLURM_JOB_EXIT_CODE2") or ctx.env.get("SLURM_JOB_EXIT_CODE") or "").strip()[:16]
     state = "ENDED" if not code else "COMPLETED" if code in ("0", "0:0") else "FAILED"
-    entry = {"job_name": job, "healthd_event": "run_end", "time": end, "state": state}
-    if code:
-        entry["exit_code"] = code
+    entry = goodput_events.event("run_end", end, state=state, **({"exit_code": code} if code else {}))
     try:
         # no O_CREAT: only the node that has the log adds to it
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -130,9 +125,7 @@ def end_goodput_run(ctx: Context, job: str, end: float) -> None:
         ctx.log.warning(f"job {job}: run end not added to {path}: {clean(e, 200)}")
         return
     try:
-        import json  # lazy: only a node that keeps the job's goodput log gets here
-
-        os.write(fd, (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode())
+        os.write(fd, (goodput_events.log_line(job, **entry) + "\n").encode())
         ctx.log.info(f"job {job}: run end ({state}) added to its goodput log {path}")
     except OSError as e:
         ctx.log.warning(f"job {job}: run end not added to {path}: {clean(e, 200)}")

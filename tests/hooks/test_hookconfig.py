@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from healthd import config, hookconfig, settings
-from healthd.hooks import epilog
+from healthd import config, goodput_events, hookconfig, settings
 from tests.hooks.support import BIN, Node, finding, state_doc
 from tests.support.hook_log import hook_lines
 
@@ -44,7 +43,7 @@ def me() -> int:
 
 def test_the_repeated_constants_agree_with_their_sources() -> None:
     assert hookconfig.NODE_CONFIG_PATH == config.NODE_CONFIG_PATH
-    assert epilog.GOODPUT_LOG_DIR == settings.GOODPUT_LOG_DIR
+    assert settings.GOODPUT_LOG_DIR == goodput_events.LOG_DIR
     assert Path(hookconfig.COMPILED_PATH).parent == Path(settings.Settings(node_name="x").state_file).parent
 
 
