@@ -208,7 +208,7 @@ def test_agent_active_only_after_ready(stage, fake_nvml_lib):
     doc = json.loads(c.run("cat", "/run/healthd/state.json").stdout)
     assert doc["verdict"] == "healthy", doc
     assert {name: src["status"] for name, src in doc["sources"].items()} == \
-        {"nvml": "ok", "kernel_log": "ok", "infiniband": "ok", "host": "ok"}, doc["sources"]
+        {"nvml": "ok", "kernel_log": "ok", "infiniband": "ok", "host": "ok", "nvme": "no_data"}, doc["sources"]
     show = c.show("healthd.service", "StatusText", "WatchdogUSec", "ActiveEnterTimestamp", "Type")
     assert show["StatusText"] == "verdict healthy, 0 finding(s)", show
     assert show["WatchdogUSec"] == "1min" and show["Type"] == "notify", show
