@@ -1,9 +1,13 @@
 """The safety envelope: ordered gates that refuse Decisions with a one-line reason.
 
 Each gate is a pure function `(decision, context) -> Refusal | None`. `apply_gates` runs them in
-order (mode, rate limit, circuit breaker, topology correlation, capacity floor, ownership) and
-threads the context through the batch, so two drains in one batch count against the same rate
-limit and capacity floor. It never raises: a gate that fails is a refusal (fail closed).
+order (mode, rate limit, circuit breaker, topology correlation, capacity floor, ownership) over every
+decision the round has, whoever proposed it (policy, the hang responder, the reintegrator, an
+operator's undo), and runs for each only the gates the action table lists for its kind
+(healthd.controller.actions), with the kind's approval rule and budget as the mode and rate-limit
+gates' parameters. It threads the context through the batch, so two drains in one batch count
+against the same rate limit and capacity floor. It never raises: a gate that fails is a refusal
+(fail closed).
 
 `build_context` evaluates the circuit breaker and topology correlation from the fleet view; the
 breaker's state (opened_at, reset_at) lives in the ledger and is handed in and out as a value.
@@ -19,10 +23,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from healthd.controller.actions import ACTIONS, GATE_ORDER, ActionKind
 from healthd.controller.fleetcache import out_of_service
 from healthd.controller.ownership import describe_reason, owned
 from healthd.controller.policy import (
-    REMOVING_KINDS,
     ControllerPolicySettings,
     Decision,
     FleetView,
@@ -120,6 +124,8 @@ class GateContext:
     """Node-removing actions applied fleet-wide in the last hour (from the ledger)."""
     actions_last_hour_by_partition: Mapping[str, int] = field(default_factory=dict)
     """The same count per partition."""
+    hang_requeues_last_hour: int = 0
+    """Hung jobs' requeues applied in the last hour (the requeue-hang kind's own budget)."""
     approved: frozenset[str] = frozenset()
     """Decision ids an operator approved (`healthctl approve`)."""
     correlated: Mapping[str, GroupIncident] = field(default_factory=dict)
@@ -251,6 +257,7 @@ def build_context(
     actions_last_hour_by_partition: Mapping[str, int] | None = None,
     approved: Iterable[str] = (),
     out_of_service: frozenset[str] | None = None,
+    hang_requeues_last_hour: int = 0,
 ) -> tuple[GateContext, Alert | None]:
     """Evaluate breaker and correlation for this round; returns the context and the breaker's alert
     (only on the round it opens). Persist `context.breaker` back to the ledger. `out_of_service`:
@@ -264,6 +271,7 @@ def build_context(
         breaker=state,
         actions_last_hour=actions_last_hour,
         actions_last_hour_by_partition=actions_last_hour_by_partition or {},
+        hang_requeues_last_hour=hang_requeues_last_hour,
         approved=frozenset(approved),
         # a breaker reset does not dissolve a group incident: the shared part is still the cause
         correlated=correlate(fleet, settings, now),
@@ -282,18 +290,23 @@ class _Wait(Refusal):
 
 
 def gate_mode(decision: Decision, ctx: GateContext) -> Refusal | None:
-    """observe never acts; supervised waits for approval; auto: T1 acts, T2 waits (unless the site
-    grants T2), T3 and user-attributed never act. An approved decision id passes."""
+    """observe never acts. Outside it, the kind's approval rule: `tier` (policy's remedies):
+    supervised waits for approval, auto: T1 acts, T2 waits (unless the site grants T2), T3 and
+    user-attributed never act; `opt-in` (a job asked for it): supervised waits, auto acts; `operator`
+    (an operator's command, or what one started): acts. An approved decision id passes a wait."""
     mode = ctx.settings.mode
     if mode == "observe":
         return Refusal("mode", "observe mode: decided and recorded, not applied")
-    if decision.tier not in (1, 2) or decision.attribution == "user":
+    approval = ACTIONS[decision.kind].approval
+    if approval == "operator":
+        return None
+    if approval == "tier" and (decision.tier not in (1, 2) or decision.attribution == "user"):
         return Refusal("mode", f"T{decision.tier} {decision.attribution} finding: recorded, never acts")
     if decision.id in ctx.approved:
         return None
     if mode == "supervised":
         return _Wait("mode", "supervised mode: waiting for `healthctl approve`")
-    if decision.tier == 2 and not ctx.settings.auto_tier2:
+    if approval == "tier" and decision.tier == 2 and not ctx.settings.auto_tier2:
         return _Wait("mode", "T2 (probable): waiting for `healthctl approve`")
     return None
 
@@ -306,11 +319,15 @@ def unconfirmed(ctx: GateContext) -> frozenset[str]:
 
 
 def gate_rate_limit(decision: Decision, ctx: GateContext) -> Refusal | None:
-    """At most N node-removing actions per hour fleet-wide and per partition: those the ledger has
-    applied, those allowed earlier in this batch, and writes whose outcome Slurm has not shown yet."""
-    if decision.kind not in REMOVING_KINDS:
-        return None
+    """The kind's hourly budget. Node removals: at most N per hour fleet-wide and per partition, those
+    the ledger has applied, those allowed earlier in this batch, and writes whose outcome Slurm has not
+    shown yet. Hung jobs' requeues: at most N per hour, counted apart from removals."""
     s = ctx.settings
+    if ACTIONS[decision.kind].budget == "hang-requeues":
+        used = ctx.hang_requeues_last_hour
+        if used >= s.max_actions_per_hour:
+            return Refusal("rate-limit", f"hang requeue budget: {used} of {s.max_actions_per_hour} in the last hour")
+        return None
     pending = unconfirmed(ctx) - {decision.node}  # a retry of its own unconfirmed write is not a second one
     used = ctx.actions_last_hour + len(pending)
     if used >= s.max_actions_per_hour:
@@ -327,8 +344,6 @@ def gate_rate_limit(decision: Decision, ctx: GateContext) -> Refusal | None:
 
 def gate_breaker(decision: Decision, ctx: GateContext) -> Refusal | None:
     """Nothing automatic while the breaker is open; nothing decided before a reset is applied."""
-    if decision.kind not in REMOVING_KINDS and decision.kind != "resume":
-        return None
     b = ctx.breaker
     if b.open:
         return Refusal("breaker", f"circuit breaker open since {stamp(b.opened_at)}: likely cause {b.cause}")
@@ -340,8 +355,6 @@ def gate_breaker(decision: Decision, ctx: GateContext) -> Refusal | None:
 
 def gate_correlation(decision: Decision, ctx: GateContext) -> Refusal | None:
     """A node whose failure is part of a group incident is not drained on its own."""
-    if decision.kind not in REMOVING_KINDS:
-        return None
     incident = ctx.correlated.get(decision.node)
     if incident is None:
         return None
@@ -360,8 +373,6 @@ def gate_capacity(decision: Decision, ctx: GateContext) -> Refusal | None:
     """Never take a partition below its configured healthy minimum. Not healthy: what the fleet view
     shows drained, down, not responding or rebooting, plus healthd's own removals (own_removals), so a
     view read before healthd's last drain never counts that node as healthy."""
-    if decision.kind not in REMOVING_KINDS:
-        return None
     floors = ctx.settings.capacity_floors
     if not floors:
         return None
@@ -384,14 +395,15 @@ def ownership_refusal(decision: Decision, info: NodeInfo | None, ledger: LedgerV
     """The ownership rule on one NodeInfo (healthd.controller.ownership): resume only a node healthd
     holds by record, and write over no reason healthd does not hold — whatever it starts with, so an
     administrator's `healthd: ...` or their re-drain with healthd's own text stays theirs."""
-    if decision.kind == "none":
+    action = ACTIONS[decision.kind]
+    if not action.changes_node:
         return None
     if info is None:
         return Refusal("ownership", f"{decision.node}: Slurm does not know this node")
     if info.name != decision.node:
         return Refusal("ownership", f"{decision.node}: re-read returned node {info.name!r}")
     hold = ledger.holds.get(decision.node)
-    if decision.kind == "resume":
+    if _gives_back(action):
         if hold is None:
             return Refusal("ownership", f"{decision.node}: not resuming, the ledger holds no healthd write on it "
                                         f"({describe_reason(info)})")
@@ -405,6 +417,11 @@ def ownership_refusal(decision: Decision, info: NodeInfo | None, ledger: LedgerV
     return None
 
 
+def _gives_back(action: ActionKind) -> bool:
+    # a node write that is no hold of its own ends one: only a node healthd holds may get it
+    return action.changes_node and not action.holds
+
+
 def gate_ownership(decision: Decision, ctx: GateContext) -> Refusal | None:
     """Ownership against the fleet view's NodeInfo (the executor repeats it with `still_safe`)."""
     return ownership_refusal(decision, ctx.fleet.nodes.get(decision.node), ctx.ledger)
@@ -416,10 +433,11 @@ def still_safe(decision: Decision, fresh: NodeInfo | None, ledger: LedgerView | 
     refusal = ownership_refusal(decision, fresh, ledger or LedgerView())
     if refusal is not None or fresh is None:
         return refusal
-    if decision.kind in ("drain", "drain-and-requeue") and fresh.drain_requested and fresh.reason == decision.reason:
+    call = ACTIONS[decision.kind].call
+    if call == "drain" and fresh.drain_requested and fresh.reason == decision.reason:
         return Refusal("ownership", f"{decision.node}: already drained with this reason by a write healthd "
                                     f"did not make ({describe_reason(fresh)})")
-    if decision.kind == "resume" and not fresh.resumable:
+    if call == "resume" and not fresh.resumable:
         return Refusal("ownership", f"{decision.node}: nothing to resume (state {fresh.state})")
     return None
 
@@ -432,10 +450,14 @@ GATES: tuple[tuple[str, Gate], ...] = (
     ("capacity", gate_capacity),
     ("ownership", gate_ownership),
 )
+assert tuple(name for name, _ in GATES) == GATE_ORDER, "the action table names the gates in this order"
 
 
 def _charge(ctx: GateContext, decision: Decision) -> GateContext:
-    if decision.kind not in REMOVING_KINDS:
+    budget = ACTIONS[decision.kind].budget
+    if budget == "hang-requeues":
+        return dataclasses.replace(ctx, hang_requeues_last_hour=ctx.hang_requeues_last_hour + 1)
+    if budget != "removals":
         return ctx
     by_part = dict(ctx.actions_last_hour_by_partition)
     for p in ctx.fleet.partitions_of(decision.node):
@@ -449,11 +471,17 @@ def _charge(ctx: GateContext, decision: Decision) -> GateContext:
 
 
 def gate_one(decision: Decision, ctx: GateContext) -> GateResult:
-    """Run the gates in order over one decision."""
+    """Run in order the gates the action table lists for the decision's kind."""
     if decision.kind == "none":
         return GateResult(decision, "recorded", None, decision.note)
+    action = ACTIONS[decision.kind]
+    if action.follows:  # it has no gates of its own: only the decision it follows may let it happen
+        return GateResult(decision, "refused", "error", f"a {decision.kind} follows a {action.follows}; "
+                                                        "it is never proposed on its own")
     waiting: Refusal | None = None
     for name, gate in GATES:
+        if not action.applies(name):
+            continue
         try:
             refusal = gate(decision, ctx)
         except Exception as exc:  # fail closed: a broken gate refuses
@@ -468,8 +496,14 @@ def gate_one(decision: Decision, ctx: GateContext) -> GateResult:
 
 
 def apply_gates(decisions: Iterable[Decision], context: GateContext) -> tuple[GateResult, ...]:
-    """Gate every decision in order; allowed node-removing actions are charged to the rate limits
-    and capacity floor of the ones after them. Never raises."""
+    """Gate every decision in order; what an allowed one spends (a node removal, a hang requeue) is
+    charged to the ones after it. Never raises."""
+    return gate_batch(decisions, context)[0]
+
+
+def gate_batch(decisions: Iterable[Decision], context: GateContext) -> tuple[tuple[GateResult, ...], GateContext]:
+    """apply_gates, and the context with what the allowed ones spent: hand it to the round's next
+    batch (the hang responder's and the reintegrator's decisions come after policy's)."""
     out: list[GateResult] = []
     ctx = context
     for decision in decisions:
@@ -480,4 +514,4 @@ def apply_gates(decisions: Iterable[Decision], context: GateContext) -> tuple[Ga
         except Exception as exc:  # fail closed
             outcome = GateResult(decision, "refused", "error", f"{type(exc).__name__}: {exc}"[:200])
         out.append(outcome)
-    return tuple(out)
+    return tuple(out), ctx

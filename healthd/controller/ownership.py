@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from healthd.controller.actions import NODE_STATE_KINDS
 from healthd.slurm.backend import NodeInfo
 from healthd.text import stamp
 
-NODE_STATE_KINDS = frozenset({"drain", "drain-and-requeue", "reboot-asap"})
-"""Action kinds whose write takes a node out of service and so creates a hold."""
+__all__ = ["CLOCK_SKEW_S", "NODE_STATE_KINDS", "Hold", "describe_reason", "owned", "shows_write"]
 CLOCK_SKEW_S = 60.0
 """How far slurmctld's clock (reason times) may be behind the controller's (planned times) before a
 write of ours is no longer recognised as ours. slurmctld may run on another host."""

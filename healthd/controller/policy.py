@@ -23,22 +23,16 @@ from ClusterShell.RangeSet import RangeSetException
 
 from healthd.report_schema import ReportInvalid, validate_finding, validate_report
 from healthd.model import is_cleared
+from healthd.controller.actions import Decision
 from healthd.controller.fleetcache import SlurmSnapshot
 from healthd.controller.inband import JobProgress, jobs_from_json
 from healthd.controller.ownership import Hold, owned
-from healthd.model import ACTION_SEVERITY, Evidence, Finding
+from healthd.model import ACTION_SEVERITY, Finding
 from healthd.reason import build_reason, printable
 from healthd.slurm.backend import NodeInfo
 
 Mode = Literal["observe", "supervised", "auto"]
-DecisionKind = Literal["drain", "drain-and-requeue", "reboot-asap", "resume", "none"]
-
 MODES: tuple[str, ...] = ("observe", "supervised", "auto")
-DECISION_KINDS: tuple[str, ...] = ("drain", "drain-and-requeue", "reboot-asap", "resume", "none")
-ACTING_KINDS: frozenset[str] = frozenset({"drain", "drain-and-requeue", "reboot-asap", "resume"})
-"""Kinds that change Slurm state (everything but `none`)."""
-REMOVING_KINDS: frozenset[str] = frozenset({"drain", "drain-and-requeue", "reboot-asap"})
-"""Kinds that take a node out of service: these count against rate limits and capacity floors."""
 
 # finding action -> decision kind
 _ACTION_TO_KIND: Mapping[str, str] = MappingProxyType(
@@ -352,39 +346,6 @@ class LedgerView:
 
 
 # --------------------------------------------------------------------------- decisions
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What policy proposes for one node; gates decide whether it may happen."""
-
-    id: str
-    """Stable for the same (kind, node, primary finding): `drain:node02:xid:gpu0:79`."""
-    kind: DecisionKind
-    """drain | drain-and-requeue | reboot-asap | resume | none."""
-    node: str
-    reason: str
-    """The Slurm reason to write: `healthd: <short cause> [#<incident>]`, at most 200 characters."""
-    tier: int
-    """The strongest (lowest) tier among the findings behind it."""
-    attribution: str = "unknown"
-    """Attribution of the primary finding."""
-    evidence: tuple[Evidence, ...] = ()
-    """The evidence of the findings behind it, primary finding first."""
-    finding_ids: tuple[str, ...] = ()
-    """The findings behind it, primary first."""
-    incident: str = ""
-    """The ledger's open incident for the primary finding, or a proposed id derived from it."""
-    decided_at: float = 0.0
-    """The `now` decide() ran with; decisions older than a breaker reset are never applied."""
-    note: str = ""
-    """For `none`: why nothing is done (T3 only, user code, already drained, fault cleared...)."""
-    escalation: str = ""
-    """`inspect-hardware` or `contact-support` when this drain repeats a fault (shown first in the reason)."""
-
-    @property
-    def acts(self) -> bool:
-        return self.kind in ACTING_KINDS
 
 
 def incident_id(node: str, finding: Finding) -> str:
