@@ -36,7 +36,8 @@ from healthd.controller.auth import ReportRejected, verify_report
 from healthd.controller.config import ControllerSettings, load_controller_settings
 from healthd.controller.executor import ExecResult, Executor
 from healthd.controller.fleetcache import FleetCache, SlurmSnapshot
-from healthd.controller.gates import BreakerState, GroupIncident, GateResult, apply_gates, build_context
+from healthd.controller.actions import Decision
+from healthd.controller.gates import BreakerState, GateContext, GroupIncident, GateResult, build_context, gate_batch
 from healthd.controller.goodput_jobs import GoodputAccountant
 from healthd.controller.ledger import Ledger, LedgerError
 from healthd.controller.metrics import INCIDENT_WINDOW_S, ControllerMetrics, IncidentTimings, RoundFigures
@@ -140,12 +141,14 @@ class Controller:
         """Slurm's node list: refreshed by a thread of its own in the daemon (start_fleet_refresh),
         else read (incrementally) at the start of each round."""
         self.executor.on_node_read = self.fleet.note
+        self.executor.on_unreadable = self._unreadable
         self._fleet_period_s: float | None = None
         self._full_collect_at = time.monotonic()
         self.reconciler = Reconciler(self.executor)
         self._limited = RateLimitedLog(_log)
-        self.reintegrator = Reintegrator(settings.reintegration, self.executor, slurm_conf=settings.slurm_conf,
-                                         dry_run=dry_run, out=out, detector=settings.inband.detector)
+        self.reintegrator = Reintegrator(settings.reintegration, ledger, backend, read_node=self.executor.read_node,
+                                         slurm_conf=settings.slurm_conf, dry_run=dry_run,
+                                         detector=settings.inband.detector)
         self.topology_text = topology_text
         self._node_addrs = node_addrs
         self._addr_cache: dict[str, str] = {}
@@ -157,12 +160,13 @@ class Controller:
         """Set by a report that brings a new actionable finding: the main loop runs a round at once."""
         self.round_lock = threading.Lock()  # one evaluation at a time (control loop or a request)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="healthd-eval")
-        # (policy decision id, incident) -> (ledger outcome, ledger row id): the same decision id recurs for
-        # a later incident of the same fault, which is a new ledger row
-        self._recorded: dict[tuple[str, str], tuple[str, int]] = {}
+        # (decision id, incident) -> (ledger outcome, refusing gate, ledger row id): the same decision id
+        # recurs for a later incident of the same fault, which is a new ledger row; so is a refusal by
+        # another gate (the ledger says why a decision waits now)
+        self._recorded: dict[tuple[str, str], tuple[str, str | None, int]] = {}
         self._incidents: dict[tuple[str, str], int] = {}
         self._load_incidents()
-        self.hangs = inband.HangResponder(self.executor, settings.requeue_opt_in)
+        self.hangs = inband.HangResponder(ledger, self.executor.list_jobs, settings.requeue_opt_in)
         self.inband_round = inband.InbandRound()
         """What the latest round made of the in-band data (the round gauges read it)."""
         self._inband_started = False
@@ -470,36 +474,41 @@ class Controller:
             elif not gi.failing <= set(existing.nodes):
                 self.ledger.update_incident(existing.id, add_nodes=sorted(gi.failing - set(existing.nodes)))
 
-    def _approved(self) -> set[str]:
-        """Policy decision ids an operator approved, for incidents still open (an approval never
-        carries over to a later incident with the same decision id)."""
-        approved = set()
+    def _verdicts(self) -> tuple[set[str], dict[str, str]]:
+        """Decision ids an operator approved, and those one rejected (-> who), for incidents still open
+        (a verdict never carries over to a later incident with the same decision id)."""
+        approved: set[str] = set()
+        rejected: dict[str, str] = {}
         open_incidents = set(self._incidents.values())
         for row in self.ledger.decisions(outcome="waiting"):
             if row.incident_id is not None and row.incident_id not in open_incidents:
                 continue
             verdict = self.ledger.approval(row.id)
-            if verdict is not None and verdict.verdict == "approve" and isinstance(row.evidence, dict):
+            if verdict is None or not isinstance(row.evidence, dict):
+                continue
+            if verdict.verdict == "approve":
                 approved.add(str(row.evidence.get("decision", "")))
-        return approved
+            else:
+                rejected[str(row.evidence.get("decision", ""))] = verdict.operator
+        return approved, rejected
 
     def _record(self, outcome: GateResult, now: float) -> int:
         d = outcome.decision
         status, gate, reason = ledger_outcome(outcome)
         prev = self._recorded.get((d.id, d.incident))
-        if prev is not None and prev[0] == status:
-            return prev[1]
+        if prev is not None and prev[:2] == (status, gate):
+            return prev[2]
         if prev is not None and prev[0] == "waiting" and status == "allowed":
-            self.ledger.set_decision_outcome(prev[1], "allowed")
-            row_id = prev[1]
+            self.ledger.set_decision_outcome(prev[2], "allowed")
+            row_id = prev[2]
         else:
             row = self.ledger.record_decision(
-                node=d.node, kind=d.kind, tier=f"T{d.tier}", mode=self.policy.mode, reason=d.reason or d.note,
+                node=d.node, kind=d.recorded_kind, tier=f"T{d.tier}", mode=self.policy.mode, reason=d.reason or d.note,
                 outcome=status, incident_id=int(d.incident) if d.incident.isdigit() else None,
-                evidence={"decision": d.id, "findings": list(d.finding_ids)},
+                evidence={"decision": d.id, "findings": list(d.finding_ids), **d.detail},
                 refused_gate=gate, refused_reason=reason, at=now)
             row_id = row.id
-        self._recorded[(d.id, d.incident)] = (status, row_id)
+        self._recorded[(d.id, d.incident)] = (status, gate, row_id)
         if status == "refused" and outcome.status == "refused":
             self.metrics.refusals.labels(gate=gate or "error").inc()
         return row_id
@@ -589,11 +598,13 @@ class Controller:
                                unsettled=self.ledger.unsettled_removals(snap.read_at - WRITE_IN_FLIGHT_S))
             hour = now - 3600.0
             by_part = {p: self.ledger.actions_applied_since(hour, p) for p in fleet.partitions}
-            approved = self._approved()
+            approved, rejected = self._verdicts()
+            hang_decisions = self._hang_decisions(inb.hangs, rejected, now) if only is None else ()
+            requeues = self.hangs.requeues_since(hour) if any(d.acts for d in hang_decisions) else 0
             ctx, alert = build_context(fleet, lview, self.policy, now, self._breaker(),
                                        actions_last_hour=self.ledger.actions_applied_since(hour),
                                        actions_last_hour_by_partition=by_part, approved=approved,
-                                       out_of_service=snap.out_of_service)
+                                       out_of_service=snap.out_of_service, hang_requeues_last_hour=requeues)
             self._group_incidents(ctx.correlated.values(), now)
             if alert is not None:
                 self.ledger.open_breaker(alert.cause, nodes=alert.nodes, at=now)
@@ -603,21 +614,21 @@ class Controller:
             if only is not None:
                 decisions = tuple(d for d in decisions if d.node == only)
             if only is None and mode != "observe":
-                for r in self.executor.run_undos(now):  # operators' undos
-                    self.metrics.actions.labels(kind="undo", status=r.status).inc()
-            outcomes = list(apply_gates(decisions, ctx))
-            acts = [mode != "observe" and o.status == "allowed" for o in outcomes]
-            self._record_batch([o for o, a in zip(outcomes, acts, strict=True) if not a], moment())
-            results: list[tuple[GateResult, ExecResult | None]] = []
-            for outcome, act in zip(outcomes, acts, strict=True):
-                result = None
-                if act:
-                    result = self._act(outcome, moment(), mode)
-                results.append((outcome, result))
-            if only is None and inb.hangs:
-                self._respond_hangs(inb.hangs, mode, ctx.breaker.open, approved, now)
+                undos, ctx = gate_batch(self.executor.undos(now), ctx)  # operators' undos, planned already
+                for outcome in undos:
+                    self.metrics.actions.labels(kind="undo", status=self.executor.undo(outcome, now).status).inc()
+            # every decision of the round through the same gates and the same act step: policy's, then the
+            # hang responder's, then the reintegrator's as it proposes them
+            results, ctx = self._carry_out(decisions, ctx, mode, moment)
+            if hang_decisions:
+                try:
+                    self._carry_out(hang_decisions, ctx, mode, moment)
+                except LedgerError:
+                    raise
+                except Exception:  # a hang's requeue must not stop drains or reintegration
+                    _log.exception("in-band hangs not handled this round")
             if only is None and mode != "observe":
-                self._reintegrate(fleet, lview, ctx.breaker.open, now)
+                self._reintegrate(fleet, lview, ctx, mode, moment)
             if only is None:
                 self._observe_round(now)
                 self._limited.flush()  # tell the counts of refusals it kept out of the log
@@ -683,17 +694,25 @@ class Controller:
         except ValueError:  # a job id a report carried that is not Slurm's: nothing to charge it to
             _log.debug("straggler episodes of %r not written: not a job id", job)
 
-    def _respond_hangs(self, cases, mode: str, breaker_open: bool, approved: Iterable[str], now: float) -> None:
+    def _hang_decisions(self, cases: Iterable[inband.HangCase], rejected: Mapping[str, str],
+                        now: float) -> tuple[Decision, ...]:
+        """What the hang responder proposes this round (nothing when it cannot say: logged)."""
         try:
-            for outcome in self.hangs.respond(cases, mode=mode, breaker_open=breaker_open, approved=approved,
-                                              max_per_hour=self.policy.max_actions_per_hour, now=now):
-                if outcome.status in ("requeued", "failed", "dry-run"):
-                    self.metrics.actions.labels(kind="requeue-hang", status={"requeued": "applied"}.get(
-                        outcome.status, outcome.status)).inc()
+            return self.hangs.propose(cases, now, rejected)
         except LedgerError:
             raise
         except Exception:  # a hang's requeue must not stop drains or reintegration
             _log.exception("in-band hangs not handled this round")
+            return ()
+
+    def _carry_out(self, decisions: Iterable[Decision], ctx: GateContext, mode: str, moment: Callable[[], float]
+                   ) -> tuple[list[tuple[GateResult, ExecResult | None]], GateContext]:
+        """Gate a batch of decisions with the round's context, record the outcomes nothing is applied for
+        (one transaction), apply the allowed ones (outside observe); and the context after the batch."""
+        outcomes, ctx = gate_batch(decisions, ctx)
+        acts = [mode != "observe" and o.status == "allowed" for o in outcomes]
+        self._record_batch([o for o, a in zip(outcomes, acts, strict=True) if not a], moment())
+        return [(o, self._act(o, moment(), mode) if a else None) for o, a in zip(outcomes, acts, strict=True)], ctx
 
     def round_figures(self, now: float, incidents_since: float | None = None) -> RoundFigures:
         """The fleet gauges' figures at the end of a full round: the reports by freshness and verdict,
@@ -752,23 +771,11 @@ class Controller:
             _log.exception("controller metrics not updated this round")
 
     def _act(self, outcome: GateResult, now: float, mode: str) -> ExecResult:
-        """Record and apply one allowed outcome; a failure of this node's write never stops the round."""
+        """Apply one allowed outcome through the act step (Executor.apply), the decision recorded by the
+        round (each on its own commit, before its Slurm call); a failure of this write never stops the
+        round."""
         try:
-            # the node about to be written, read first: Slurm gone since the fleet view was read leaves
-            # the decision unrecorded and the view unused until it reads again (nothing stale is acted on)
-            settled = self.executor.settled(outcome)
-            fresh = None
-            if settled is None:
-                try:
-                    fresh = self.executor.read_node(outcome.decision.node)
-                except SlurmError as exc:
-                    self.fleet.failed(f"{outcome.decision.node}: {exc}")
-                    self._limited.warning("act-read", "Slurm unreachable, skipping this round: %s: cannot re-read "
-                                          "the node before %s: %s", outcome.decision.node, outcome.decision.kind, exc)
-                    return ExecResult("refused", f"cannot re-read node: {exc}")
-            # each acting decision commits on its own, before its Slurm call (write-ahead)
-            row_id = self._record(outcome, now)
-            result = settled or self.executor.apply(outcome, now, decision_id=row_id, mode=mode, fresh=fresh)
+            result = self.executor.apply(outcome, now, mode=mode, record=lambda: self._record(outcome, now))
         except LedgerError:
             raise  # the ledger itself is broken: nothing can be recorded, so nothing may be done
         except Exception as exc:
@@ -819,18 +826,34 @@ class Controller:
         self.ledger.set_escalation(int(decision.incident), decision.escalation)
         _log.error("ALERT %s: %s [#%s]: %s", decision.node, decision.escalation, decision.incident, decision.reason)
 
-    def _reintegrate(self, fleet: FleetView, lview: LedgerView, breaker_open: bool, now: float) -> None:
-        """Queue nodes whose fault cleared (auto mode, breaker closed), then move every reintegration on."""
+    def _reintegrate(self, fleet: FleetView, lview: LedgerView, ctx: GateContext, mode: str,
+                     moment: Callable[[], float]) -> None:
+        """Queue nodes whose fault cleared (auto mode, breaker closed), then move every reintegration on,
+        each write it proposes gated with the round's context and applied by the act step."""
+        held = [ctx]
+
+        def gate(decisions: Iterable[Decision]) -> tuple[GateResult, ...]:
+            outcomes, held[0] = gate_batch(decisions, held[0])
+            self._record_batch([o for o in outcomes if o.status != "allowed"], moment())
+            return outcomes
+
+        now = ctx.now
         try:
-            if not breaker_open:
+            if not ctx.breaker.open:
                 self.reintegrator.auto_requests(fleet, lview.holds, self.policy.mode, now, self.policy.report_ttl_s)
-            for r, what in self.reintegrator.step(now, self.policy.mode, reports=fleet.reports,
-                                                  flags=self.inband_round.flags,
+            for r, what in self.reintegrator.step(now, self.policy.mode, gate=gate,
+                                                  act=lambda outcome: self._act(outcome, moment(), mode),
+                                                  reports=fleet.reports, flags=self.inband_round.flags,
                                                   report_ttl_s=self.policy.report_ttl_s):
                 self.metrics.actions.labels(kind="reintegrate", status=r.state).inc()
                 _log.info("%s: reintegration %s: %s", r.node, r.id, what)
         except Exception:  # a reintegration problem must not stop drains
             _log.exception("reintegration step failed")
+
+    def _unreadable(self, node: str, why: str) -> None:
+        """The read before a write failed: the fleet view is not acted on until it reads Slurm again."""
+        self.fleet.failed(why)
+        self._limited.warning("act-read", "Slurm unreachable, skipping this round: %s", why)
 
     def recover(self, now: float) -> None:
         """At start, before the first round: settle what a crash left planned against Slurm (adopted

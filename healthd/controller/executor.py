@@ -1,12 +1,15 @@
-"""Apply allowed Decisions to Slurm, exactly once, with the ledger as the write-ahead log.
+"""The act step: apply an allowed Decision to Slurm, exactly once, with the ledger as the write-ahead log.
 
-For each allowed decision: find where its series of attempts stands (one series per decision and
-incident), re-read the node, adopt an earlier attempt Slurm shows landed (its client reported failure,
-or it was abandoned at a restart while its client still ran), repeat the ownership check
-(`gates.still_safe`), plan the action in the ledger under the next attempt's idempotency key with the
-exact argv the backend describes, make the call, read the node back and mark the action applied with
+`Executor.apply` is the one place a decision becomes a write, whoever proposed it (policy, the hang
+responder, the reintegrator): where its series of attempts stands (one series per decision and
+incident), a re-read of what it changes (the node, the job), the adoption of an earlier attempt Slurm
+shows landed (its client reported failure, or it was abandoned at a restart while its client still
+ran), the ownership check on that read (`gates.still_safe`), the decision recorded and the attempt
+planned under its idempotency key with the exact argv the backend describes, the one backend call the
+action table (healthd.controller.actions) names, and a read-back that marks the action applied with
 the reason time and user Slurm recorded (healthd's hold on the node, healthd.controller.ownership), or
 failed with Slurm's message. A drain-and-requeue then requeues the opted-in jobs, each its own action.
+An operator's undo, planned by the admin socket, is carried out by `undo`.
 
 What a crash or a lost write leaves behind is the reconciler's (healthd.controller.reconcile): it never
 applies an old plan blindly; the next round re-decides from current evidence through every gate.
@@ -20,18 +23,36 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from healthd.controller.gates import GateResult, still_safe
+from healthd.controller.actions import (
+    ACTIONS,
+    MAX_ATTEMPTS,
+    MAX_LOST,
+    Decision,
+    next_attempt,
+    series_key,
+)
+from healthd.controller.gates import GateResult, Refusal, still_safe
 from healthd.controller.ledger import Action, Ledger
 from healthd.controller.ownership import NODE_STATE_KINDS, describe_reason, owned, shows_write
-from healthd.controller.policy import Decision, LedgerView
-from healthd.slurm.backend import JobInfo, NodeInfo, SlurmBackend, SlurmError
+from healthd.controller.policy import LedgerView
+from healthd.slurm.backend import JobInfo, NodeInfo, SlurmBackend, SlurmError, SlurmRefused
+
+__all__ = ["MAX_ATTEMPTS", "MAX_LOST", "UNDO_PREFIX", "ExecResult", "Executor", "JobInfo", "error_text",
+           "idempotency_key", "next_attempt"]
 
 _log = logging.getLogger("healthd.controller.executor")
 
 UNDO_PREFIX = "undo:"
 """Idempotency-key prefix of reversals planned by `healthctl undo` (healthd.controller.admin)."""
+UNDO_KINDS = {a.records: kind for kind, a in ACTIONS.items() if kind.startswith("undo")}
+"""The ledger action kind an undo was planned as -> its kind in the action table."""
 JobLister = Callable[[str], list[JobInfo]]
 JobReader = Callable[[str], "JobInfo | None"]
+RESERVATION_USERS = ("root",)
+RESERVATION_FLAGS = ("MAINT", "IGNORE_JOBS")
+"""Only root's validation runs in a reintegration's reservation, whatever jobs the node had."""
+
+idempotency_key = series_key
 
 
 @dataclass(frozen=True)
@@ -45,45 +66,34 @@ class ExecResult:
     argv: tuple[str, ...] = ()
 
 
-MAX_ATTEMPTS = 3
-"""Failed tries of one decision for one incident: a write Slurm refused or that failed (slurmctld
-restarting, a state race) is tried again on later rounds, each attempt its own ledger row, then left to a
-human."""
-MAX_LOST = 3
-"""Times Slurm may lose one decision's write (slurmctld restarting from an older state save) before
-healthd stops re-applying it and leaves it to a human."""
-
-
-def idempotency_key(decision: Decision, attempt: int = 1) -> str:
-    key = f"{decision.id}#{decision.incident}"
-    return key if attempt == 1 else f"{key}#try{attempt}"
-
-
-def next_attempt(attempts: list[Action]) -> tuple[int | None, str, Action | None]:
-    """Where one series stands (pure): (the next attempt's number, '', None), or (None, why not,
-    the action that settles it: an applied one, or the last ended one)."""
-    if not attempts:
-        return 1, "", None
-    latest = attempts[-1]
-    if latest.status == "applied":
-        return None, f"action {latest.id} is applied", latest
-    if latest.status == "planned":
-        return None, f"action {latest.id} is planned (being reconciled)", latest
-    if latest.status in ("released", "undone", "completed"):
-        return None, f"action {latest.id} is {latest.status}: the series ended", latest
-    failed = sum(1 for a in attempts if a.status == "failed")
-    if failed >= MAX_ATTEMPTS:
-        return None, f"action {latest.id} is failed after {failed} attempts", latest
-    lost = sum(1 for a in attempts if a.status == "lost")
-    if lost >= MAX_LOST:
-        return None, f"Slurm lost this write {lost} times; left to a human", latest
-    return max(a.attempt for a in attempts) + 1, "", None
-
-
 def error_text(exc: BaseException) -> str:
     """One line, at most 500 characters, of what Slurm (or the validation) said."""
     msg = getattr(exc, "stderr", "") or str(exc)
     return " ".join(str(msg).split())[:500] or type(exc).__name__
+
+
+def call_args(decision: Decision) -> tuple[str, dict[str, Any]]:
+    """The backend call the action table names for the decision's kind, and its arguments (the same
+    for the call and for its `describe()`). ValueError for a kind that writes nothing."""
+    call = ACTIONS[decision.kind].call
+    if call in ("drain", "reboot_asap"):
+        return call, {"nodes": decision.node, "reason": decision.reason}
+    if call in ("resume", "cancel_reboot"):
+        return call, {"nodes": decision.node}
+    if call == "requeue":
+        return call, {"job_id": decision.target}
+    if call == "create_reservation":
+        return call, {"name": decision.target, "nodes": decision.node,
+                      "duration_min": int(decision.detail.get("minutes", 0)), "users": RESERVATION_USERS,
+                      "flags": RESERVATION_FLAGS}
+    if call == "delete_reservation":
+        return call, {"name": decision.target}
+    raise ValueError(f"decision kind {decision.kind!r} has no Slurm call")
+
+
+_DONE = {"drain": "drained", "reboot_asap": "reboot ASAP requested (nextstate=RESUME)", "resume": "resumed",
+         "cancel_reboot": "reboot cancelled", "requeue": "requeued job {target}",
+         "create_reservation": "reservation {target} created", "delete_reservation": "reservation {target} deleted"}
 
 
 class Executor:
@@ -108,6 +118,9 @@ class Executor:
         self._printed: set[str] = set()
         self.on_node_read: Callable[[NodeInfo], None] | None = None
         """Told every single-node read (the controller's fleet view keeps the newest)."""
+        self.on_unreadable: Callable[[str, str], None] | None = None
+        """Told (node, why) when the read right before a write failed: the controller's fleet view is
+        not acted on until it reads Slurm again."""
         self.read_back = True
         """Read a node back right after writing it, to confirm the hold with the reason time and user
         Slurm shows. False where a fleet view re-read at once confirms it instead (the controller's
@@ -130,35 +143,33 @@ class Executor:
         except ValueError:
             return None  # not a job id (a damaged ledger record): no job Slurm could know
 
+    def running_job(self, node: str, job_id: str) -> JobInfo | None:
+        """The job as running on `node` now, or None (raises SlurmError)."""
+        return next((j for j in self.list_jobs(node) if j.job_id == job_id), None)
+
     def ledger_view(self) -> LedgerView:
         return LedgerView(holds=self.ledger.holds())
 
     def argv_for(self, decision: Decision) -> list[str]:
-        if decision.kind in ("drain", "drain-and-requeue"):
-            return self.backend.describe("drain", nodes=decision.node, reason=decision.reason)
-        if decision.kind == "reboot-asap":
-            return self.backend.describe("reboot_asap", nodes=decision.node, reason=decision.reason)
-        if decision.kind == "resume":
-            return self.backend.describe("resume", nodes=decision.node)
-        raise ValueError(f"decision kind {decision.kind!r} has no Slurm call")
+        """The exact call the decision's write makes (ValueError for a kind that writes nothing)."""
+        call, args = call_args(decision)
+        return self.backend.describe(call, **args)
 
-    def _call(self, decision: Decision) -> str:
-        """Make the Slurm write; returns a one-line outcome. Raises SlurmError."""
-        node = decision.node
-        if decision.kind in ("drain", "drain-and-requeue"):
-            self.backend.drain(node, decision.reason)
-            return "drained"
-        if decision.kind == "reboot-asap":
-            self.backend.reboot_asap(node, decision.reason)
-            return "reboot ASAP requested (nextstate=RESUME)"
-        if decision.kind == "resume":
-            self.backend.resume(node)
-            return "resumed"
-        raise ValueError(f"decision kind {decision.kind!r} has no Slurm call")
+    def _write(self, decision: Decision) -> str:
+        """The one backend call the action table names for the decision; a one-line outcome. Raises
+        SlurmError (a reservation that exists already is created)."""
+        call, args = call_args(decision)
+        try:
+            getattr(self.backend, call)(**args)
+        except SlurmRefused as exc:
+            if call != "create_reservation" or "Duplicate reservation name" not in f"{exc.stderr} {exc}":
+                raise
+            return f"reservation {decision.target} exists already"
+        return _DONE[call].format(target=decision.target)
 
     def applied(self, decision: Decision) -> Action | None:
         """The action that applied `decision` for its incident (any attempt), if one did."""
-        return next((a for a in self.ledger.series(idempotency_key(decision)) if a.status == "applied"), None)
+        return next((a for a in self.ledger.series(series_key(decision)) if a.status == "applied"), None)
 
     def _incident_int(self, decision: Decision) -> int | None:
         return int(decision.incident) if decision.incident.isdigit() else None
@@ -176,70 +187,131 @@ class Executor:
             self._printed.add(key)
             self.out("dry-run: would run: " + " ".join(argv))
 
-    # -- apply ---------------------------------------------------------------------------------------
+    # -- the act step --------------------------------------------------------------------------------
 
-    def apply(self, outcome: GateResult, now: float, *, decision_id: int | None = None,
-              mode: str = "auto", fresh: NodeInfo | None = None) -> ExecResult:
-        """Apply one allowed outcome (anything else is skipped). `decision_id` is the ledger row the
-        caller recorded; when None, the executor records the decision as allowed itself. `fresh`: the
-        node as the caller read it from Slurm just before (else it is read here)."""
+    def apply(self, outcome: GateResult, now: float, *, mode: str = "auto",
+              record: Callable[[], int] | None = None) -> ExecResult:
+        """Apply one allowed outcome (anything else is skipped), in order:
+
+        1. where the decision's series of attempts stands: applied before, or left to a human, is
+           answered from the ledger alone;
+        2. the re-read of what the write changes (the node, the job); a read that fails is told to
+           `on_unreadable` and leaves the decision unrecorded: nothing stale is acted on;
+        3. the decision recorded (`record` returns its ledger row; by default it is recorded here as
+           allowed), before anything is written;
+        4. an earlier attempt Slurm shows landed is adopted, never written twice;
+        5. still safe: the ownership check on the re-read node (gates.still_safe), the job still
+           running on its node;
+        6. the attempt planned in the ledger with the exact argv (write-ahead), or printed in a dry run;
+        7. the one backend call the action table names for the kind;
+        8. the action marked failed with Slurm's message, or applied with the proof of ownership read
+           back for a hold;
+        9. what the table says follows it (a drain-and-requeue's requeues)."""
         decision = outcome.decision
         if outcome.status != "allowed" or not decision.acts:
             return ExecResult("skipped", f"outcome {outcome.label}")
-        series = idempotency_key(decision)
-        attempts = self.ledger.series(series)
+        action = ACTIONS[decision.kind]
+
+        def recorded() -> int:
+            if record is not None:
+                return record()
+            return self.ledger.record_decision(
+                node=decision.node, kind=decision.recorded_kind, tier=f"T{decision.tier}", mode=mode,
+                reason=decision.reason, outcome="allowed", incident_id=self._incident_int(decision),
+                evidence={"decision": decision.id, **decision.detail}, at=now).id
+
+        # 1. the series
+        series = series_key(decision)
+        attempts = self.ledger.series(series) if action.records else []
         attempt, why, settled = next_attempt(attempts)
         if attempt is None:
-            return self._settled(why, settled)
-        if fresh is None or fresh.name != decision.node:
-            try:
+            if record is not None:  # the round records what it allowed, applied before or not
+                record()
+            return ExecResult("already-applied" if settled.status == "applied" else "skipped", why, settled.id,
+                              settled.argv)
+        # 2. the re-read
+        fresh: NodeInfo | None = None
+        job: JobInfo | None = None
+        try:
+            if action.changes_node:
                 fresh = self.read_node(decision.node)
-            except SlurmError as exc:
-                _log.warning("%s: cannot re-read the node before %s: %s", decision.node, decision.kind, exc)
-                return ExecResult("refused", f"cannot re-read node: {exc}")
-        landed = self._landed_attempt(attempts, fresh)
-        if landed is not None:  # an earlier attempt's write is in Slurm after all: never write it twice
-            return self.adopt(landed, fresh, "Slurm shows this write", mode=mode)
-        refusal = still_safe(decision, fresh, self.ledger_view())
+            elif action.target == "job":
+                job = self.running_job(decision.node, decision.target)
+        except SlurmError as exc:
+            _log.warning("%s: cannot re-read before %s: %s", decision.node, decision.kind, exc)
+            if self.on_unreadable is not None:
+                self.on_unreadable(decision.node, f"cannot re-read {decision.node} before {decision.kind}: {exc}")
+            return ExecResult("refused", f"cannot re-read node: {exc}")
+        # 3. the decision, recorded before any write
+        decision_id = recorded()
+        # 4. an earlier attempt that landed after all
+        if fresh is not None:
+            landed = self._landed_attempt(attempts, fresh)
+            if landed is not None:
+                return self.adopt(landed, fresh, "Slurm shows this write", mode=mode)
+        # 5. still safe
+        refusal = still_safe(decision, fresh, self.ledger_view()) if fresh is not None else \
+            self._job_refusal(decision, job) if action.target == "job" else None
         if refusal is not None:
             _log.info("%s: %s not applied: %s", decision.node, decision.kind, refusal.reason)
             return ExecResult("refused", refusal.reason)
+        # 6. planned (write-ahead), or printed
         try:
-            argv = self.argv_for(decision)
+            # the exact argv is the ledger's record of a write; a reservation has none (its reintegration
+            # records it), and the backend checks its arguments as it makes the call
+            argv = self.argv_for(decision) if action.records or self.dry_run else [str(action.call), decision.target]
         except ValueError as exc:
             return ExecResult("refused", f"invalid call: {exc}")
         if self.dry_run:
             self._print_once(series, argv)
             return ExecResult("dry-run", "", None, tuple(argv))
-        if decision_id is None:
-            decision_id = self.ledger.record_decision(
-                node=decision.node, kind=decision.kind, tier=f"T{decision.tier}", mode=mode, reason=decision.reason,
-                outcome="allowed", incident_id=self._incident_int(decision), at=now).id
-        self._timeline(self._incident_int(decision), "decided_at", decision.decided_at or now)
-        partition = fresh.partitions[0] if fresh.partitions else None
-        action = self.ledger.plan_action(
-            decision_id=decision_id, idempotency_key=idempotency_key(decision, attempt), series=series, attempt=attempt,
-            node=decision.node, kind=decision.kind, argv=argv, partition=partition,
-            reason=decision.reason if decision.kind in NODE_STATE_KINDS else None,
-            evidence={"decision": decision.id, "attempt": attempt}, at=now)
-        if action.status != "planned":  # planned by another path meanwhile
-            return ExecResult("skipped", f"action {action.id} is {action.status}", action.id, action.argv)
-        return self._run(action, decision.kind, mode)
+        incident_id = self._incident_int(decision)
+        self._timeline(incident_id, "decided_at", decision.decided_at or now)
+        planned: Action | None = None
+        if action.records:
+            evidence: dict[str, Any] = {"decision": decision.id, "attempt": attempt, **decision.detail}
+            if job is not None:
+                evidence.update(job=job.job_id, restarts=job.restarts)
+            planned = self.ledger.plan_action(
+                decision_id=decision_id, idempotency_key=series_key(decision, attempt), series=series,
+                attempt=attempt, node=decision.node, kind=action.records, argv=argv,
+                partition=fresh.partitions[0] if fresh is not None and fresh.partitions else None,
+                reason=decision.reason if action.records in NODE_STATE_KINDS else None, evidence=evidence, at=now)
+            if planned.status != "planned":  # planned by another path meanwhile
+                return ExecResult("skipped", f"action {planned.id} is {planned.status}", planned.id, planned.argv)
+        # 7. the write
+        try:
+            detail = self._write(decision)
+        except (SlurmError, ValueError) as exc:
+            msg = error_text(exc)
+            if planned is not None:
+                self.ledger.mark_failed(planned.id, msg, at=self.clock())
+            _log.warning("%s: %s failed: %s", decision.node, " ".join(argv), msg)
+            return ExecResult("failed", msg, planned.id if planned else None, tuple(argv))
+        # 8. applied, with its proof
+        done_at = self.clock()
+        if planned is not None and action.holds and self.read_back:
+            self._record_write(planned, detail, done_at)
+        elif planned is not None:  # a hold stays unconfirmed until the fleet view's next read shows it
+            self.ledger.mark_applied(planned.id, detail, at=done_at)
+        if action.changes_node and self.on_write is not None:
+            self.on_write(decision.node)
+        if planned is not None:
+            self._timeline(incident_id, "action_applied_at", done_at)
+        _log.info("%s: applied %s: %s", decision.node, " ".join(argv), detail)
+        # 9. what follows
+        if planned is not None and decision.kind == "drain-and-requeue":
+            detail += f"; {self.requeue_opted_in(self.ledger.action(planned.id) or planned, mode)}"
+        return ExecResult("applied", detail, planned.id if planned else None, tuple(argv))
 
-    @staticmethod
-    def _settled(why: str, settled: Action | None) -> ExecResult:
-        assert settled is not None
-        status = "already-applied" if settled.status == "applied" else "skipped"
-        return ExecResult(status, why, settled.id, settled.argv)
-
-    def settled(self, outcome: GateResult) -> ExecResult | None:
-        """What apply() would answer from the ledger alone (nothing to write: applied before, or
-        skipped); None when it would read the node and write."""
-        decision = outcome.decision
-        if outcome.status != "allowed" or not decision.acts:
-            return ExecResult("skipped", f"outcome {outcome.label}")
-        attempt, why, settled = next_attempt(self.ledger.series(idempotency_key(decision)))
-        return self._settled(why, settled) if attempt is None else None
+    def _job_refusal(self, decision: Decision, job: JobInfo | None) -> Refusal | None:
+        """A job's requeue is safe while the job runs on its node as an opted-in batch job: Slurm
+        requeues a finished batch job too, and a job whose records outlived it must never run again."""
+        if job is None:
+            return Refusal("ownership", f"job {decision.target} is no longer running on {decision.node}")
+        if not job.batch or not self.requeue_opt_in or self.requeue_opt_in not in job.comment:
+            return Refusal("ownership", f"job {decision.target} is not an opted-in batch job")
+        return None
 
     def _landed_attempt(self, attempts: list[Action], fresh: NodeInfo) -> Action | None:
         """The latest failed or abandoned node-state attempt whose write Slurm shows."""
@@ -248,31 +320,6 @@ class Executor:
                     and shows_write(fresh, a.reason, a.kind, a.planned_at):
                 return a
         return None
-
-    def _run(self, action: Action, kind: str, mode: str) -> ExecResult:
-        decision = self.ledger.decision(action.decision_id)
-        incident_id = decision.incident_id if decision is not None else None
-        call = Decision(id=action.series, kind=kind, node=action.node, reason=action.reason or "",  # type: ignore[arg-type]
-                        tier=1)
-        try:
-            detail = self._call(call)
-        except (SlurmError, ValueError) as exc:
-            msg = error_text(exc)
-            self.ledger.mark_failed(action.id, msg, at=self.clock())
-            _log.warning("%s: %s failed: %s", action.node, " ".join(action.argv), msg)
-            return ExecResult("failed", msg, action.id, action.argv)
-        done_at = self.clock()
-        if kind in NODE_STATE_KINDS and self.read_back:
-            self._record_write(action, detail, done_at)
-        else:  # a node-state write's hold stays unconfirmed until the fleet view's next read shows it
-            self.ledger.mark_applied(action.id, detail, at=done_at)
-        if kind in NODE_STATE_KINDS and self.on_write is not None:
-            self.on_write(action.node)
-        self._timeline(incident_id, "action_applied_at", done_at)
-        _log.info("%s: applied %s: %s", action.node, " ".join(action.argv), detail)
-        if kind == "drain-and-requeue":
-            detail += f"; {self.requeue_opted_in(self.ledger.action(action.id) or action, mode)}"
-        return ExecResult("applied", detail, action.id, action.argv)
 
     def _record_write(self, action: Action, detail: str, at: float) -> None:
         """Mark a node-state write applied with the proof of ownership Slurm shows for it: the reason
@@ -345,6 +392,8 @@ class Executor:
         return text
 
     def _requeue_job(self, drain: Action, job: JobInfo) -> ExecResult:
+        """One attempt of the requeue series of one job of a drain-and-requeue: planned in the ledger,
+        made once (the action table's `requeue`, passed with the drain), marked applied or failed."""
         series = f"{drain.series}:requeue:{job.job_id}"
         attempts = self.ledger.series(series)
         if attempts and attempts[-1].status == "applied":
@@ -356,60 +405,59 @@ class Executor:
         attempt, why, settled = next_attempt(attempts)
         if attempt is None:
             return ExecResult("skipped", why, settled.id if settled else None)
-        return self._requeue(job, series, attempt, what="opted-in job",
-                             plan={"decision_id": drain.decision_id, "node": drain.node, "partition": drain.partition},
-                             evidence={"drain": drain.id})
-
-    def requeue_hung(self, job: JobInfo, series: str, node: str, decision_id: int,
-                     evidence: dict[str, Any]) -> ExecResult:
-        """Requeue a job whose training hung (healthd.controller.inband), once for its series
-        (`requeue-hang:<job>:<step>`): attempts like any series, so a requeue that failed is tried
-        again and one a crash left planned is the reconciler's (adopted when the job's restart
-        count shows it landed, otherwise abandoned and tried again here)."""
-        attempt, why, settled = next_attempt(self.ledger.series(series))
-        if attempt is None:
-            status = "already-applied" if settled is not None and settled.status == "applied" else "skipped"
-            return ExecResult(status, why, settled.id if settled else None)
-        return self._requeue(job, series, attempt, what="hung job", plan={"decision_id": decision_id, "node": node},
-                             evidence=evidence)
-
-    def _requeue(self, job: Any, series: str, attempt: int, *, what: str, plan: dict[str, Any],
-                 evidence: dict[str, Any]) -> ExecResult:
-        """One attempt of a requeue series: planned in the ledger, made once, marked applied or failed."""
+        requeue = Decision(id=series, kind="requeue", node=drain.node, reason="", tier=1, target=job.job_id,
+                           series=series)
         try:
-            argv = self.backend.describe("requeue", job_id=job.job_id)
+            argv = self.argv_for(requeue)
         except ValueError as exc:
             return ExecResult("refused", f"invalid job id: {exc}")
         if self.dry_run:
             self._print_once(series, argv)
             return ExecResult("dry-run", "", None, tuple(argv))
         action = self.ledger.plan_action(
-            **plan, idempotency_key=series if attempt == 1 else f"{series}#try{attempt}", series=series,
-            attempt=attempt, kind="requeue", argv=argv,
-            evidence={**evidence, "job": job.job_id, "restarts": job.restarts, "attempt": attempt})
+            decision_id=drain.decision_id, node=drain.node, partition=drain.partition,
+            idempotency_key=series_key(requeue, attempt), series=series, attempt=attempt, kind="requeue", argv=argv,
+            evidence={"drain": drain.id, "job": job.job_id, "restarts": job.restarts, "attempt": attempt})
         if action.status != "planned":
             return ExecResult("skipped", f"action {action.id} is {action.status}", action.id, action.argv)
-        node = plan["node"]
         try:
-            self.backend.requeue(job.job_id)
+            self._write(requeue)
         except (SlurmError, ValueError) as exc:
             msg = error_text(exc)
             self.ledger.mark_failed(action.id, msg, at=self.clock())
-            _log.warning("%s: requeue of %s %s failed: %s", node, what, job.job_id, msg)
+            _log.warning("%s: requeue of opted-in job %s failed: %s", drain.node, job.job_id, msg)
             return ExecResult("failed", msg, action.id, action.argv)
-        self.ledger.mark_applied(action.id, f"requeued {what} {job.job_id}", at=self.clock())
-        _log.info("%s: requeued %s %s", node, what, job.job_id)
+        self.ledger.mark_applied(action.id, f"requeued opted-in job {job.job_id}", at=self.clock())
+        _log.info("%s: requeued opted-in job %s", drain.node, job.job_id)
         return ExecResult("applied", f"requeued {job.job_id}", action.id, action.argv)
 
     # -- operator undo (planned by healthctl through admin.undo) --------------------------------------
 
-    def run_undos(self, now: float) -> list[ExecResult]:
-        """Run the reversals `healthctl undo` planned (key `undo:<action id>`): re-read the node, check
-        the node is still healthd's by record, make the call once, mark it applied and the original
-        undone, and close the incident as a false positive."""
-        return [self._undo(a, now) for a in self.ledger.pending_actions() if a.idempotency_key.startswith(UNDO_PREFIX)]
+    def undos(self, now: float) -> tuple[Decision, ...]:
+        """The reversals `healthctl undo` planned (key `undo:<action id>`), as decisions of the action
+        table's undo kinds for the round's gates; one planned as a kind the table does not know is
+        marked failed."""
+        out = []
+        for a in self.ledger.pending_actions():
+            if not a.idempotency_key.startswith(UNDO_PREFIX):
+                continue
+            kind = UNDO_KINDS.get(a.kind)
+            if kind is None:
+                self.ledger.mark_failed(a.id, f"unknown undo kind {a.kind!r}", at=self.clock())
+                continue
+            out.append(Decision(id=a.idempotency_key, kind=kind, node=a.node, reason="", tier=1,  # type: ignore[arg-type]
+                                series=a.series, decided_at=now, detail={"action": a.id}))
+        return tuple(out)
 
-    def _undo(self, action: Action, now: float) -> ExecResult:
+    def undo(self, outcome: GateResult, now: float) -> ExecResult:
+        """Carry out one allowed undo the admin socket planned (write-ahead already): re-read the node,
+        check the node is still healthd's by record for the action it undoes, make the table's call
+        once, mark it applied and the original undone, and close the incident as a false positive."""
+        decision = outcome.decision
+        action = self.ledger.action_by_key(decision.id)
+        if outcome.status != "allowed" or decision.kind not in UNDO_KINDS.values() or action is None \
+                or action.status != "planned":
+            return ExecResult("skipped", f"outcome {outcome.label}")
         try:
             original = self.ledger.action(int(action.idempotency_key[len(UNDO_PREFIX):]))
         except ValueError:
@@ -423,24 +471,20 @@ class Executor:
             self.ledger.mark_applied(action.id, detail, at=self.clock())
             if original is not None and original.status == "applied":
                 self.ledger.mark_undone(original.id, f"undone by action {action.id}", at=self.clock())
-            decision = self.ledger.decision(action.decision_id)
-            if decision is not None and decision.incident_id is not None:
-                why = (decision.evidence or {}).get("why") if isinstance(decision.evidence, dict) else None
-                operator = (decision.evidence or {}).get("operator") if isinstance(decision.evidence, dict) else None
-                self.ledger.close_incident(decision.incident_id, "false_positive", by=operator,
+            row = self.ledger.decision(action.decision_id)
+            if row is not None and row.incident_id is not None:
+                why = (row.evidence or {}).get("why") if isinstance(row.evidence, dict) else None
+                operator = (row.evidence or {}).get("operator") if isinstance(row.evidence, dict) else None
+                self.ledger.close_incident(row.incident_id, "false_positive", by=operator,
                                            why=str(why or f"undone by action {action.id}"))
             _log.info("%s: undo (action %s): %s", action.node, action.id, detail)
             return ExecResult("applied", detail, action.id, action.argv)
 
         hold = self.ledger.hold(action.node)
         ours = original is not None and hold is not None and hold.action_id == original.id and owned(hold, fresh)
-        if action.kind == "resume":
-            done = not fresh.drain_requested and not fresh.resumable
-        elif action.kind == "cancel-reboot":
-            done = not fresh.reboot_requested
-        else:
-            self.ledger.mark_failed(action.id, f"unknown undo kind {action.kind!r}", at=self.clock())
-            return ExecResult("failed", f"unknown undo kind {action.kind!r}", action.id, action.argv)
+        call = ACTIONS[decision.kind].call
+        done = not fresh.reboot_requested if call == "cancel_reboot" else \
+            not fresh.drain_requested and not fresh.resumable
         if done:
             return finish("Slurm already shows it undone")
         if not ours:
@@ -451,12 +495,11 @@ class Executor:
             self._print_once(action.idempotency_key, action.argv)
             return ExecResult("dry-run", "", action.id, action.argv)
         try:
-            if action.kind == "resume":
-                self.backend.resume(action.node)
-            else:
-                self.backend.cancel_reboot(action.node)
+            detail = self._write(decision)
         except (SlurmError, ValueError) as exc:
             msg = error_text(exc)
             self.ledger.mark_failed(action.id, msg, at=self.clock())
             return ExecResult("failed", msg, action.id, action.argv)
-        return finish("resumed" if action.kind == "resume" else "reboot cancelled")
+        if self.on_write is not None:
+            self.on_write(action.node)
+        return finish(detail)

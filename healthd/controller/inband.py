@@ -19,10 +19,11 @@ ranks meet:
   and `slowest_on` names the worst straggler flag or finding on a node: the in-band evidence a
   reintegration's probation records (healthd.controller.reintegrate).
 
-Those are pure. `HangResponder` is the one stateful part: a hung job that opted in to requeue is
-requeued once per job and stall step (a ledger action keyed `requeue-hang:<job>:<step>`), through the
-mode, the breaker and an hourly budget like any action; any other hang is recorded and alerted once.
-A hang never drains a node: without out-of-band evidence nothing says which node is at fault.
+Those are pure. `HangResponder` is the one stateful part: it proposes the requeue of a hung job that
+opted in, once per job and stall step (a ledger action keyed `requeue-hang:<job>:<step>`), for the
+round to gate like any decision (the mode, the breaker and the kind's own hourly budget); any other
+hang is recorded and alerted once. A hang never drains a node: without out-of-band evidence nothing
+says which node is at fault.
 """
 
 from __future__ import annotations
@@ -30,20 +31,19 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from healthd import progress
+from healthd.controller.actions import Decision, next_attempt
+from healthd.controller.ledger import Ledger
 from healthd.model import NODE, Component, Evidence, Finding
 from healthd.progress import Hang, RankProgress, RankWindow, Straggler
 from healthd.settings import DetectorSettings
 from healthd.text import natural_key
 from healthd.slurm.backend import JobInfo, SlurmError
-
-if TYPE_CHECKING:
-    from healthd.controller.executor import ExecResult, Executor
 
 _log = logging.getLogger("healthd.controller.inband")
 
@@ -633,139 +633,86 @@ def with_findings(findings: tuple[Finding, ...], extra: Iterable[Finding]) -> tu
     return findings + added if added else findings
 
 
-# --------------------------------------------------------------------------- acting on a hang
+# --------------------------------------------------------------------------- proposing a hang's requeue
 
 
-@dataclass(frozen=True)
-class HangOutcome:
-    case: HangCase
-    status: str
-    """requeued | dry-run | waiting-approval | refused | recorded | failed | done | pending"""
-    detail: str = ""
+def hang_decision(case: HangCase, job: JobInfo | None, requeue_opt_in: str, now: float) -> Decision:
+    """The decision about one hang (pure): the requeue of a batch job that runs on the node of its
+    behind rank and opted in; otherwise a `none` filed under requeue-hang that says why not."""
+    base = dict(id=case.key, node=case.node, reason=case.describe()[:500], tier=3, decided_at=now,
+                detail=case.evidence())
+    if not requeue_opt_in:
+        why = "requeue disabled (requeue_opt_in is empty)"
+    elif job is None:
+        why = f"job {case.job} is not running on {case.node}"
+    elif not job.batch or requeue_opt_in not in job.comment:
+        why = f"job {case.job} did not opt in to requeue ({requeue_opt_in!r} in a batch job's --comment)"
+    else:
+        return Decision(kind="requeue-hang", target=case.job, series=case.key, **base)  # type: ignore[arg-type]
+    return Decision(kind="none", about=HANG_DECISION_KIND, note=f"{why}: recorded only", **base)  # type: ignore[arg-type]
 
 
 class HangResponder:
-    """Requeues a hung job that opted in, once per job and stall step; records and alerts the others.
+    """Proposes the requeue of a hung job that opted in, once per job and stall step; the others are
+    recorded and alerted once.
 
-    The ledger remembers across restarts: the decision of a hang is a row of kind `requeue-hang`
-    whose evidence carries its key, the requeue an action keyed by it. A new decision row is written
-    only when the outcome changes (observe, waiting, refused by the breaker or the budget, allowed)."""
+    It only proposes: the round gates its decisions like any other (the mode and approval, the breaker,
+    the requeue-hang kind's own hourly budget; healthd.controller.actions) and the executor applies what
+    they allow, re-reading the job first. The ledger remembers across restarts: the requeue is an
+    action keyed `requeue-hang:<job>:<step>`, and a series applied, or left to a human after its
+    failed attempts, is never proposed again."""
 
-    def __init__(self, executor: Executor, requeue_opt_in: str):
-        self.executor = executor
-        self.ledger = executor.ledger
+    def __init__(self, ledger: Ledger, list_jobs: Callable[[str], list[JobInfo]], requeue_opt_in: str):
+        self.ledger = ledger
+        self.list_jobs = list_jobs
+        """The jobs running on a node (a read of Slurm)."""
         self.requeue_opt_in = requeue_opt_in
-        self._known: dict[str, tuple[str, str | None, int]] = {}
-        """key -> (the outcome last recorded, its refusing gate, its decision row)."""
         self._final: set[str] = set()
         self._alerted: set[str] = set()
 
-    def _recorded(self, key: str) -> tuple[str, str | None, int] | None:
-        if key in self._known:
-            return self._known[key]
-        row = self.ledger.query_one(
-            "SELECT id, outcome, refused_gate FROM decisions WHERE kind = ? "
-            "AND json_extract(evidence, '$.decision') = ? ORDER BY id DESC LIMIT 1", (HANG_DECISION_KIND, key))
-        if row is None:
-            return None
-        self._known[key] = (str(row[1]), row[2], int(row[0]))
-        self._alerted.add(key)  # alerted by the process that recorded it
-        return self._known[key]
+    def propose(self, cases: Iterable[HangCase], now: float,
+                rejected: Mapping[str, str] | None = None) -> tuple[Decision, ...]:
+        """The round's decisions about `cases`. `rejected`: decision id -> the operator who rejected
+        it (`healthctl reject`): that hang is recorded as it is and never proposed again."""
+        out = []
+        for case in cases:
+            if case.key in self._final:
+                continue
+            attempt, _why, settled = next_attempt(self.ledger.series(case.key))
+            if attempt is None:
+                if settled.status != "planned":  # applied, or left to a human (planned: the reconciler's first)
+                    self._final.add(case.key)
+                continue
+            if rejected and case.key in rejected:
+                self._final.add(case.key)
+                _log.info("in-band hang: %s; requeue rejected by %s", case.describe(), rejected[case.key])
+                continue
+            try:
+                # the job as running on the node of its behind rank: Slurm requeues a finished batch job
+                # too, and a job whose records outlived it must never run again
+                job = next((j for j in self.list_jobs(case.node) if j.job_id == case.job), None)
+            except SlurmError as exc:
+                _log.warning("in-band hang of job %s: cannot read job %s (next round): %s", case.job, case.job, exc)
+                continue
+            decision = hang_decision(case, job, self.requeue_opt_in, now)
+            if decision.kind == "none":
+                self._final.add(case.key)
+                self._alert(case, f"{decision.note.removesuffix(': recorded only')}: nothing done "
+                                  "(a hang never drains a node)")
+            else:
+                self._alert(case, f"job {case.job} opted in: requeue")
+            out.append(decision)
+        return tuple(out)
 
     def requeues_since(self, since: float) -> int:
-        row = self.ledger.query_one(
-            "SELECT COUNT(*) FROM actions WHERE kind = 'requeue' AND substr(series, 1, ?) = ? AND applied_at >= ?",
-            (len(HANG_KEY_PREFIX), HANG_KEY_PREFIX, since))
-        return int(row[0]) if row else 0
-
-    def _record(self, case: HangCase, outcome: str, *, mode: str, now: float, gate: str | None = None,
-                why: str | None = None) -> int:
-        """Record the decision when its outcome changed; returns its row."""
-        before = self._recorded(case.key)
-        if before is not None and before[:2] == (outcome, gate):
-            return before[2]
-        if before is not None and before[0] == "waiting" and outcome == "allowed":
-            self.ledger.set_decision_outcome(before[2], "allowed")
-            row_id = before[2]
-        else:
-            row_id = self.ledger.record_decision(
-                node=case.node, kind=HANG_DECISION_KIND, tier="T3", mode=mode, reason=case.describe()[:500],
-                outcome=outcome, evidence=case.evidence(), refused_gate=gate, refused_reason=why, at=now).id
-        self._known[case.key] = (outcome, gate, row_id)
-        return row_id
+        """Hung jobs' requeues applied since `since` (the requeue-hang kind's budget)."""
+        # read through the ledger's action list: a count of its own is a ledger query yet to come
+        made = [a for status in ("applied", "lost") for a in self.ledger.actions(status=status)]
+        return sum(1 for a in made if a.kind == "requeue" and a.series.startswith(HANG_KEY_PREFIX)
+                   and a.applied_at is not None and a.applied_at >= since)
 
     def _alert(self, case: HangCase, what: str) -> None:
         if case.key in self._alerted:
             return
         self._alerted.add(case.key)
         _log.error("ALERT in-band hang: %s; %s", case.describe(), what)
-
-    def respond(self, cases: Iterable[HangCase], *, mode: str, breaker_open: bool, approved: Iterable[str],
-                max_per_hour: int, now: float) -> list[HangOutcome]:
-        approved = set(approved)
-        out = []
-        for case in cases:
-            if case.key in self._final:
-                continue
-            try:
-                result = self._one(case, mode, breaker_open, case.key in approved, max_per_hour, now)
-            except SlurmError as exc:
-                result = HangOutcome(case, "pending", f"cannot read job {case.job} (next round): {exc}")
-                _log.warning("in-band hang of job %s: %s", case.job, result.detail)
-            if result.status in ("requeued", "recorded", "done", "dry-run"):
-                self._final.add(case.key)
-            out.append(result)
-        return out
-
-    def _one(self, case: HangCase, mode: str, breaker_open: bool, approved: bool, max_per_hour: int,
-             now: float) -> HangOutcome:
-        attempts = self.ledger.series(case.key)
-        if attempts and attempts[-1].status == "applied":
-            return HangOutcome(case, "done", f"requeue action {attempts[-1].id} is applied")
-        if attempts and attempts[-1].status == "planned":  # a crash's: the reconciler settles it first
-            return HangOutcome(case, "pending", f"requeue action {attempts[-1].id} is planned")
-        recorded = self._recorded(case.key)
-        if recorded is not None and recorded[:2] == ("refused", "policy"):
-            row = self.ledger.decision(recorded[2])
-            return HangOutcome(case, "recorded", (row.refused_reason if row else None) or "recorded only")
-        if recorded is not None and recorded[0] == "waiting":
-            verdict = self.ledger.approval(recorded[2])
-            if verdict is not None and verdict.verdict == "reject":
-                return HangOutcome(case, "recorded", f"rejected by {verdict.operator}")
-        # the job as running on the node of its behind rank: Slurm requeues a finished batch job too,
-        # and a job whose records outlived it must never run again
-        job: JobInfo | None = next((j for j in self.executor.list_jobs(case.node) if j.job_id == case.job), None)
-        if not self.requeue_opt_in or job is None or not job.batch or self.requeue_opt_in not in job.comment:
-            if not self.requeue_opt_in:
-                why = "requeue disabled (requeue_opt_in is empty)"
-            elif job is None:
-                why = f"job {case.job} is not running on {case.node}"
-            else:
-                why = f"job {case.job} did not opt in to requeue ({self.requeue_opt_in!r} in a batch job's --comment)"
-            self._record(case, "refused", mode=mode, now=now, gate="policy", why=f"{why}: recorded only")
-            self._alert(case, f"{why}: nothing done (a hang never drains a node)")
-            return HangOutcome(case, "recorded", why)
-        self._alert(case, f"job {case.job} opted in: requeue (mode {mode})")
-        if mode == "observe":
-            self._record(case, "refused", mode=mode, now=now, gate="mode",
-                         why="observe mode: decided and recorded, not applied")
-            return HangOutcome(case, "refused", "observe mode")
-        if breaker_open:
-            self._record(case, "refused", mode=mode, now=now, gate="breaker", why="circuit breaker open")
-            return HangOutcome(case, "refused", "circuit breaker open")
-        used = self.requeues_since(now - 3600.0)
-        if used >= max_per_hour:
-            why = f"hang requeue budget: {used} of {max_per_hour} in the last hour"
-            self._record(case, "refused", mode=mode, now=now, gate="rate-limit", why=why)
-            return HangOutcome(case, "refused", why)
-        if mode == "supervised" and not approved:
-            self._record(case, "waiting", mode=mode, now=now)
-            return HangOutcome(case, "waiting-approval", "supervised mode: waiting for `healthctl approve`")
-        row_id = self._record(case, "allowed", mode=mode, now=now)
-        result: ExecResult = self.executor.requeue_hung(job, case.key, case.node, row_id, case.evidence())
-        status = {"applied": "requeued", "dry-run": "dry-run", "already-applied": "done"}.get(result.status, "failed")
-        if status == "requeued":
-            _log.warning("in-band hang: requeued job %s (%s)", case.job, case.describe())
-        elif status == "failed" and result.status == "skipped":
-            status = "done"  # the series ended (failed attempts used up): left to a human
-        return HangOutcome(case, status, result.detail)

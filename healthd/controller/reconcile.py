@@ -129,7 +129,7 @@ class Reconciler:
         out = []
         for action in self.ledger.pending_actions():
             if action.idempotency_key.startswith(UNDO_PREFIX):
-                continue  # an operator's undo: Executor.run_undos makes it, with its own checks
+                continue  # an operator's undo: Executor.undo makes it, with its own checks
             info = view.fresh(action.node)
             if info is None:
                 continue  # Slurm unreachable: settled next round, before anything is decided on it
@@ -200,7 +200,7 @@ class Reconciler:
                 continue  # written after the view was read: confirmed by the next read, not re-read now
             info = view.cached(node)
             if info is None or f"{UNDO_PREFIX}{hold.action_id}" in undoing:
-                continue  # not readable now, or an operator's undo of it is under way (Executor.run_undos)
+                continue  # not readable now, or an operator's undo of it is under way (Executor.undo)
             if owned(hold, info):
                 if not hold.confirmed:
                     self.ledger.confirm_hold(node, hold.action_id, info.reason_time, info.reason_user, at=seen_at)

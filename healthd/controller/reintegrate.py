@@ -29,6 +29,12 @@ with a warning, and at the end of probation the reintegration still `passed` (he
 drain the node again) but its incident is left `in-band-slow`, not closed, for an operator to look at
 and close (`healthctl close`). Without in-band data nothing of this happens.
 
+Every write a reintegration makes (the reservation created and deleted, the resume into it, the drain
+again after a failed validation) is a decision it proposes to the control round: the round gates it
+with the same gates as every other decision (the action table says which apply to each kind,
+healthd.controller.actions) and the executor applies what they allow. A reintegration whose writes
+the gates hold back waits for a later round; one whose node is no longer healthd's is aborted.
+
 While a reintegration is in flight, evidence of the findings it clears that is older than the request
 no longer counts (policy.without_cleared), and the agent is told to drop it (a `clear-finding`
 instruction on its report's response): a repaired GPU's old Xid 79 line must not re-drain it.
@@ -40,19 +46,20 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from healthd.controller import inband
-from healthd.controller.executor import Executor
+from healthd.controller.actions import Decision, series_key
+from healthd.controller.executor import ExecResult
 from healthd.controller.gates import GateResult
 from healthd.controller.ledger import INBAND_SLOW_STATUS, Ledger, Reintegration
 from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, describe_reason, owned
-from healthd.controller.policy import Decision, FleetView, NodeReport, is_actionable, make_reason
+from healthd.controller.policy import FleetView, NodeReport, is_actionable, make_reason
 from healthd.settings import DetectorSettings
-from healthd.slurm.backend import SlurmBackend, SlurmError, SlurmRefused, StepResult
+from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError, StepResult
 
 _log = logging.getLogger("healthd.controller.reintegrate")
 
@@ -68,6 +75,10 @@ INBAND_VERIFIED = "verified in-band: "
 INBAND_NOT_VERIFIED = "in-band, not verified: "
 INBAND_NO_PEER = "in-band: no peer to compare"
 INBAND_STILL_SLOW = "in-band: still slow"
+Gate = Callable[[Sequence[Decision]], Sequence[GateResult]]
+"""The round's gates over a batch of proposed decisions (healthd.controller.gates.apply_gates)."""
+Act = Callable[[GateResult], ExecResult]
+"""The round's act step for one allowed outcome (healthd.controller.executor.Executor.apply)."""
 _MEASURE = re.compile(r"ranks at (?P<pct>[0-9.]+) % of job (?P<job>.+)'s median over (?P<n>[0-9]+) windows?$")
 
 
@@ -203,26 +214,26 @@ def cleared_findings(reintegrations: list[Reintegration]) -> dict[str, dict[str,
 class Reintegrator:
     """Moves reintegrations on, one step per control round (called from the daemon under its round lock)."""
 
-    def __init__(self, settings: ReintegrationSettings, executor: Executor, *,
-                 slurm_conf: str, dry_run: bool = False, out: Callable[[str], None] | None = None,
+    def __init__(self, settings: ReintegrationSettings, ledger: Ledger, backend: SlurmBackend, *,
+                 read_node: Callable[[str], NodeInfo], slurm_conf: str, dry_run: bool = False,
                  detector: DetectorSettings | None = None):
         self.settings = settings
         self.detector = detector or DetectorSettings()
         """The in-band detector's settings: a node on probation within `min_effect` of its job's median is
         verified in-band."""
-        self.executor = executor
-        """Makes the resume and the re-drain, with the same ownership re-read and ledger discipline as
-        every other healthd write."""
-        self.backend = executor.backend
-        self.ledger = executor.ledger
+        self.ledger = ledger
+        self.backend = backend
+        """Runs the validation commands and reads whether a reservation exists; writes nothing."""
+        self.read_node = read_node
+        """One node, fresh from Slurm."""
         self.slurm_conf = slurm_conf
         """The {slurm_conf} of the validation commands."""
         self.dry_run = dry_run
-        self.out = out or (lambda line: print(line, flush=True))
         self._threads: dict[int, threading.Thread] = {}
         self._results: dict[int, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
-        self._printed: set[str] = set()
+        self._gate: Gate = lambda decisions: ()
+        self._act: Act | None = None
         self._round: tuple[Mapping[str, NodeReport], tuple[inband.Flag, ...], float] = ({}, (), 0.0)
         self._views: dict[str, inband.JobView] | None = None
 
@@ -295,14 +306,16 @@ class Reintegrator:
             started.append(r)
         return started
 
-    def step(self, now: float, mode: str, *, reports: Mapping[str, NodeReport] | None = None,
+    def step(self, now: float, mode: str, *, gate: Gate, act: Act, reports: Mapping[str, NodeReport] | None = None,
              flags: Iterable[inband.Flag] = (), report_ttl_s: float = 0.0) -> list[tuple[Reintegration, str]]:
         """Advance every reintegration in flight by at most one step. Returns (reintegration, what
-        happened) for those that moved. Nothing is written in observe mode. `reports` (fresh within
-        `report_ttl_s`) and the round's in-band straggler `flags` are the in-band evidence probation
-        records; none: none is recorded."""
+        happened) for those that moved. Nothing is written in observe mode; every write is proposed to
+        the round: `gate` gates a batch of decisions, `act` applies one it allowed. `reports` (fresh
+        within `report_ttl_s`) and the round's in-band straggler `flags` are the in-band evidence
+        probation records; none: none is recorded."""
         if mode == "observe":
             return []
+        self._gate, self._act = gate, act
         self._round = (reports or {}, tuple(flags), report_ttl_s)
         self._views = None
         moved = []
@@ -324,50 +337,73 @@ class Reintegrator:
         _log.warning("%s: reintegration %s aborted: %s", r.node, r.id, why)
         return f"aborted: {why}"
 
-    def _decision(self, r: Reintegration, kind: str, reason: str, now: float) -> Decision:
-        return Decision(id=f"reintegrate:{r.id}:{kind}", kind=kind, node=r.node, reason=reason, tier=1,  # type: ignore[arg-type]
-                        incident="" if r.incident_id is None else str(r.incident_id), decided_at=now)
+    def _decision(self, r: Reintegration, key: str, kind: str, reason: str, now: float, **kw: Any) -> Decision:
+        return Decision(id=f"reintegrate:{r.id}:{key}", kind=kind, node=r.node, reason=reason, tier=1,  # type: ignore[arg-type]
+                        incident="" if r.incident_id is None else str(r.incident_id), decided_at=now, **kw)
 
-    def _apply(self, decision: Decision, mode: str, now: float) -> tuple[bool, str]:
-        """(done, detail) of one Slurm write through the executor; done when applied now or before
-        (a restart after the write: the fresh read would refuse it as already done)."""
-        if self.executor.applied(decision) is not None:
-            return True, "already applied"
-        result = self.executor.apply(GateResult(decision, "allowed"), now, mode=mode)
+    def _reservation(self, r: Reintegration, kind: str, name: str, now: float) -> Decision:
+        detail = {"minutes": self.settings.reservation_minutes} if kind == "reservation-create" else {}
+        return self._decision(r, kind, kind, f"reintegration {r.id}: {kind} {name}", now, target=name, detail=detail)
+
+    def _applied(self, decision: Decision) -> bool:
+        # applied before a restart: the fresh read would refuse it as already done
+        return any(a.status == "applied" for a in self.ledger.series(series_key(decision)))
+
+    def _propose(self, decisions: Sequence[Decision]) -> tuple[GateResult, ...] | str:
+        """The round's outcomes of `decisions`, all allowed; else why not (they wait for a later round)."""
+        outcomes = tuple(self._gate(decisions))
+        held = next((o for o in outcomes if o.status != "allowed"), None)
+        if held is not None or len(outcomes) != len(decisions):
+            return f"{held.label}: {held.reason}" if held is not None else "not gated"
+        return outcomes
+
+    def _write(self, outcome: GateResult) -> tuple[bool | None, str]:
+        """(True: done now or before, None: a dry run, False: failed or refused on the fresh read; detail)."""
+        assert self._act is not None
+        result = self._act(outcome)
         if result.status in ("applied", "already-applied"):
             return True, result.detail
-        return False, "dry run" if result.status == "dry-run" else (result.detail or result.status)
+        if result.status == "dry-run":
+            return None, "dry run"
+        return False, result.detail or result.status
 
     def _start(self, r: Reintegration, now: float, mode: str) -> str | None:
-        fresh = self.executor.read_node(r.node)
+        fresh = self.read_node(r.node)
         name = reservation_name(r.node, r.id)
-        resume = self._decision(r, "resume", f"reintegration {r.id}: resume inside {name} for validation", now)
-        if self.executor.applied(resume) is None:
+        resume = self._decision(r, "resume", "resume", f"reintegration {r.id}: resume inside {name} for validation",
+                                now)
+        if not self._applied(resume):
             if not owned(self.ledger.hold(r.node), fresh):
                 return self._abort(r, f"{r.node} is no longer healthd's by record ({fresh.state}, "
                                       f"{describe_reason(fresh)})", now)
             if not fresh.drained:
                 return None  # jobs still running on the draining node: validation waits for them
-            if self.dry_run:
-                self._would(f"reservation:{r.id}", ["scontrol", "create", "reservation", f"ReservationName={name}",
-                                                    f"Nodes={r.node}", "Users=root", "Flags=MAINT,IGNORE_JOBS"])
+            proposed = [self._reservation(r, "reservation-create", name, now), resume]
+            if not self.dry_run and self.backend.reservation_exists(name):
+                # left by a controller that died after creating it: start from a clean one
+                proposed.insert(0, self._reservation(r, "reservation-delete", name, now))
+            outcomes = self._propose(proposed)
+            if isinstance(outcomes, str):
+                if outcomes.startswith("refused-by-ownership"):
+                    return self._abort(r, f"cannot resume {r.node} for validation: {outcomes}", now)
+                _log.info("%s: reintegration %s waits: %s", r.node, r.id, outcomes)
                 return None
-            # left by a controller that died after creating it: start from a clean one (gone is done)
-            self.backend.delete_reservation(name)
-            self._create_reservation(name, r.node)
-            ok, detail = self._apply(resume, mode, now)
-            if not ok:
-                self._delete_reservation(name)
+            for outcome in outcomes[:-1]:
+                done, detail = self._write(outcome)
+                if not done:
+                    if done is False:
+                        _log.warning("%s: reintegration %s waits: %s", r.node, r.id, detail)
+                    return None
+            done, detail = self._write(outcomes[-1])
+            if done is None:
+                return None
+            if not done:
+                self._delete_reservation(r, name, now)
                 return self._abort(r, f"cannot resume {r.node} for validation: {detail}", now)
         self.ledger.update_reintegration(r.id, state="validating", reservation=name, stamp="started_at", at=now)
         self._launch(r.id, r.node, name, r.incident_id)
         _log.info("%s: reintegration %s: resumed inside reservation %s; validating", r.node, r.id, name)
         return f"validating in reservation {name}"
-
-    def _would(self, key: str, argv: list[str]) -> None:
-        if key not in self._printed:
-            self._printed.add(key)
-            self.out("dry-run: would run: " + " ".join(argv))
 
     def _launch(self, rid: int, node: str, reservation: str, incident_id: int | None) -> None:
         values = {"node": node, "reservation": reservation, "incident": "" if incident_id is None else str(incident_id),
@@ -386,25 +422,23 @@ class Reintegrator:
             self._threads[rid] = thread
         thread.start()
 
-    def _create_reservation(self, name: str, node: str) -> None:
-        """The MAINT reservation validation runs in; one that exists already (a restart) is done."""
-        try:
-            self.backend.create_reservation(name, node, self.settings.reservation_minutes, users=("root",),
-                                            flags=("MAINT", "IGNORE_JOBS"))
-        except SlurmRefused as exc:
-            if "Duplicate reservation name" not in f"{exc.stderr} {exc}":
-                raise
-            _log.info("reservation %s exists already", name)
+    def _create_reservation(self, r: Reintegration, name: str, now: float) -> bool:
+        """The MAINT reservation validation runs in (one that exists already is done); False: not now."""
+        return self._carry_out(self._reservation(r, "reservation-create", name, now))
 
-    def _delete_reservation(self, name: str | None) -> bool:
-        if not name:
-            return True
-        try:
-            self.backend.delete_reservation(name)
-            return True
-        except SlurmError as exc:
-            _log.warning("cannot delete reservation %s (retrying next round): %s", name, exc)
+    def _delete_reservation(self, r: Reintegration, name: str | None, now: float) -> bool:
+        """The reservation gone (gone already is done); False: not now, tried again next round."""
+        return not name or self._carry_out(self._reservation(r, "reservation-delete", name, now))
+
+    def _carry_out(self, decision: Decision) -> bool:
+        outcomes = self._propose([decision])
+        if isinstance(outcomes, str):
+            _log.info("%s: %s waits: %s", decision.node, decision.kind, outcomes)
             return False
+        done, detail = self._write(outcomes[0])
+        if done is False:
+            _log.warning("%s: %s not done (retrying next round): %s", decision.node, decision.kind, detail)
+        return bool(done)
 
     def _validating(self, r: Reintegration, now: float, mode: str) -> str | None:
         if r.validated_at is not None and r.results:
@@ -419,7 +453,7 @@ class Reintegrator:
                     # gone while the node is resumed for validation (deleted by someone, or slurmctld came
                     # back from an older state save): user jobs could land on it, so it comes back first
                     _log.warning("%s: reservation %s is gone during validation; creating it again", r.node, name)
-                    self._create_reservation(name, r.node)
+                    self._create_reservation(r, name, now)
                 if not running:  # a restart: validation is repeatable, run it again
                     self._launch(r.id, r.node, name, r.incident_id)
                 return None
@@ -428,7 +462,7 @@ class Reintegrator:
             r = self.ledger.update_reintegration(r.id, results=results, stamp="validated_at", at=now)
         passed = bool(results) and all(x.get("rc") == 0 for x in results)
         if passed:
-            if not self._delete_reservation(r.reservation):
+            if not self._delete_reservation(r, r.reservation, now):
                 return None
             self.ledger.update_reintegration(r.id, state="probation", probation_until=now + self.settings.probation_s,
                                              incident_status="probation", at=now)
@@ -439,13 +473,18 @@ class Reintegrator:
             return "validation passed: back in service, probation"
         summary = failure_summary(results)
         reason = make_reason(f"validation failed: {summary}", "" if r.incident_id is None else str(r.incident_id))
-        ok, detail = self._apply(self._decision(r, "drain", reason, now), mode, now)
-        if not ok:
-            if detail == "dry run":
+        redrain = self._decision(r, "drain", "redrain", reason, now)
+        outcomes = self._propose([redrain])
+        if isinstance(outcomes, str) and not outcomes.startswith("refused-by-ownership"):
+            _log.info("%s: reintegration %s: the drain after the failed validation waits: %s", r.node, r.id, outcomes)
+            return None
+        done, detail = (False, outcomes) if isinstance(outcomes, str) else self._write(outcomes[0])
+        if not done:
+            if done is None:
                 return None
-            self._delete_reservation(r.reservation)
+            self._delete_reservation(r, r.reservation, now)
             return self._abort(r, f"validation failed ({summary}) but the node could not be drained again: {detail}", now)
-        self._delete_reservation(r.reservation)
+        self._delete_reservation(r, r.reservation, now)
         self.ledger.update_reintegration(r.id, state="failed", detail=summary, stamp="ended_at",
                                          incident_status="validation-failed", at=now)
         _log.error("%s: reintegration %s: validation failed: %s; drained again", r.node, r.id, summary)

@@ -8,11 +8,12 @@ import pytest
 
 from healthd.controller import actions
 from healthd.controller.actions import ACTIONS, GATE_ORDER, ActionKind, Decision
+from healthd.controller.executor import call_args
 from healthd.controller.gates import GATES, BreakerState, GateContext, GroupIncident, apply_gates, gate_one
 from healthd.controller.ledger import REMEDIATION_KINDS
 from healthd.controller.ownership import NODE_STATE_KINDS
 from healthd.controller.policy import ControllerPolicySettings, FleetView, LedgerView
-from healthd.slurm.backend import NodeInfo
+from healthd.slurm.backend import NodeInfo, SlurmBackend
 from tests.support.holds import hold_for
 
 NOW = 1_800_000_000.0
@@ -125,6 +126,13 @@ def test_the_kind_sets_are_read_off_the_table():
     # the ledger keeps its own list of the removing action kinds for its budgets: they must agree
     assert set(REMEDIATION_KINDS) == {ACTIONS[k].records for k in actions.REMOVING_KINDS}
     assert set(actions.DECISION_KINDS) == set(actions.DecisionKind.__args__)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", [k for k, a in ACTIONS.items() if a.call])
+def test_every_write_is_one_backend_call(kind):
+    call, args = call_args(decision(kind))
+    assert call == ACTIONS[kind].call and callable(getattr(SlurmBackend, call))
+    assert args
 
 
 def test_a_row_that_breaks_the_rules_is_refused():

@@ -217,6 +217,35 @@ def test_recurrence_in_probation_escalates_the_third_time_to_inspect_hardware(ri
             assert not r.ledger.active_reintegration("node02") and r.backend.state["node02"].drain_requested
 
 
+def test_a_failed_validation_drains_again_below_a_capacity_floor_and_a_spent_rate_limit(rig):
+    """The drain after a failed validation is the action table's `redrain`: the node is in its reservation,
+    out of users' reach, so the floor and the hourly budget (which would refuse a new drain) do not apply."""
+    r = rig(script_rc=3)
+    incident = r.drain_node02()
+    r.controller.policy = dataclasses.replace(r.controller.policy, capacity_floors={"gpu": 4}, max_actions_per_hour=1)
+    assert admin.repaired(r.ledger, "node02", "root", "reseated").ok
+    r.until(lambda: r.reint().state == "failed")
+    assert r.backend.state["node02"].drain_requested and r.ledger.hold("node02").incident_id == incident
+    rows = [d for d in r.ledger.decisions() if (d.evidence or {}).get("decision", "").startswith("reintegrate:")]
+    assert {d.kind for d in rows} >= {"reservation-create", "resume", "redrain", "reservation-delete"}
+    assert all(d.outcome == "allowed" for d in rows)
+
+
+def test_a_reintegration_waits_while_the_breaker_is_open(rig):
+    r = rig()
+    r.drain_node02()
+    r.ledger.open_breaker("switch:s1", nodes=["node01", "node03"], at=r.now)
+    assert admin.repaired(r.ledger, "node02", "root", "fixed").ok
+    for _ in range(3):
+        r.round()
+    assert r.reint().state == "requested" and not writes(r, "create_reservation") and not writes(r, "resume")
+    [held] = [d for d in r.ledger.decisions(outcome="refused") if d.kind == "resume"]
+    assert held.refused_gate == "breaker"
+    r.ledger.reset_breaker(by="alice", why="switch replaced", at=r.now + 0.5)
+    r.until(lambda: r.reint().state == "probation")
+    assert len(writes(r, "resume")) == 1
+
+
 def test_observe_mode_never_reintegrates(rig):
     r = rig(mode="observe")
     r.ledger.open_incident(XID, attribution="hardware", tier="T1", nodes=["node02"])
