@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from healthd.slurm.backend import NodeInfo, SlurmBackend
 from tests.support.holds import hold_for
 
 NOW = 1_800_000_000.0
+DOC = Path(__file__).resolve().parents[2] / "docs" / "controller.md"
 
 HELD = NodeInfo(name="node01", state="idle", flags=frozenset({"DRAIN"}), reason="healthd: x [#1]", reason_time=NOW - 60,
                 reason_user="root", partitions=("gpu",))
@@ -142,3 +145,28 @@ def test_a_row_that_breaks_the_rules_is_refused():
     with pytest.raises(ValueError, match="mode gate"):
         ActionKind("x", "resume", target="node", records="resume", changes_node=True, removes_capacity=False,
                    holds=False, approval="", budget="", gates=(), proposed_by="")
+
+
+def _doc_rows() -> dict[str, list[str]]:
+    text = DOC.read_text()
+    start = text.index("| kind | backend call |")
+    rows = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells
+    return rows
+
+
+def test_the_docs_action_table_matches_the_code():
+    rows = _doc_rows()
+    assert list(rows) == list(ACTIONS)
+    for kind, cells in rows.items():
+        a = ACTIONS[kind]
+        call, node, removes, gates, approval, budget = cells[1:7]
+        assert call.strip("`") == (a.call or "—"), kind
+        assert (approval, budget) == (a.approval or "—", a.budget or "—"), kind
+        assert node == ("yes" if a.changes_node else "no"), kind
+        assert removes == ("yes" if a.removes_capacity else "no"), kind
+        assert re.findall(r"[a-z-]+", gates.replace("—", "")) == list(a.gates), kind
