@@ -31,7 +31,7 @@ STAMP_MLGP := $(MLGP_VENV)/.stamp-$(MLGP_VERSION)
 SLURM_ROOT ?= /tmp/healthd-slurm
 
 .PHONY: all deps test demo demo-node bench clean lint slurm-up slurm-down
-.PHONY: nspawn-rootfs mlgp-venv
+.PHONY: nspawn-rootfs mlgp-venv check coverage
 
 all: test
 
@@ -67,6 +67,21 @@ mlgp-venv: $(STAMP_MLGP)
 
 test: deps lint nspawn-rootfs mlgp-venv
 	$(PY) -m pytest -q
+
+# the inner loop: lint and every test that boots no daemon (`-m "not daemon"`: no Slurm, munged, controller,
+# container, ansible, browser or DDP job; the tiers are in docs/testing.md); `make test` runs these and the rest
+check: deps lint mlgp-venv
+	$(PY) -m pytest -q -m "not daemon"
+
+# line coverage of healthd/ for one tier (MARK, a pytest -m expression; MARK= for the whole suite): a
+# table of the files below 100% and build/coverage/index.html. Only the pytest process is measured: a
+# tracer in the children would change what some tests check there (a child's own imports, its stderr
+# under a file-size limit, how fast an agent exits), so code that runs only in a child (the CLI's
+# entry points, the hooks as slurmd runs them) counts as missed.
+MARK ?= not daemon
+coverage: deps lint mlgp-venv $(if $(MARK),,nspawn-rootfs)
+	COVERAGE_FILE=build/.coverage $(PY) -m pytest -q $(if $(MARK),-m "$(MARK)") --cov=healthd \
+		--cov-report=term:skip-covered --cov-report=html:build/coverage
 
 lint: deps
 	$(PY) -m ruff check healthd healthd_inband.py tests bench demo
