@@ -21,6 +21,10 @@ where a hung job stopped). The layout is in healthd's docs/inband.md and in the 
 
 Standard library only, one file: a job may vendor it by copying this file. Nothing here raises into
 the training script: if the ring cannot be set up, the module warns once on stderr and stays a no-op.
+
+This file is the one definition of the ring: its layout, its file name and the environment variable.
+healthd's reader takes them from here (healthd.inband_layout loads this file without setting a ring
+up), so the two ends cannot disagree.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from __future__ import annotations
 import os
 import struct
 import sys
-import threading
 import time
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["step", "wait", "checkpoint", "checkpoint_durable", "restored", "torch_ddp_hook", "enabled",
            "ENV_DIR", "ENV_CAPACITY"]
@@ -59,6 +65,8 @@ BODY = struct.Struct("<HHIqQQQQ")
 The sequence number is at offset 0 and again at offset 56 (the tail)."""
 BODY_OFFSET = 8
 TAIL_OFFSET = 56
+RECORD = struct.Struct("<Q" + BODY.format.lstrip("<") + "Q")
+"""A whole record as a reader unpacks it: seq, the body's fields, seq again (the tail)."""
 WORD = 8
 """The writer stores a record as eight 8-byte words (kind and flags share the first), the same bytes
 as the layout above, through a memoryview cast to signed 64-bit: one store per field, the same C path
@@ -69,6 +77,7 @@ PHASE_COMPUTE, PHASE_WAIT, PHASE_CHECKPOINT = 1, 2, 3
 """Header phases (0: not yet known)."""
 KINDS = {STEP: "step", WAIT: "wait", CKPT_BEGIN: "checkpoint_begin", CKPT_END: "checkpoint_end",
          DURABLE: "durable", RESTORED: "restored"}
+PHASES = {PHASE_COMPUTE: "compute", PHASE_WAIT: "wait", PHASE_CHECKPOINT: "checkpoint"}
 FLAG_ERROR = 1
 """Set on a wait or checkpoint_end record whose block ended with an exception."""
 
@@ -77,7 +86,18 @@ MIN_CAPACITY = 64
 MAX_CAPACITY = 65536
 JOB_BYTES = 32
 
+RING_PREFIX = "rank-"
+RING_SUFFIX = ".ring"
+RING_UNKNOWN = "unknown"
+"""`<dir>/rank-<rank>.ring`, or rank-unknown.ring for a process with no rank in its environment."""
+
+
+def ring_name(rank: int) -> str:
+    return f"{RING_PREFIX}{rank if rank >= 0 else RING_UNKNOWN}{RING_SUFFIX}"
+
+
 assert HEADER.size == 128 and BODY_OFFSET + BODY.size == TAIL_OFFSET and TAIL_OFFSET + SEQ.size == RECORD_SIZE
+assert RECORD.size == RECORD_SIZE
 assert (HEADER.size, RECORD_SIZE, HEAD_OFFSET, PHASE_OFFSET) == (16 * WORD, 8 * WORD, 15 * WORD, 11 * WORD)
 
 
@@ -154,6 +174,7 @@ class _Ring:
 
     def __init__(self, directory: str, env: dict[str, str]) -> None:
         import mmap  # only when enabled: a disabled import stays as light as possible
+        import threading
 
         self.rank = _env_int(env, "RANK", "SLURM_PROCID")
         self.local_rank = _env_int(env, "LOCAL_RANK", "SLURM_LOCALID")
@@ -163,8 +184,7 @@ class _Ring:
         self.capacity = min(MAX_CAPACITY, max(MIN_CAPACITY, capacity if capacity > 0 else DEFAULT_CAPACITY))
         job = env.get("SLURM_JOB_ID", "").encode("ascii", "replace")[:JOB_BYTES]
         size = HEADER.size + self.capacity * RECORD_SIZE
-        name = f"rank-{self.rank}.ring" if self.rank >= 0 else "rank-unknown.ring"
-        self.path = os.path.join(directory, name)
+        self.path = os.path.join(directory, ring_name(self.rank))
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             os.unlink(tmp)  # the name holds this pid: one there is a crashed predecessor's
@@ -417,4 +437,7 @@ def _setup(env: dict[str, str] | None = None) -> bool:
     return True
 
 
-_setup()
+# healthd's own processes load this file for the definitions above and never write a ring, even where
+# HEALTHD_INBAND_DIR is set (an `srun healthd --dry-run`): healthd.inband_layout sets this name first.
+if not globals().get("_LAYOUT_ONLY"):
+    _setup()

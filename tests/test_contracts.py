@@ -4,23 +4,37 @@ shared definitions, so a contract changed at its home is changed at both ends or
 
 - the goodput event log (healthd.goodput_events): the agent (rank 0's ring) and the epilog write a
   node's log, the controller ships and gathers it and adds its own records; healthd.goodput reads all;
+- the in-band ring file (healthd_inband.py, the job's client, read through healthd.inband_layout): the
+  client writes it, the agent's reader (healthd.agent.inband) parses it;
+- the in-band directory (healthd.inband_layout): the prolog makes it, the TaskProlog exports it in the
+  variable the client reads, the agent reads the rings in it, the epilog moves it away;
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
+import subprocess
+import sys
+import textwrap
 import types
 from pathlib import Path
 
 import pytest
 
+import healthd_inband
 from healthd import goodput
 from healthd import goodput_events as ev
+from healthd import inband_layout as layout
 from healthd.agent.goodput_log import GoodputLog
-from healthd.agent.inband import read_ring
+from healthd.agent.inband import RingView, read_ring
+from healthd.agent.inband_jobs import InbandJobs
 from healthd.controller import goodput_gather
-from healthd.hooks import epilog
+from healthd.hooks import epilog, inband_dirs, taskprolog
+from healthd.settings import InbandSettings
+
+ROOT = Path(__file__).resolve().parents[1]
 
 JOB = "4242"
 
@@ -61,8 +75,6 @@ def test_every_healthd_event_round_trips_through_the_reader():
 
 
 def test_the_node_writes_what_the_controller_takes_and_the_reader_accounts(tmp_path: Path):
-    import healthd_inband
-
     run_dir, state_dir = tmp_path / "inband", tmp_path / "state"
     run_dir.mkdir()
     ring = healthd_inband._Ring(str(run_dir), ring_env())
@@ -73,7 +85,7 @@ def test_the_node_writes_what_the_controller_takes_and_the_reader_accounts(tmp_p
         pass
     ring.checkpoint_durable(4)
     view = read_ring(str(run_dir), os.path.basename(ring.path))
-    assert not isinstance(view, Exception) and hasattr(view, "records"), view
+    assert isinstance(view, RingView), view
     agent_log = GoodputLog(str(state_dir), window_steps=4)
     agent_log.take(JOB, view.header, view.records)
     agent_log.flush()
@@ -108,3 +120,106 @@ def test_the_controllers_records_are_read_and_never_taken_from_a_node():
     for line in written:
         with pytest.raises(goodput_gather.ShipmentRefused, match="not from a node"):
             goodput_gather.parse_shipment(ev.shipment(JOB, 0, line + "\n"))
+
+
+# --------------------------------------------------------------------------- the in-band ring file
+
+
+def job(script: str, **env: str) -> subprocess.CompletedProcess:
+    """`script` in a child whose environment has none of the job's variables but `env`."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in (layout.ENV_DIR, "RANK", "SLURM_PROCID", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env={**clean, "PYTHONPATH": str(ROOT), **env},
+                          capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+
+
+def test_the_reader_takes_the_layout_from_the_client_file():
+    assert Path(layout.client.__file__).resolve() == Path(healthd_inband.__file__).resolve()
+    for name in ("ENV_DIR", "MAGIC", "VERSION", "HEADER", "RECORD", "MAX_CAPACITY", "KINDS", "PHASES", "FLAG_ERROR",
+                 "RING_PREFIX", "RING_SUFFIX"):
+        mine, theirs = getattr(layout, name), getattr(healthd_inband, name)
+        if isinstance(theirs, struct.Struct):
+            mine, theirs = mine.format, theirs.format
+        assert mine == theirs, name
+    assert layout.client is not sys.modules.get("healthd_inband")  # loaded apart: the client's own import is untouched
+
+
+def test_every_record_the_client_writes_is_read_back_field_for_field(tmp_path: Path):
+    ring = healthd_inband._Ring(str(tmp_path), ring_env(rank=1, world=2))
+    ring.step(7)
+    with ring.wait():
+        pass
+    with ring.checkpoint(7):
+        pass
+    ring.checkpoint_durable(7)
+    ring.restored(7)
+    try:
+        with ring.wait():
+            raise KeyError
+    except KeyError:
+        pass
+    name = layout.ring_name(1)
+    assert os.path.basename(ring.path) == name and layout.ring_rank(name) == 1
+    view = read_ring(str(tmp_path), name, owner=os.getuid())
+    assert isinstance(view, RingView), view
+    h = view.header
+    assert (h.version, h.capacity, h.pid, h.rank, h.local_rank, h.world_size, h.device, h.job) == \
+        (layout.VERSION, 256, os.getpid(), 1, 1, 2, 1, JOB)
+    assert (h.start_wall_ns, h.start_mono_ns, h.phase) == (ring.start_wall_ns, ring.start_mono_ns, layout.PHASES[1])
+    assert [(r.seq, r.kind_name) for r in view.records] == list(enumerate(
+        ["step", "wait", "checkpoint_begin", "checkpoint_end", "durable", "restored", "wait"], 1))
+    assert [r.kind for r in view.records] == [layout.STEP, layout.WAIT, layout.CKPT_BEGIN, layout.CKPT_END,
+                                              layout.DURABLE, layout.RESTORED, layout.WAIT]
+    assert [r.step for r in view.records][:6] == [7] * 6
+    assert [r.flags for r in view.records] == [0] * 6 + [layout.FLAG_ERROR]
+    assert view.last_seq == h.head == 7 and view.lost == view.torn == 0
+    raw = (tmp_path / name).read_bytes()
+    assert layout.HEADER.unpack_from(raw)[0] == layout.MAGIC
+    assert len(raw) == layout.HEADER.size + 256 * layout.RECORD.size
+    assert layout.RECORD.unpack_from(raw, layout.HEADER.size)[0] == layout.RECORD.unpack_from(raw, layout.HEADER.size)[-1] == 1
+    assert read_ring(str(tmp_path), layout.ring_name(-1)).reason.endswith("No such file or directory")
+
+
+def test_healthd_loads_the_layout_without_setting_a_ring_up(tmp_path: Path):
+    """A healthd process where the job's variable is set (`srun healthd --dry-run`, a TaskProlog of a
+    job step) reads the client's definitions and writes no ring; the client imported as itself still
+    sets one up."""
+    p = job("""
+        import os, sys
+        import healthd.agent.inband, healthd.hooks.taskprolog, healthd.inband_layout as layout
+        assert not os.listdir(os.environ[layout.ENV_DIR]) and not layout.client.enabled
+        assert "healthd_inband" not in sys.modules
+        import healthd_inband
+        print(healthd_inband.enabled, sorted(os.listdir(os.environ[layout.ENV_DIR])))
+    """, **{layout.ENV_DIR: str(tmp_path), "RANK": "0"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", f"['{layout.ring_name(0)}']"]
+
+
+# --------------------------------------------------------------------------- the in-band directory
+
+
+def test_the_directory_the_prolog_makes_is_the_one_the_taskprolog_exports_and_the_agent_reads(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o755)
+    me = os.getuid()
+    inband_dirs.create(str(run_dir), JOB, me, trusted_uid=me)
+    config = tmp_path / "healthd.yaml"
+    config.write_text(f"hooks:\n  run_dir: {run_dir}\n")
+    line = taskprolog.run(["--config", str(config)], {"SLURM_JOB_ID": JOB})
+    name, _, value = line.removeprefix("export ").rstrip("\n").partition("=")
+    assert (name, value) == (layout.ENV_DIR, layout.job_dir(str(run_dir), JOB))
+    p = job("import healthd_inband as hd; hd.step(1); hd.step(2)", **{name: value}, RANK="0", WORLD_SIZE="1",
+            SLURM_JOB_ID=JOB)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert os.listdir(value) == [layout.ring_name(0)]
+    agent = InbandJobs(InbandSettings(), trusted_uid=me)
+    (view,) = agent.read(str(run_dir), 0)
+    assert view.job == JOB and [r.rank for r in view.ranks] == [0] and view.errors == ()
+    inband_dirs.archive(str(run_dir), JOB, keep=4, trusted_uid=me)
+    assert os.listdir(layout.done_dir(str(run_dir), JOB)) == [layout.ring_name(0)]
+    assert agent.read(str(run_dir), 0) == ()  # an ended job's directory is not read
+    for bad in ("done", "1a", "1" * (layout.MAX_JOB_ID + 1)):
+        assert not layout.valid_job(bad)
+        with pytest.raises(ValueError):
+            layout.job_dir(str(run_dir), bad)

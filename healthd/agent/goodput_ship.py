@@ -26,7 +26,7 @@ from typing import Any
 
 from healthd import envelope
 from healthd.agent.goodput_log import SHIPPED_SUFFIX
-from healthd.agent.inband_jobs import JOB_NAME
+from healthd.inband_layout import valid_job
 from healthd.client import Poster, one_line, refusal_reason, urllib_post
 from healthd.lograte import WarnOnce
 from healthd.persist import write_json_atomic
@@ -115,7 +115,7 @@ class GoodputShipper:
             del self._shipped[gone]
             self._refused_at.pop(gone, None)
         for job in jobs:
-            if not JOB_NAME.fullmatch(job):
+            if not valid_job(job):
                 continue
             for _ in range(MAX_SHIPMENTS_PER_PASS):
                 sent = self._ship(job)

@@ -6,8 +6,9 @@ never an exception, whatever the bytes are; and the I/O edge (`read_ring`) opens
 following a link, refuses anything that is not a regular file of a bounded size, and copies it twice
 with no lock: the writer never waits for the agent.
 
-The layout (docs/inband.md): a 128-byte header, then `capacity` records of 64 bytes, record `seq`
-(from 1) in slot `(seq - 1) % capacity`, its sequence number at both ends. The writer stores the tail
+The layout (docs/inband.md), defined once by the writer (healthd_inband, through healthd.inband_layout):
+a 128-byte header, then `capacity` records of 64 bytes, record `seq` (from 1) in slot
+`(seq - 1) % capacity`, its sequence number at both ends. The writer stores the tail
 copy first, then the body, then the head copy. A copy of memory is not made in address order (the
 kernel's string copies may load out of order), so one copy alone cannot prove a record whole: a
 record is taken only when its two copies of `seq` agree, the number belongs to its slot, and the
@@ -21,30 +22,18 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import struct
 from dataclasses import dataclass
 
+# the record kinds too: the agent's modules take them from its reader
+from healthd.inband_layout import (CKPT_BEGIN, CKPT_END, DURABLE, FLAG_ERROR, HEADER, KINDS,  # noqa: F401
+                                   MAGIC, MAX_CAPACITY, PHASES, RECORD, RESTORED, STEP, VERSION, WAIT)
 from healthd.trusted import TooLarge, read_fd
 
-MAGIC = b"HDINBAND"
-VERSION = 1
-HEADER = struct.Struct("<8sHHHHIiiiiiQQ32sIIQ16xQ")
-RECORD = struct.Struct("<QHHIqQQQQQ")
-"""seq, kind, flags, reserved, step, monotonic ns, wall ns, duration ns, wait ns, seq (tail)."""
-MAX_CAPACITY = 65536
 MAX_BYTES = HEADER.size + MAX_CAPACITY * RECORD.size
 """The largest ring read: 4 MiB and a header. A larger file is refused before any byte is read."""
 
-KINDS = {1: "step", 2: "wait", 3: "checkpoint_begin", 4: "checkpoint_end", 5: "durable", 6: "restored"}
-STEP, WAIT, CKPT_BEGIN, CKPT_END, DURABLE, RESTORED = 1, 2, 3, 4, 5, 6
-PHASES = {1: "compute", 2: "wait", 3: "checkpoint"}
-"""The header's phase word (anything else: unknown)."""
-FLAG_ERROR = 1
-
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-
-assert HEADER.size == 128 and RECORD.size == 64
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import statistics
 import stat
 import time
@@ -27,6 +26,7 @@ from typing import Any, Iterable, Mapping
 
 from healthd.agent.goodput_log import GoodputLog
 from healthd.agent.inband import CKPT_BEGIN, CKPT_END, DURABLE, RESTORED, STEP, RingError, read_ring
+from healthd.inband_layout import DONE_DIR, INBAND_DIR, ring_rank, valid_job
 from healthd.lograte import WarnOnce
 from healthd.model import NODE, Component, Evidence, Finding, GpuSample, Snapshot
 from healthd.progress import Hang, RankProgress, RankWindow, StepSample, Straggler, hang, stragglers, summarize
@@ -36,11 +36,6 @@ from healthd.trusted import TRUSTED_UID, TrustedDir
 
 log = logging.getLogger("healthd")
 
-INBAND_DIR = "inband"
-DONE = "done"
-JOB_NAME = re.compile(r"[0-9][0-9_+]{0,63}")
-"""A job directory's name: a Slurm job id (array and heterogeneous forms included)."""
-RING_NAME = re.compile(r"rank-([0-9]{1,7})\.ring")
 MAX_JOBS = 64
 """Job directories read per tick: a node runs a handful of jobs; more is a leftover or a flood."""
 MIN_STEPS_FOR_MEDIAN = 5
@@ -167,10 +162,10 @@ class InbandJobs:
         base = os.path.join(run_dir, INBAND_DIR)
         try:
             with TrustedDir(run_dir, INBAND_DIR, trusted_uid=self.trusted_uid) as d:
-                names = sorted(n for n in d.names() if n != DONE)
+                names = sorted(n for n in d.names() if n != DONE_DIR)
                 owners = {}
                 for name in names[:MAX_JOBS]:
-                    if not JOB_NAME.fullmatch(name):
+                    if not valid_job(name):
                         self._warn(f"in-band directory entry {os.path.join(base, name)!r} is not a job id; ignored")
                         continue
                     try:
@@ -206,15 +201,14 @@ class InbandJobs:
         s = self.settings
         errors: list[str] = []
         try:
-            names = sorted((n for n in os.listdir(path) if RING_NAME.fullmatch(n)),
-                           key=lambda n: int(RING_NAME.fullmatch(n).group(1)))  # type: ignore[union-attr]
+            ranked = sorted((rank, n) for n in os.listdir(path) if (rank := ring_rank(n)) is not None)
         except OSError as e:
             return JobView(job, uid, -1, (), errors=(f"{path}: {clean(e, 200)}",))
-        if len(names) > s.max_ranks:
-            errors.append(f"{len(names)} rings, read the first {s.max_ranks} (inband.max_ranks)")
+        if len(ranked) > s.max_ranks:
+            errors.append(f"{len(ranked)} rings, read the first {s.max_ranks} (inband.max_ranks)")
         ranks: list[RankView] = []
         worlds = []
-        for name in names[:s.max_ranks]:
+        for named_rank, name in ranked[:s.max_ranks]:
             key = (job, name)
             state = self._ranks.get(key)
             view = read_ring(path, name, owner=uid, after=state.after if state else 0,
@@ -232,7 +226,7 @@ class InbandJobs:
             seen.add(key)
             self._take(state, view)
             state.header = h
-            if h.rank != int(RING_NAME.fullmatch(name).group(1)):  # type: ignore[union-attr]
+            if h.rank != named_rank:
                 errors.append(f"{name}: header says rank {h.rank}")
                 continue
             worlds.append(h.world_size)

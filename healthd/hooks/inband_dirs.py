@@ -1,5 +1,6 @@
 """The per-job in-band directory: `<run_dir>/inband/<job>`, where a job's ranks write their rings
-(healthd_inband; docs/inband.md).
+(healthd_inband; docs/inband.md). Its names are healthd.inband_layout's, which the TaskProlog and the
+agent read too; this module makes, checks and moves the directories.
 
 - The prolog (root) `create`s it for the job's user: `<run_dir>/inband` is root's, 0755 and trusted
   (healthd.trusted), so nobody else can create, swap or remove an entry in it; the job's directory
@@ -21,36 +22,19 @@ import errno
 import os
 import stat
 
+from healthd.inband_layout import DONE_DIR, INBAND_DIR, valid_job
 from healthd.trusted import TRUSTED_UID, TrustedDir, Untrusted, check, describe
 
-INBAND_DIR = "inband"
-DONE = "inband/done"
 JOB_MODE = 0o700
 DONE_MODE = 0o700
-MAX_JOB_ID = 20
-"""Digits in a job id: the same rule as the hooks' SLURM_JOB_ID (healthd.hooks.common.env_job_id)."""
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def valid_job(job: str) -> bool:
-    return isinstance(job, str) and 1 <= len(job) <= MAX_JOB_ID and job.isascii() and job.isdigit()
 
 
 def _job_name(job: str) -> str:
     if not valid_job(job):
         raise ValueError(f"not a job id: {job!r}")
     return job
-
-
-def job_dir(run_dir: str, job: str) -> str:
-    """`<run_dir>/inband/<job>`; ValueError for anything but 1-20 ASCII digits (the name never
-    leaves inband/)."""
-    return os.path.join(run_dir, INBAND_DIR, _job_name(job))
-
-
-def done_dir(run_dir: str, job: str) -> str:
-    return os.path.join(run_dir, DONE, _job_name(job))
 
 
 def _open_dir(name: str, dir_fd: int, path: str) -> int:
@@ -105,12 +89,12 @@ def create(run_dir: str, job: str, uid: int, gid: int = -1, *, trusted_uid: int 
 
 def _open_done(inband: TrustedDir) -> int:
     """inband/done, root's and 0700 (made so, or made so again), opened without following a link."""
-    path = inband.join("done")
+    path = inband.join(DONE_DIR)
     try:
-        os.mkdir("done", DONE_MODE, dir_fd=inband.fd)
+        os.mkdir(DONE_DIR, DONE_MODE, dir_fd=inband.fd)
     except FileExistsError:
         pass
-    fd = _open_dir("done", inband.fd, path)
+    fd = _open_dir(DONE_DIR, inband.fd, path)
     try:
         st = os.fstat(fd)
         check(st, path, "directory", inband.trusted_uid)
@@ -167,7 +151,7 @@ def archive(run_dir: str, job: str, keep: int, *, trusted_uid: int = TRUSTED_UID
             raise FileNotFoundError(errno.ENOENT, "no in-band directory", path) from None
         done = _open_done(inband)
         try:
-            target = os.path.join(inband.path, "done", name)
+            target = os.path.join(inband.path, DONE_DIR, name)
             replaced = ""
             try:
                 remove_entry(name, done)

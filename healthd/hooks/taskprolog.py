@@ -12,14 +12,17 @@ The config: `--config FILE`, else HEALTHD_CONFIG, else /etc/healthd/healthd.yaml
 defaults). It runs once per task, so it does not load healthd.config (PyYAML and the settings
 dataclasses, ~35 ms): `quick_settings` reads the two values it needs from a plain block-style file
 and hands anything else (flow style, quotes, anchors, tags, odd indentation) to the full loader.
-Module level: os and sys only.
+Module level: os, sys and healthd.inband_layout (the directory's name, the variable's, the job id
+rule: what the prolog makes and the job's client reads).
 """
 
 import os
 import sys
 
+from healthd.inband_layout import ENV_DIR, job_dir, valid_job
+
 HOOK = "healthd-taskprolog"
-VAR = "HEALTHD_INBAND_DIR"
+VAR = ENV_DIR
 NODE_CONFIG_PATH = "/etc/healthd/healthd.yaml"
 """healthd.config.NODE_CONFIG_PATH (a test checks they agree)."""
 DEFAULT_RUN_DIR = "/run/healthd"
@@ -182,11 +185,11 @@ def inband_dir(enabled: bool, run_dir: str, env: dict[str, str] | os._Environ[st
     if not enabled:
         raise Skip("inband.enabled is false")
     job = env.get("SLURM_JOB_ID", "")
-    if not (job.isascii() and job.isdigit() and len(job) <= 20):
+    if not valid_job(job):
         raise Skip(f"SLURM_JOB_ID {job[:40]!r} is not a job id")
     if not run_dir.startswith("/") or not _printable(run_dir):
         raise Skip(f"hooks.run_dir {run_dir[:200]!r} is not a plain absolute path")
-    path = os.path.join(run_dir, "inband", job)
+    path = job_dir(run_dir, job)
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from healthd import config
+from healthd import inband_layout as layout
 from healthd.hooks import inband_dirs as ib
 from healthd.hooks import taskprolog as tp
 from healthd.settings import HookSettings, InbandSettings
@@ -60,14 +61,15 @@ def archived(run_dir: Path, job: str, keep: int = 16) -> str:
 
 
 def test_job_dir_is_under_inband():
-    assert ib.job_dir("/run/healthd", "123") == "/run/healthd/inband/123"
-    assert ib.done_dir("/run/healthd", "123") == "/run/healthd/inband/done/123"
-    assert ib.INBAND_DIR == "inband" and ib.DONE == "inband/done"
+    assert layout.job_dir("/run/healthd", "123") == "/run/healthd/inband/123"
+    assert layout.done_dir("/run/healthd", "123") == "/run/healthd/inband/done/123"
+    assert ib.INBAND_DIR == layout.INBAND_DIR == "inband" and ib.DONE_DIR == layout.DONE_DIR == "done"
 
 
 @pytest.mark.parametrize("job", BAD_JOBS)
 def test_a_job_id_that_is_not_digits_never_names_a_path(job, run_dir):
-    for call in (lambda: ib.job_dir(str(run_dir), job), lambda: ib.create(str(run_dir), job, 1000),
+    for call in (lambda: layout.job_dir(str(run_dir), job), lambda: layout.done_dir(str(run_dir), job),
+                 lambda: ib.create(str(run_dir), job, 1000),
                  lambda: ib.archive(str(run_dir), job, 4)):
         with pytest.raises(ValueError, match="not a job id"):
             call()
