@@ -8,6 +8,8 @@ shared definitions, so a contract changed at its home is changed at both ends or
   client writes it, the agent's reader (healthd.agent.inband) parses it;
 - the in-band directory (healthd.inband_layout): the prolog makes it, the TaskProlog exports it in the
   variable the client reads, the agent reads the rings in it, the epilog moves it away;
+- the agent's state document (healthd.statedoc): the agent writes it, the hooks and the agent's own
+  readers read its fields through statedoc's names and accessors.
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ from pathlib import Path
 import pytest
 
 import healthd_inband
-from healthd import goodput
+from healthd import goodput, statedoc
 from healthd import goodput_events as ev
 from healthd import inband_layout as layout
+from healthd.agent.daemon import Agent, Memory, Sources
 from healthd.agent.goodput_log import GoodputLog
+from healthd.agent.history import History
 from healthd.agent.inband import RingView, read_ring
 from healthd.agent.inband_jobs import InbandJobs
 from healthd.controller import goodput_gather
-from healthd.hooks import epilog, inband_dirs, taskprolog
+from healthd.hooks import epilog, inband_dirs, prolog, taskprolog
+from healthd.persist import write_json_atomic
 from healthd.settings import InbandSettings
+from tests.support.builders import CATALOG, NOW, gpu, kernel, nvml, settings, xid
+from tests.support.fake_sources import FakeCollector
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,3 +230,37 @@ def test_the_directory_the_prolog_makes_is_the_one_the_taskprolog_exports_and_th
         assert not layout.valid_job(bad)
         with pytest.raises(ValueError):
             layout.job_dir(str(run_dir), bad)
+
+
+# --------------------------------------------------------------------------- the agent's state document
+
+
+def test_the_agents_state_document_is_read_through_the_shared_names(tmp_path: Path):
+    agent = Agent(settings(nvml={"expected_gpus": 4}),
+                  CATALOG, Sources(nvml=FakeCollector("nvml", nvml(*(gpu(i) for i in range(4)))),
+                                   kernel=FakeCollector("kernel_log", kernel(xid(79, 1, NOW - 5), xid(13, 2, NOW - 5)))),
+                  Memory(history=History()), dry_run=True, clock=lambda: NOW)
+    res = agent.tick()
+    path = tmp_path / "state" / "state.json"
+    path.parent.mkdir(mode=0o755)
+    write_json_atomic(str(path), agent.document())
+    doc, error = statedoc.load_state(str(path), trusted_uid=os.getuid())
+    assert error == "" and doc is not None
+    assert set(statedoc.DOCUMENT_FIELDS) <= set(doc) and statedoc.AGENT_PID in doc[statedoc.AGENT]
+    judged = statedoc.judge(doc, NOW, agent.settings, pid_alive=lambda pid: pid == os.getpid())
+    assert judged.known, judged.reason
+    assert statedoc.generated_at(doc) == NOW and statedoc.agent_pid(doc) == os.getpid()
+    assert doc[statedoc.VERDICT] == res.verdict and doc[statedoc.NODE] == agent.settings.node_name
+    assert len(judged.findings) == len(res.findings) >= 2
+    for f, written in zip(judged.findings, res.findings, strict=True):
+        assert set(statedoc.FINDING_FIELDS) <= set(f)
+        assert (statedoc.f_id(f), statedoc.f_tier(f), statedoc.f_action(f), f[statedoc.ATTRIBUTION]) == \
+            (written.id, written.tier, written.action, written.attribution)
+        assert statedoc.summary(f, 10_000) == written.summary
+        assert statedoc.f_gpu(f) == (written.component.index if written.component.kind == "gpu" else None)
+        assert statedoc.component_label(f[statedoc.COMPONENT]).startswith(written.component.kind[:2])
+    assert statedoc.finding_ids(doc) == {f.id for f in res.findings}
+    t1 = [f for f in res.findings if f.tier == 1 and f.attribution == "hardware"]
+    assert [statedoc.f_id(f) for f in judged.findings if statedoc.is_t1_hardware(f)] == [f.id for f in t1]
+    assert prolog.gate(judged, [t1[0].component.index]).refuse  # the prolog's decision, on the written document
+    assert not prolog.gate(judged, [0]).refuse

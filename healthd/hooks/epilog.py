@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 
-from healthd import fastjson, goodput_events
+from healthd import fastjson, goodput_events, statedoc
 from healthd.bindings import charges, close_binding, read_binding, remove_binding
 from healthd.checks import CHECKS_FILE, gpu_count_result, merged_doc
 from healthd.hooks import inband_dirs
@@ -48,7 +48,7 @@ from healthd.hooks.common import (
     slurm_error,
     take_node,
 )
-from healthd.statedoc import is_t1_hardware, summary
+from healthd.statedoc import f_action, f_id, f_tier, is_t1_hardware, summary
 from healthd.text import clean, iso
 from healthd.trusted import TRUSTED_UID, TrustedDir, split_path
 
@@ -71,8 +71,8 @@ def request_name(finding_id: Any) -> str:
 
 def when_idle(judgement: Judgement) -> list[dict[str, Any]]:
     """Findings whose remedy is a reset or reboot once the node is idle, reboot first, most certain first."""
-    fs = [f for f in judgement.findings if f.get("action") in WHEN_IDLE]
-    return sorted(fs, key=lambda f: (WHEN_IDLE.index(f["action"]), f.get("tier") or 9, str(f.get("id"))))
+    fs = [f for f in judgement.findings if f_action(f) in WHEN_IDLE]
+    return sorted(fs, key=lambda f: (WHEN_IDLE.index(f_action(f)), f_tier(f) or 9, f_id(f)))
 
 
 def append_charges(path: str, lines: list[dict[str, Any]], *, run_dir: str | None = None,
@@ -135,7 +135,7 @@ def end_goodput_run(ctx: Context, job: str, end: float) -> None:
 
 def drain_for_t1(ctx: Context, judgement: Judgement, job: str | None) -> None:
     log, h = ctx.log, ctx.settings.hooks
-    t1 = sorted((f for f in judgement.findings if is_t1_hardware(f)), key=lambda f: str(f.get("id")))
+    t1 = sorted((f for f in judgement.findings if is_t1_hardware(f)), key=f_id)
     if not t1:
         return
     reason = healthd_reason(summary(t1[0]), f"[job {job}]" if job else "")
@@ -231,15 +231,15 @@ def request_when_idle(ctx: Context, judgement: Judgement, job: str | None) -> No
     if requests is not None:
         with requests:
             for f in wanted:
-                name = request_name(f.get("id"))
+                name = request_name(f.get(statedoc.ID))
                 path = requests.join(name)
                 try:
                     if requests.exists(name):
                         continue
-                    requests.write_json(name, {"finding": f.get("id"), "action": f.get("action"), "node": ctx.node,
-                                               "tier": f.get("tier"), "summary": summary(f, 300),
+                    requests.write_json(name, {"finding": f.get(statedoc.ID), "action": f_action(f), "node": ctx.node,
+                                               "tier": f.get(statedoc.TIER), "summary": summary(f, 300),
                                                "requested_at": iso(ctx.now), "by": HOOK, "job": job})
-                    log.warning(f"requested {f.get('action')} for {summary(f)} ({path})")
+                    log.warning(f"requested {f_action(f)} for {summary(f)} ({path})")
                 except OSError as e:
                     log.error(f"cannot write request {path}: {e}")
     if h.gating != "local":

@@ -48,7 +48,7 @@ from healthd.hooks.common import (
     take_node,
 )
 from healthd.record import Record
-from healthd.statedoc import f_gpu, f_tier, is_node_level, is_t1_hardware, summary
+from healthd.statedoc import ATTRIBUTION, f_gpu, f_id, f_tier, is_node_level, is_t1_hardware, summary
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def gate(judgement: Judgement, gpus: list[int] | None, gpus_why: str = "") -> Ga
     if not judgement.known:
         return Gate(False, f"{judgement.reason}")
     node_t1 = sorted((f for f in judgement.findings if is_t1_hardware(f) and is_node_level(f)),
-                     key=lambda f: str(f.get("id")))
+                     key=f_id)
     if gpus is None:
         return Gate(False, f"GPU list unknown ({gpus_why})")
     if not gpus:
@@ -84,14 +84,14 @@ def gate(judgement: Judgement, gpus: list[int] | None, gpus_why: str = "") -> Ga
             return Gate(False, f"the job holds no GPU ({summary(node_t1[0], 100)} concerns GPU jobs only)")
         return Gate(False, "the job holds no GPU")
     mine = [f for f in judgement.findings if f_gpu(f) in gpus]
-    blocking = sorted((f for f in mine if is_t1_hardware(f)), key=lambda f: (f_gpu(f), str(f.get("id"))))
+    blocking = sorted((f for f in mine if is_t1_hardware(f)), key=lambda f: (f_gpu(f), f_id(f)))
     if blocking:
         return Gate(True, summary(blocking[0]), blocking[0])
     if node_t1:
         return Gate(True, summary(node_t1[0]), node_t1[0])
     gl = ",".join(map(str, gpus))
     if mine:
-        notes = "; ".join(f"{summary(f, 60)} (T{f_tier(f)} {f.get('attribution')})" for f in mine[:3])
+        notes = "; ".join(f"{summary(f, 60)} (T{f_tier(f)} {f.get(ATTRIBUTION)})" for f in mine[:3])
         return Gate(False, f"no T1 hardware finding on GPUs {gl}, only {notes}: not a reason to refuse")
     return Gate(False, f"no finding on GPUs {gl}")
 
