@@ -4,6 +4,7 @@ state file, and a fake 22.05 `scontrol`/`sinfo` found through `hooks.path` from 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -378,16 +379,50 @@ def test_prolog_falls_back_to_the_configured_node_name_and_refuses_unknown_argum
     assert p.returncode == 0 and "unknown argument '--bogus'" in p.stderr
 
 
-@pytest.mark.parametrize("hook", ["healthd-prolog", "healthd-epilog", "healthd-healthcheck"])
+HOOK_MODULES = {
+    "healthd", "healthd.hooks", "healthd.hooks.common", "healthd.hooks.healthcheck", "healthd.hooks.prolog",
+    "healthd.hooks.epilog", "healthd.hooks.taskprolog", "healthd.hooks.inband_dirs", "healthd.hooks.slurmnode",
+    # the floor modules a hook may load: each cheap to import (standard library only, nothing heavy at the
+    # top), the contracts with the agent among them (statedoc, checks, bindings, goodput_events, inband_layout)
+    "healthd.bindings", "healthd.checks", "healthd.fastjson", "healthd.goodput_events", "healthd.hookconfig",
+    "healthd.inband_layout", "healthd.persist", "healthd.reason", "healthd.record", "healthd.slurmtext",
+    "healthd.statedoc", "healthd.text", "healthd.trusted",
+}
+"""The healthd modules the hooks' start may load; anything else they import is the standard library's."""
+YAML_PATH = {"healthd.config", "healthd.settings", "yaml"}
+"""Loaded only without a current compiled config (test_hookconfig checks the compiled path loads none)."""
+TASKPROLOG_MODULES = {"healthd", "healthd.hooks", "healthd.hooks.taskprolog", "healthd.inband_layout"}
+"""The TaskProlog runs before every task: with a plain config, these and the standard library only."""
+
+
+def imported(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run `argv` under `python -X importtime`; the modules it imported beyond a bare interpreter's start
+    (a name that is no module, such as copy's probe for Jython's org.python.core, is left out)."""
+    def run(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+        p = subprocess.run([sys.executable, "-X", "importtime", *args], env=env, capture_output=True, text=True,
+                           timeout=30)
+        names = {line.split("|")[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+        return p, names - {"imported package"}
+
+    _, bare = run("-c", "pass")
+    p, names = run(*argv)
+    return p, {m for m in names - bare if importlib.util.find_spec(m.split(".")[0]) is not None}
+
+
+@pytest.mark.parametrize("hook", ["healthd-prolog", "healthd-epilog", "healthd-healthcheck", "healthd-taskprolog"])
 def test_hooks_import_nothing_heavy(node, hook):
     """The hook path never loads NVML, journald, metrics, the classifier or the agent; the prolog and
-    epilog of a healthy node do not even load the Slurm backend."""
+    epilog of a healthy node do not even load the Slurm backend. Everything a hook imports is the
+    standard library or one of HOOK_MODULES (PyYAML and the settings only on the YAML path)."""
     node.write_state(state_doc())
+    (node.state_dir / "goodput").mkdir(parents=True)
+    (node.state_dir / "goodput" / "50.jsonl").write_text("")  # the epilog adds the run's end
+    (node.run_dir / "inband" / "50").mkdir(parents=True)  # the TaskProlog exports it
     env = node.prolog_env(job="50") if hook != "healthd-healthcheck" else {"SLURMD_NODENAME": node.name}
-    p = subprocess.run([sys.executable, "-X", "importtime", str(BIN / hook), "--config", str(node.config)],
-                       env=env, capture_output=True, text=True, timeout=30)
+    if hook == "healthd-epilog":
+        env = node.epilog_env(job="50")
+    p, loaded = imported([str(BIN / hook), "--config", str(node.config)], env)
     assert p.returncode == 0, p.stderr
-    loaded = {line.split("|")[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
     assert f"healthd.hooks.{hook.removeprefix('healthd-')}" in loaded, p.stderr[-2000:]  # the trace was read
     heavy = {"pynvml", "systemd", "prometheus_client", "psutil", "healthd.model"}
     if hook != "healthd-healthcheck":  # the health check asks Slurm every run; these two never do here
@@ -395,6 +430,12 @@ def test_hooks_import_nothing_heavy(node, hook):
     assert loaded & heavy == set()
     other_rooms = {m for m in loaded if m.startswith(("healthd.agent", "healthd.controller"))}
     assert other_rooms == set()
+    allowed = TASKPROLOG_MODULES if hook == "healthd-taskprolog" else HOOK_MODULES | YAML_PATH
+    outside = {m for m in loaded if m.split(".")[0] not in sys.stdlib_module_names and m not in allowed
+               and not (m.startswith("yaml.") and "yaml" in allowed)}
+    assert outside == set(), f"{hook} imports {sorted(outside)}: not the standard library, not in HOOK_MODULES"
+    if hook == "healthd-taskprolog":
+        assert p.stdout.startswith("export HEALTHD_INBAND_DIR="), p.stderr[-500:]
 
 
 def test_epilog_adds_the_runs_end_to_the_jobs_goodput_log_where_the_node_keeps_one(node):
