@@ -687,6 +687,9 @@ class HangResponder:
                 self._final.add(case.key)
                 _log.info("in-band hang: %s; requeue rejected by %s", case.describe(), rejected[case.key])
                 continue
+            if self._recorded_only(case):
+                self._final.add(case.key)  # recorded and alerted before a restart: not twice
+                continue
             try:
                 # the job as running on the node of its behind rank: Slurm requeues a finished batch job
                 # too, and a job whose records outlived it must never run again
@@ -706,10 +709,13 @@ class HangResponder:
 
     def requeues_since(self, since: float) -> int:
         """Hung jobs' requeues applied since `since` (the requeue-hang kind's budget)."""
-        # read through the ledger's action list: a count of its own is a ledger query yet to come
-        made = [a for status in ("applied", "lost") for a in self.ledger.actions(status=status)]
-        return sum(1 for a in made if a.kind == "requeue" and a.series.startswith(HANG_KEY_PREFIX)
-                   and a.applied_at is not None and a.applied_at >= since)
+        return self.ledger.requeues_applied_since(since, HANG_KEY_PREFIX)
+
+    def _recorded_only(self, case: HangCase) -> bool:
+        """The ledger's latest decision about the hang is a `none` (a job that did not opt in): the
+        policy's refusal that records it."""
+        prior = self.ledger.latest_decision(HANG_DECISION_KIND, case.key)
+        return prior is not None and prior.outcome == "refused" and prior.refused_gate == "policy"
 
     def _alert(self, case: HangCase, what: str) -> None:
         if case.key in self._alerted:

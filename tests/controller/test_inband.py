@@ -402,6 +402,26 @@ def test_a_hung_job_that_did_not_opt_in_is_recorded_and_alerted_once(tmp_path, c
         ledger.close()
 
 
+def test_a_hung_job_that_did_not_opt_in_is_not_recorded_or_alerted_again_after_a_restart(tmp_path, caplog):
+    c, ledger, backend = make(tmp_path, "auto")
+    opted_in(backend, comment="my experiment")
+    with caplog.at_level(logging.WARNING, logger="healthd.controller"):
+        c.reports.update(reports_of(hung_job()))
+        c.evaluate(NOW)
+        c.close()
+        c2, _, backend2 = make(tmp_path, "auto", ledger=ledger)
+        opted_in(backend2, comment="my experiment")
+        try:
+            for i in range(2):
+                c2.reports.update(reports_of(hung_job(), at=NOW + 9 + i))
+                c2.evaluate(NOW + 10 + i)
+            assert len([d for d in ledger.decisions() if d.kind == "requeue-hang"]) == 1
+            assert sum("ALERT in-band hang" in r.getMessage() for r in caplog.records) == 1
+        finally:
+            c2.close()
+            ledger.close()
+
+
 def test_a_finished_job_whose_records_outlived_it_is_never_requeued(tmp_path):
     c, ledger, backend = make(tmp_path, "auto")
     backend.known_jobs["123"] = JobInfo(job_id="123", batch=True, comment="healthd:requeue")  # ended, not running

@@ -348,6 +348,35 @@ def test_budget_counts_applied_actions_by_window_and_partition(led: Ledger) -> N
     assert led.actions_applied_since(450) == 0  # a resume gives capacity back: not charged to the budget
 
 
+def test_requeues_applied_since_counts_one_series_prefix(led: Ledger) -> None:
+    d = _decision(led, kind="requeue-hang")
+    for key, applied_at, fate in [("requeue-hang:1:5", 100, "applied"), ("requeue-hang:2:5", 200, "lost"),
+                                  ("requeue-hang:3:5", None, "failed"), ("drain:n1#7:requeue:4", 300, "applied"),
+                                  ("requeue-hangover:5", 300, "applied")]:
+        a = led.plan_action(decision_id=d.id, idempotency_key=key, node="n1", kind="requeue", argv=["x"], at=50)
+        if fate == "failed":
+            led.mark_failed(a.id, "boom", at=260)
+            continue
+        led.mark_applied(a.id, at=applied_at)
+        if fate == "lost":
+            led.mark_ended(a.id, "lost", "restored state", at=250)
+    assert led.requeues_applied_since(0, "requeue-hang:") == 2  # made: a lost one counts, a failed one not
+    assert led.requeues_applied_since(150, "requeue-hang:") == 1
+    assert led.requeues_applied_since(0, "drain:") == 1
+    assert led.requeues_applied_since(0, "requeue-hang%") == 0  # a prefix, not a pattern
+
+
+def test_latest_decision_finds_a_proposal_by_its_key(led: Ledger) -> None:
+    assert led.latest_decision("requeue-hang", "requeue-hang:1:5") is None
+    first = _decision(led, kind="requeue-hang", outcome="waiting", evidence={"decision": "requeue-hang:1:5"})
+    _decision(led, kind="requeue-hang", evidence={"decision": "requeue-hang:2:5"})
+    _decision(led, kind="drain", evidence={"decision": "requeue-hang:1:5"})
+    assert led.latest_decision("requeue-hang", "requeue-hang:1:5") == first
+    later = _decision(led, kind="requeue-hang", outcome="refused", refused_gate="policy", refused_reason="x",
+                      evidence={"decision": "requeue-hang:1:5"})
+    assert led.latest_decision("requeue-hang", "requeue-hang:1:5") == later
+
+
 def test_remediation_count_for_escalation(led: Ledger) -> None:
     def remediate(sig: str, node: str, kinds: list[tuple[str, str]], at: float) -> None:
         inc = led.open_incident(sig, attribution="gpu", tier="T1", nodes=[node], at=at)

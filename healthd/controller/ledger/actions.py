@@ -257,6 +257,18 @@ class ActionStore(DecisionStore):
         assert row is not None
         return int(row[0])
 
+    def requeues_applied_since(self, since: float, series_prefix: str) -> int:
+        """Job requeues whose series starts with `series_prefix` applied at or after `since` (a lost
+        one included: it was made): the hourly budget of one kind of requeue (hung jobs' requeues,
+        `requeue-hang:`)."""
+        row = self.query_one(
+            "SELECT COUNT(*) FROM actions WHERE kind = 'requeue' AND status IN ('applied', 'lost') "
+            "AND applied_at IS NOT NULL AND applied_at >= ? AND substr(series, 1, ?) = ?",
+            (since, len(series_prefix), series_prefix),
+        )
+        assert row is not None
+        return int(row[0])
+
     def remediation_count(self, node: str, signature: str, since: float) -> int:
         """How many incidents with this signature were remediated on `node` (a drain, drain and
         requeue, or reboot applied and not undone) at or after `since`: the escalation counter

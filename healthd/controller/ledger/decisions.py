@@ -85,6 +85,17 @@ class DecisionStore(LedgerCore):
         )
         return [self._decision(r) for r in rows]
 
+    def latest_decision(self, kind: str, decision_key: str) -> DecisionRecord | None:
+        """The latest decision recorded under `kind` for the proposal `decision_key` (the stable id a
+        proposal carries in its evidence, e.g. `requeue-hang:123:411`), or None: what was decided
+        about it before a restart, which the controller's memory of the round no longer holds."""
+        row = self.query_one(
+            f"SELECT {self._DECISION_COLS} FROM decisions WHERE kind = ? "
+            "AND json_extract(evidence, '$.decision') = ? ORDER BY id DESC LIMIT 1",
+            (kind, decision_key),
+        )
+        return None if row is None else self._decision(row)
+
     def waiting_decisions(self) -> list[DecisionRecord]:
         """Decisions waiting for an operator and not yet approved or rejected."""
         rows = self.query(

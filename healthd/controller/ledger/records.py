@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from healthd.controller.actions import ACTIONS
+
 DECISION_OUTCOMES = ("allowed", "waiting", "refused")
 ACTION_STATUSES = ("planned", "applied", "failed", "undone", "lost", "released", "abandoned", "completed")
 """planned -> applied (the write returned, or the reconciler found it in Slurm) | failed (the client
@@ -31,9 +33,11 @@ INBAND_SLOW_STATUS = "in-band-slow"
 not closed, so that an operator looks at it (`healthctl close` once handled)."""
 APPROVAL_VERDICTS = ("approve", "reject")
 """An operator's verdicts on a decision waiting for approval."""
-REMEDIATION_KINDS = ("drain", "drain-and-requeue", "reboot-asap")
-"""Action kinds (policy's decision kinds) that take a node out of service and count as a remediation
-for escalation; `resume` puts it back, and other kinds (e.g. a job `requeue`) are neither."""
+REMEDIATION_KINDS: tuple[str, ...] = tuple(dict.fromkeys(
+    a.records for a in ACTIONS.values() if a.removes_capacity and a.records))
+"""Action kinds that take a node out of service and count as a remediation for escalation, as the
+action table (healthd.controller.actions) records its removing kinds; `resume` puts a node back, and
+other kinds (e.g. a job `requeue`) are neither."""
 RESUME_KIND = "resume"
 REINTEGRATION_STATES = ("requested", "validating", "probation", "passed", "failed", "recurred", "aborted")
 """requested -> validating (reserved, resumed inside the reservation, validation running) -> probation
