@@ -57,7 +57,7 @@ EVENTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "detected": (LEDGER, ("incident",)),
     "decided": (LEDGER, ("incident",)),
     "false_positive": (LEDGER, ("incident",)),
-    "straggler": (CONTROLLER, ("end", "share", "rank", "node", "gpu", "incident")),
+    "straggler": (CONTROLLER, ("end", "share", "rank", "node", "gpu")),
     "ranks": (CONTROLLER, ("ranks",)),
     "windows": (CONTROLLER, ("window", "compute")),
 }

@@ -15,6 +15,7 @@ shared definitions, so a contract changed at its home is changed at both ends or
 from __future__ import annotations
 
 import json
+import re
 import os
 import struct
 import subprocess
@@ -264,3 +265,32 @@ def test_the_agents_state_document_is_read_through_the_shared_names(tmp_path: Pa
     assert [statedoc.f_id(f) for f in judged.findings if statedoc.is_t1_hardware(f)] == [f.id for f in t1]
     assert prolog.gate(judged, [t1[0].component.index]).refuse  # the prolog's decision, on the written document
     assert not prolog.gate(judged, [0]).refuse
+
+
+# --------------------------------------------------------------------------- the docs say the same
+
+
+def test_the_docs_list_the_goodput_events_and_who_may_ship_them():
+    text = (ROOT / "docs" / "goodput.md").read_text()
+    table = text.split("\n## The event log\n", 1)[1].split("\n## ", 1)[0]
+    kinds = set()
+    for row in (line for line in table.splitlines() if f'"{ev.EVENT}":' in line):
+        named = re.search(rf'"{ev.EVENT}": ("[a-z_]+"(?: / "[a-z_]+")*)', row).group(1)
+        kinds |= set(re.findall(r'"([a-z_]+)"', named))
+    assert kinds == set(ev.EVENTS)
+    shipping = text.split("\nA node may only send what its agent and epilog write", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", shipping))
+    assert ev.NODE_EVENTS <= named and set(ev.EVENTS) <= named
+
+
+def test_the_docs_give_the_rings_record_kinds_phases_and_sizes():
+    text = (ROOT / "docs" / "inband.md").read_text()
+    layout_doc = text.split("\n## The ring layout\n", 1)[1].split("\n## ", 1)[0]
+    kinds = re.search(r"\| kind: ([^|]+) \|", layout_doc).group(1)
+    assert kinds.strip() == ", ".join(f"{k} {name}" for k, name in sorted(layout.KINDS.items()))
+    phases = re.search(r"\| phase: ([^|]+) \|", layout_doc).group(1)
+    assert re.findall(r"(?:^|, )(\d) ([a-z]+)", phases.split(";")[0]) == \
+        [(str(k), name) for k, name in sorted(layout.PHASES.items())]
+    assert f"**Header** ({layout.HEADER.size} bytes" in layout_doc
+    assert f"**Records** ({layout.RECORD.size} bytes each" in layout_doc
+    assert f"magic `{layout.MAGIC.decode()}`" in layout_doc and f"Version {layout.VERSION}." in layout_doc
