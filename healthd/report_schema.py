@@ -513,14 +513,19 @@ class _Check:
                 raise self.fail(f"{path}[{i}]", f"expected a number 0-{MAX_INBAND_SECONDS:g} or -1, found {_show(w)}")
             self.size += 1
 
-    def inband_windows(self, v: Any, path: str) -> None:
-        seen: dict[int, int] = {}
-        for i, w in enumerate(self.items(v, path, MAX_INBAND_WINDOWS, "windows")):
+    def keyed(self, v: Any, path: str, limit: int, what: str, spec: Mapping[str, tuple], required: tuple[str, ...],
+              key: str) -> None:
+        """A list of at most `limit` objects checked by `spec`, no two with the same `key`."""
+        seen: dict[Any, int] = {}
+        for i, item in enumerate(self.items(v, path, limit, what)):
             here = f"{path}[{i}]"
-            number = self.fields(w, here, _INBAND_WINDOW, _INBAND_WINDOW_REQUIRED)["window"]
-            if number in seen:
-                raise self.fail(f"{here}.window", f"duplicates {path}[{seen[number]}].window {number}")
-            seen[number] = i
+            value = self.fields(item, here, spec, required)[key]
+            if value in seen:
+                raise self.fail(f"{here}.{key}", f"duplicates {path}[{seen[value]}].{key} {_show(value)}")
+            seen[value] = i
+
+    def inband_windows(self, v: Any, path: str) -> None:
+        self.keyed(v, path, MAX_INBAND_WINDOWS, "windows", _INBAND_WINDOW, _INBAND_WINDOW_REQUIRED, "window")
 
     def window_numbers(self, v: Any, path: str) -> None:
         for i, w in enumerate(self.items(v, path, MAX_INBAND_WINDOWS, "windows")):
@@ -558,13 +563,7 @@ class _Check:
         self.fields(v, path, _INBAND_HANG, _INBAND_HANG_REQUIRED)
 
     def inband_ranks(self, v: Any, path: str) -> None:
-        seen: dict[int, int] = {}
-        for i, r in enumerate(self.items(v, path, MAX_INBAND_RANKS, "ranks")):
-            here = f"{path}[{i}]"
-            number = self.fields(r, here, _INBAND_RANK, _INBAND_RANK_REQUIRED)["rank"]
-            if number in seen:
-                raise self.fail(f"{here}.rank", f"duplicates {path}[{seen[number]}].rank {number}")
-            seen[number] = i
+        self.keyed(v, path, MAX_INBAND_RANKS, "ranks", _INBAND_RANK, _INBAND_RANK_REQUIRED, "rank")
 
     def inband_stragglers(self, v: Any, path: str) -> None:
         for i, s in enumerate(self.items(v, path, MAX_INBAND_RANKS, "stragglers")):
@@ -576,13 +575,7 @@ class _Check:
         self.job(v, path)
 
     def inband_jobs(self, v: Any, path: str) -> None:
-        seen: dict[str, int] = {}
-        for i, j in enumerate(self.items(v, path, MAX_INBAND_JOBS, "jobs")):
-            here = f"{path}[{i}]"
-            job = self.fields(j, here, _INBAND_JOB, _INBAND_JOB_REQUIRED)["job"]
-            if job in seen:
-                raise self.fail(f"{here}.job", f"duplicates {path}[{seen[job]}].job {_show(job)}")
-            seen[job] = i
+        self.keyed(v, path, MAX_INBAND_JOBS, "jobs", _INBAND_JOB, _INBAND_JOB_REQUIRED, "job")
 
     def inband(self, v: Any, path: str) -> None:
         self.fields(v, path, _INBAND, ("jobs",))
