@@ -20,7 +20,7 @@ import re
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ClusterShell.NodeSet import NodeSet, NodeSetException
 from ClusterShell.RangeSet import RangeSetException
@@ -53,6 +53,10 @@ NEXT_STATES = ("RESUME", "DOWN")
 RESERVATION_FLAGS = frozenset(
     {"MAINT", "IGNORE_JOBS", "FLEX", "OVERLAP", "MAGNETIC", "ANY_NODES", "STATIC", "PART_NODES", "PURGE_COMP"}
 )
+# create_reservation's defaults: a maintenance reservation only root may use, made even while jobs
+# still run on its nodes
+MAINT_USERS = ("root",)
+MAINT_FLAGS = ("MAINT", "IGNORE_JOBS")
 
 
 @dataclass(frozen=True, slots=True)  # slots: the controller holds one per node, 100,000 at the largest sites
@@ -102,6 +106,14 @@ class NodeInfo:
     def resumable(self) -> bool:
         """A RESUME would be accepted (the node is drained, down, failed or awaiting a reboot)."""
         return self.state in RESUMABLE_STATES or bool(self.flags & RESUMABLE_FLAGS)
+
+
+def node_info(name: str, state: str, flags: frozenset[str], reason: str, user: str | None, when: float | None,
+              **rest: Any) -> NodeInfo:
+    """A NodeInfo as every reader builds it: the reason's user and time only with a reason, since
+    Slurm can keep them after a resume cleared it (22.05's reason_set_by_user, tests/slurm/captured/)."""
+    return NodeInfo(name=name, state=state, flags=flags, reason=reason, reason_user=(user or None) if reason else None,
+                    reason_time=when if reason else None, **rest)
 
 
 @dataclass(frozen=True)
@@ -210,14 +222,8 @@ class SlurmBackend(Protocol):
 
     def requeue(self, job_id: int | str) -> None: ...
 
-    def create_reservation(
-        self,
-        name: str,
-        nodes: str | Sequence[str],
-        duration_min: int,
-        users: Sequence[str] = ("root",),
-        flags: Sequence[str] = ("MAINT", "IGNORE_JOBS"),
-    ) -> None: ...
+    def create_reservation(self, name: str, nodes: str | Sequence[str], duration_min: int,
+                           users: Sequence[str] = MAINT_USERS, flags: Sequence[str] = MAINT_FLAGS) -> None: ...
 
     def delete_reservation(self, name: str) -> None: ...
 

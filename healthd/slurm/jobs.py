@@ -8,6 +8,8 @@ import re
 from collections.abc import Sequence
 
 from healthd.slurm.backend import (
+    MAINT_FLAGS,
+    MAINT_USERS,
     JobInfo,
     JobRun,
     SlurmRefused,
@@ -85,14 +87,8 @@ class JobsAndReservations(ClientRunner):
         return [self._bin("sacctmgr"), "--immediate", "modify", "job", "where", f"jobid={validate_job_id(job_id)}",
                 "set", f"AdminComment={validate_admin_comment(text)}"]
 
-    def _argv_create_reservation(
-        self,
-        name: str,
-        nodes: str | Sequence[str],
-        duration_min: int,
-        users: Sequence[str] = ("root",),
-        flags: Sequence[str] = ("MAINT", "IGNORE_JOBS"),
-    ) -> list[str]:
+    def _argv_create_reservation(self, name: str, nodes: str | Sequence[str], duration_min: int,
+                                 users: Sequence[str] = MAINT_USERS, flags: Sequence[str] = MAINT_FLAGS) -> list[str]:
         name, hl, duration_min, users, flags = reservation_args(name, nodes, duration_min, users, flags)
         argv = [
             self._bin("scontrol"),
@@ -158,14 +154,8 @@ class JobsAndReservations(ClientRunner):
 
     # -- reservations -------------------------------------------------------------------
 
-    def create_reservation(
-        self,
-        name: str,
-        nodes: str | Sequence[str],
-        duration_min: int,
-        users: Sequence[str] = ("root",),
-        flags: Sequence[str] = ("MAINT", "IGNORE_JOBS"),
-    ) -> None:
+    def create_reservation(self, name: str, nodes: str | Sequence[str], duration_min: int,
+                           users: Sequence[str] = MAINT_USERS, flags: Sequence[str] = MAINT_FLAGS) -> None:
         self._write(self._argv_create_reservation(name, nodes, duration_min, users, flags))
 
     def delete_reservation(self, name: str) -> None:

@@ -16,7 +16,7 @@ import re
 import time
 from typing import Any
 
-from healthd.slurm.backend import NodeInfo, SlurmOutputError, parse_state_string
+from healthd.slurm.backend import NodeInfo, SlurmOutputError, node_info, parse_state_string
 from healthd.slurmtext import shared
 
 _VERSION_RE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
@@ -102,13 +102,8 @@ def parse_scontrol_node_line(line: str) -> NodeInfo:
         gres = None
     next_state = shared(fields.get("NextState")) or None
     boot = fields.get("BootTime", "")
-    return NodeInfo(
-        name=name,
-        state=state,
-        flags=flags,
-        reason=reason,
-        reason_user=user if reason else None,
-        reason_time=when if reason else None,
+    return node_info(
+        name, state, flags, reason, user, when,
         partitions=partitions,
         gres=gres,
         next_state=next_state.upper() if next_state else None,
@@ -232,17 +227,9 @@ def _node_from_object(obj: Any, path: str) -> NodeInfo:
     reason = _get(obj, "reason", path, (str,), default="")
     user = _get(obj, "reason_set_by_user", path, (str,))
     when = _number(obj.get("reason_changed_at"), f"{path}.reason_changed_at")
-    # 22.05 sometimes keeps reason_set_by_user after a resume cleared the reason (tests/slurm/captured/)
-    if not reason:
-        user, when = None, None
     gres = _get(obj, "gres", path, (str,)) or None
-    return NodeInfo(
-        name=name,
-        state=base,
-        flags=flags,
-        reason=reason,
-        reason_user=user or None,
-        reason_time=when,
+    return node_info(
+        name, base, flags, reason, user, when,
         partitions=tuple(_str_list(obj.get("partitions"), f"{path}.partitions")),
         gres=gres,
         next_state=next_state,
@@ -265,8 +252,6 @@ def _nodes_from_sinfo_entries(entries: list, path: str) -> list[NodeInfo]:
         reason = _get(reason_obj, "description", f"{p}.reason", (str,), default="")
         user = _get(reason_obj, "user", f"{p}.reason", (str,))
         when = _number(reason_obj.get("time"), f"{p}.reason.time")
-        if not reason:
-            user, when = None, None
         part = _get(entry, "partition", p, (dict,), default={})
         part_name = _get(part, "name", f"{p}.partition", (str,), default="")
         gres = _get(_get(entry, "gres", p, (dict,), default={}), "total", f"{p}.gres", (str,)) or None
@@ -276,13 +261,8 @@ def _nodes_from_sinfo_entries(entries: list, path: str) -> list[NodeInfo]:
                 if part_name and part_name not in prev.partitions:
                     merged[name] = dataclasses.replace(prev, partitions=(*prev.partitions, part_name))
                 continue
-            merged[name] = NodeInfo(
-                name=name,
-                state=base,
-                flags=flags,
-                reason=reason,
-                reason_user=user or None,
-                reason_time=when,
+            merged[name] = node_info(
+                name, base, flags, reason, user, when,
                 partitions=(part_name,) if part_name else (),
                 gres=gres,
             )

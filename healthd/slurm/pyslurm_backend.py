@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from healthd.slurm.backend import (
+    MAINT_FLAGS,
+    MAINT_USERS,
     JobInfo,
     JobRun,
     NodeInfo,
@@ -45,6 +47,7 @@ from healthd.slurm.backend import (
     StepResult,
     filter_nodes,
     guarded_state_write,
+    node_info,
     parse_state_string,
     requested_nodes,
     reservation_args,
@@ -95,13 +98,8 @@ def node_from_pyslurm(node: Any) -> NodeInfo:
     reason = node.reason or ""
     when = node.reason_time
     next_state = node.next_state
-    return NodeInfo(
-        name=node.name,
-        state=base,
-        flags=flags,
-        reason=reason,
-        reason_user=(node.reason_user or None) if reason else None,
-        reason_time=float(when) if (reason and when) else None,
+    return node_info(
+        node.name, base, flags, reason, node.reason_user, float(when) if reason and when else None,
         partitions=tuple(node.partitions or ()),
         gres=_gres_text(node.configured_gres),
         next_state=next_state.upper() if next_state else None,
@@ -214,30 +212,21 @@ class PyslurmBackend:
         plan = builder(**kw)
         return plan[0] if isinstance(plan, tuple) else plan
 
+    def _plan_modify(self, hl, **fields):
+        """A node state write: the expression shown and the call, over one validated hostlist."""
+        ps = self._ps
+        shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        return [f"pyslurm.Node({hl!r}).modify(pyslurm.Node({shown}))"], lambda: ps.Node(hl).modify(ps.Node(**fields))
+
     def _plan_drain(self, nodes, reason):
         hl = slurm_hostlist(nodes)
-        reason = validate_reason(reason)
-        ps = self._ps
-        return (
-            [f"pyslurm.Node({hl!r}).modify(pyslurm.Node(state='DRAIN', reason={reason!r}))"],
-            lambda: ps.Node(hl).modify(ps.Node(state="DRAIN", reason=reason)),
-        )
+        return self._plan_modify(hl, state="DRAIN", reason=validate_reason(reason))
 
     def _plan_resume(self, nodes):
-        hl = slurm_hostlist(nodes)
-        ps = self._ps
-        return (
-            [f"pyslurm.Node({hl!r}).modify(pyslurm.Node(state='RESUME'))"],
-            lambda: ps.Node(hl).modify(ps.Node(state="RESUME")),
-        )
+        return self._plan_modify(slurm_hostlist(nodes), state="RESUME")
 
     def _plan_cancel_reboot(self, nodes):
-        hl = slurm_hostlist(nodes)
-        ps = self._ps
-        return (
-            [f"pyslurm.Node({hl!r}).modify(pyslurm.Node(state='CANCEL_REBOOT'))"],
-            lambda: ps.Node(hl).modify(ps.Node(state="CANCEL_REBOOT")),
-        )
+        return self._plan_modify(slurm_hostlist(nodes), state="CANCEL_REBOOT")
 
     def _plan_reboot_asap(self, nodes, reason, next_state="RESUME"):
         validate_nodes(nodes)
@@ -257,7 +246,7 @@ class PyslurmBackend:
         jid = int(text)
         return ([f"pyslurm.Job({jid}).requeue()"], lambda: ps.Job(jid).requeue())
 
-    def _plan_create_reservation(self, name, nodes, duration_min, users=("root",), flags=("MAINT", "IGNORE_JOBS")):
+    def _plan_create_reservation(self, name, nodes, duration_min, users=MAINT_USERS, flags=MAINT_FLAGS):
         name, hl, duration_min, users, flags = reservation_args(name, nodes, duration_min, users, flags)
         ps = self._ps
         members = [RESERVATION_FLAG_NAMES[f] for f in flags]
@@ -354,14 +343,8 @@ class PyslurmBackend:
         call, fn = self._plan_requeue(text)
         self._write(call[0], fn)
 
-    def create_reservation(
-        self,
-        name: str,
-        nodes: str | Sequence[str],
-        duration_min: int,
-        users: Sequence[str] = ("root",),
-        flags: Sequence[str] = ("MAINT", "IGNORE_JOBS"),
-    ) -> None:
+    def create_reservation(self, name: str, nodes: str | Sequence[str], duration_min: int,
+                           users: Sequence[str] = MAINT_USERS, flags: Sequence[str] = MAINT_FLAGS) -> None:
         call, fn = self._plan_create_reservation(name, nodes, duration_min, users, flags)
         self._write(call[0], fn)
 
