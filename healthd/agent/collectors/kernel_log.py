@@ -67,6 +67,8 @@ PARSE_CACHE_MAX = 4096
 IDENTITIES_MAX = 1024
 
 _KMSG_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
+# the details an event carries unchanged from its first line (KernelLine and XidEvent name them alike)
+_FROM_LINE = ("bus_id", "pid", "process", "subcode", "nvlink_severity", "gpc", "tpc")
 
 
 # --------------------------------------------------------------------------- folding
@@ -88,20 +90,14 @@ class _Acc:
         ln = self.line
         return XidEvent(
             xid=ln.xid if ln.xid is not None else 79,
-            bus_id=ln.bus_id,
             text=self.text,
             count=self.count,
             first_ts=self.first_ts,
             last_ts=self.last_ts,
             first_cursor=self.first_cursor,
             last_cursor=self.last_cursor,
-            pid=ln.pid,
-            process=ln.process,
-            subcode=ln.subcode,
-            nvlink_severity=ln.nvlink_severity,
-            gpc=ln.gpc,
-            tpc=ln.tpc,
             synthesized=ln.kind != "xid",
+            **{name: getattr(ln, name) for name in _FROM_LINE},
         )
 
 
