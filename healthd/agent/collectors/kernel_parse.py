@@ -105,13 +105,19 @@ def parse_line(message: str) -> KernelLine | None:
         return None
 
 
+def _on_gpu(pattern: re.Pattern[str], message: str) -> tuple[re.Match[str], str] | None:
+    """The match of a line that must name its GPU, and the GPU's bus id; None when the line does
+    not match or its address is not a PCI address (then it is not that line)."""
+    m = pattern.search(message)
+    bus_id = normalize_bus_id(m.group("bus")) if m is not None else None
+    return (m, bus_id) if m is not None and bus_id is not None else None
+
+
 def _parse_xid(message: str) -> KernelLine | None:
-    m = _XID_RE.search(message)
-    if m is None:
+    found = _on_gpu(_XID_RE, message)
+    if found is None:
         return None
-    bus_id = normalize_bus_id(m.group("bus"))
-    if bus_id is None:
-        return None
+    m, bus_id = found
     xid = int(m.group("xid"))
     rest = m.group("rest")
     pos = 0
@@ -182,10 +188,8 @@ def _parse_init_failed(message: str) -> KernelLine:
 
 
 def _parse_identity(message: str) -> KernelLine | None:
-    m = _IDENTITY_RE.search(message)
-    if m is None:
+    found = _on_gpu(_IDENTITY_RE, message)
+    if found is None:
         return None
-    bus_id = normalize_bus_id(m.group("bus"))
-    if bus_id is None:
-        return None
+    m, bus_id = found
     return KernelLine(kind="gpu_identity", bus_id=bus_id, text=message, uuid=m.group("uuid"))
