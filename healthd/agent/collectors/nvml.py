@@ -60,25 +60,12 @@ _SCALAR_READS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
         "nvmlDeviceGetTemperatureThreshold",
         (pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,),
     ),
-    (
-        "ecc_corrected_volatile",
-        "nvmlDeviceGetTotalEccErrors",
-        (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
-    ),
-    (
-        "ecc_uncorrected_volatile",
-        "nvmlDeviceGetTotalEccErrors",
-        (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
-    ),
-    (
-        "ecc_corrected_aggregate",
-        "nvmlDeviceGetTotalEccErrors",
-        (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
-    ),
-    (
-        "ecc_uncorrected_aggregate",
-        "nvmlDeviceGetTotalEccErrors",
-        (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
+    # ecc_{corrected,uncorrected}_{volatile,aggregate}: one NVML call over the error type and the counter's lifetime
+    *(
+        (f"ecc_{error}_{counter}", "nvmlDeviceGetTotalEccErrors", (error_type, counter_type))
+        for counter, counter_type in (("volatile", pynvml.NVML_VOLATILE_ECC), ("aggregate", pynvml.NVML_AGGREGATE_ECC))
+        for error, error_type in (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                                  ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
     ),
     ("pcie_replay", "nvmlDeviceGetPcieReplayCounter", ()),
     ("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration", ()),
