@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -334,6 +334,11 @@ class _Reader:
             raise self.fail(path, "true or false", v)
         return v
 
+    def each(self, d: dict[str, Any], path: str, read: Callable[[Any, str], Any], *names: str) -> dict[str, Any]:
+        """The fields `names` that `d` holds, each read by `read`. One it does not hold is left out,
+        so the record's own default applies: a file written before the field existed still loads."""
+        return {k: read(d[k], f"{path}.{k}") for k in names if k in d}
+
     def points(self, v: Any, path: str) -> tuple[tuple[float, float, float], ...]:
         out = []
         for i, p in enumerate(self.list_(v, path)):
@@ -348,15 +353,8 @@ class _Reader:
         kind = d.get("kind")
         if kind not in _KINDS:
             raise self.fail(path + ".kind", f"one of {', '.join(_KINDS)}", kind)
-        return Component(
-            kind=kind,
-            index=self.opt_int(d.get("index"), path + ".index"),
-            uuid=self.opt_str(d.get("uuid"), path + ".uuid"),
-            serial=self.opt_str(d.get("serial"), path + ".serial"),
-            bus_id=self.opt_str(d.get("bus_id"), path + ".bus_id"),
-            device=self.opt_str(d.get("device"), path + ".device"),
-            port=self.opt_int(d.get("port"), path + ".port"),
-        )
+        return Component(kind=kind, **self.each(d, path, self.opt_int, "index", "port"),
+                         **self.each(d, path, self.opt_str, "uuid", "serial", "bus_id", "device"))
 
     def xid(self, v: Any, path: str) -> XidRecord:
         d = self.obj(v, path)
@@ -379,20 +377,12 @@ class _Reader:
             component=self.component(d.get("component"), path + ".component"),
             xid=self.int_(d.get("xid"), path + ".xid"),
             occurrences=tuple(occ),
-            first_seen=self.opt_time(d.get("first_seen"), path + ".first_seen"),
-            last_seen=self.opt_time(d.get("last_seen"), path + ".last_seen"),
-            count=self.int_(d.get("count", 0), path + ".count"),
-            first_text=self.str_(d.get("first_text", ""), path + ".first_text"),
-            first_cursor=self.opt_str(d.get("first_cursor"), path + ".first_cursor"),
-            last_cursor=self.opt_str(d.get("last_cursor"), path + ".last_cursor"),
-            pid=self.opt_int(d.get("pid"), path + ".pid"),
-            process=self.opt_str(d.get("process"), path + ".process"),
-            subcode=self.opt_int(d.get("subcode"), path + ".subcode"),
-            severity=self.opt_str(d.get("severity"), path + ".severity"),
-            primary=self.opt_int(d.get("primary"), path + ".primary"),
-            primary_ts=self.opt_time(d.get("primary_ts"), path + ".primary_ts"),
-            detail=self.opt_str(d.get("detail"), path + ".detail"),
-            synthesized=self.bool_(d.get("synthesized", False), path + ".synthesized"),
+            **self.each(d, path, self.int_, "count"),
+            **self.each(d, path, self.str_, "first_text"),
+            **self.each(d, path, self.bool_, "synthesized"),
+            **self.each(d, path, self.opt_time, "first_seen", "last_seen", "primary_ts"),
+            **self.each(d, path, self.opt_int, "pid", "subcode", "primary"),
+            **self.each(d, path, self.opt_str, "first_cursor", "last_cursor", "process", "severity", "detail"),
         )
 
     def port(self, v: Any, path: str) -> PortRecord:
@@ -409,13 +399,10 @@ class _Reader:
             trans.append((self.time(items[0], p + "[0]"), items[1]))
         return PortRecord(
             up=up,
-            state=self.opt_str(d.get("state"), path + ".state"),
-            down_since=self.opt_time(d.get("down_since"), path + ".down_since"),
-            seen_up=self.bool_(d.get("seen_up", False), path + ".seen_up"),
-            drop_since=self.opt_time(d.get("drop_since"), path + ".drop_since"),
-            recovered_at=self.opt_time(d.get("recovered_at"), path + ".recovered_at"),
             transitions=tuple(trans),
-            updated=self.opt_time(d.get("updated"), path + ".updated"),
+            **self.each(d, path, self.opt_str, "state"),
+            **self.each(d, path, self.bool_, "seen_up"),
+            **self.each(d, path, self.opt_time, "down_since", "drop_since", "recovered_at", "updated"),
         )
 
     def latch(self, v: Any, path: str) -> Latch:
@@ -453,9 +440,8 @@ class _Reader:
             action=action,
             summary=self.str_(d.get("summary"), path + ".summary"),
             evidence=tuple(evidence),
-            xid=self.opt_int(d.get("xid"), path + ".xid"),
-            count=self.int_(d.get("count", 1), path + ".count"),
-            first_seen=self.opt_time(d.get("first_seen"), path + ".first_seen"),
-            last_seen=self.opt_time(d.get("last_seen"), path + ".last_seen"),
-            job=self.opt_str(d.get("job"), path + ".job"),
+            **self.each(d, path, self.opt_int, "xid"),
+            **self.each(d, path, self.int_, "count"),
+            **self.each(d, path, self.opt_time, "first_seen", "last_seen"),
+            **self.each(d, path, self.opt_str, "job"),
         )
