@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 from agent_tick import floor_tick
-from common import save
+from common import print_and_save
 
 from tests.support.agent_node import HEALTHD, Node
 from tests.support.fake_nvml import CallCounter, build_fake_nvml
@@ -203,9 +203,7 @@ def main() -> None:
                     p.wait()
         node.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    for k, v in results.items():
-        print(f"{k:36} {v}")
-    save("agent_daemon", results)
+    print_and_save("agent_daemon", results, 36)
 
 
 if __name__ == "__main__":

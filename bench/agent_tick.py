@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import rss_bytes, save, summary
+from common import print_and_save, rss_bytes, summary
 
 from tests.support.fake_nvml import CallCounter, build_fake_nvml, healthy_node, write_nvml_config
 from tests.support.ib_tree import make_ndr_node
@@ -156,9 +156,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
-    for k, v in results.items():
-        print(f"{k:40} {v}")
-    save("agent_tick", results)
+    print_and_save("agent_tick", results, 40)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,13 @@ def save(name: str, doc: dict) -> Path:
     return path
 
 
+def print_and_save(name: str, results: dict, width: int) -> Path:
+    """Each figure on a line of its own, names padded to `width`, then `save`."""
+    for k, v in results.items():
+        print(f"{k:{width}} {v}")
+    return save(name, results)
+
+
 def keep_skipped(name: str, doc: dict, keys: list[str]) -> dict:
     """`doc` with each of `keys` (the parts a run skipped) taken from the last saved results of `name`,
     so that a partial run does not erase the figures it did not measure."""
