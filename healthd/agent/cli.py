@@ -22,7 +22,6 @@ import time
 
 from healthd import __version__, sdnotify
 from healthd import config as config_mod
-from healthd import hookconfig
 from healthd.agent import daemon as agent_mod
 from healthd.agent import validate
 from healthd.agent.classify.catalog import CatalogError
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             print(render_nagios(None, f"cannot check: {e}")[0], flush=True)
         return EXIT_UNKNOWN
     compile_hooks = (args.command == "run" and not args.dry_run) or (args.command == "check-config" and args.write_hook_config)
-    compiled = publish_hook_config(args.config) if compile_hooks else ""
+    compiled = agent_mod.publish_hook_config(args.config) if compile_hooks else ""
     if args.command == "check-config":
         agent.sources.close()
         print(f"{args.config or '/etc/healthd/healthd.yaml'}: ok (node {agent.settings.node_name})"
@@ -134,18 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         emit(a)
 
     return agent_mod.run_loop(agent, args.config, on_tick)
-
-
-def publish_hook_config(config: str | None) -> str:
-    """Compile the config for the Slurm hooks (healthd.hookconfig); the path written, or '' when it
-    could not be: the hooks then read the YAML, which is slower but the same."""
-    try:
-        path, why = hookconfig.write(config)
-    except (OSError, ValueError) as e:  # ConfigError too; the agent validated the same file just before
-        path, why = "", str(e)
-    if not path:
-        logging.getLogger("healthd").warning("configuration not compiled for the Slurm hooks (they read the YAML): %s", why)
-    return path
 
 
 def state(config: str | None, fmt: str) -> int:

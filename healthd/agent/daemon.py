@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from healthd import __version__
 from healthd import config as config_mod
+from healthd import hookconfig
 from healthd.agent import sources as registry
 from healthd.agent.metrics import Metrics, TickFigures
 from healthd.agent.reporter import Reporter
@@ -614,6 +615,16 @@ def _reload(agent: Agent, config_path: str | None) -> None:
         log.warning("reload: collector roots, state paths, metrics or controller changed; they take effect at restart")
     agent.settings, agent.catalog = settings, catalog
     log.info("configuration reloaded from %s", config_path or config_mod.NODE_CONFIG_PATH)
-    from healthd.agent.cli import publish_hook_config  # the hooks' compiled copy follows the reload
+    publish_hook_config(config_path)  # the hooks' compiled copy follows the reload
 
-    publish_hook_config(config_path)
+
+def publish_hook_config(config: str | None) -> str:
+    """Compile the config for the Slurm hooks (healthd.hookconfig); the path written, or '' when it
+    could not be: the hooks then read the YAML, which is slower but the same."""
+    try:
+        path, why = hookconfig.write(config)
+    except (OSError, ValueError) as e:  # ConfigError too; the agent validated the same file just before
+        path, why = "", str(e)
+    if not path:
+        log.warning("configuration not compiled for the Slurm hooks (they read the YAML): %s", why)
+    return path
