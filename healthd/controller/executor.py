@@ -431,23 +431,7 @@ class Executor:
         _log.info("%s: requeued opted-in job %s", drain.node, job.job_id)
         return ExecResult("applied", f"requeued {job.job_id}", action.id, action.argv)
 
-    # -- operator undo (planned by healthctl through admin.undo) --------------------------------------
-
-    def undos(self, now: float) -> tuple[Decision, ...]:
-        """The reversals `healthctl undo` planned (key `undo:<action id>`), as decisions of the action
-        table's undo kinds for the round's gates; one planned as a kind the table does not know is
-        marked failed."""
-        out = []
-        for a in self.ledger.pending_actions():
-            if not a.idempotency_key.startswith(UNDO_PREFIX):
-                continue
-            kind = UNDO_KINDS.get(a.kind)
-            if kind is None:
-                self.ledger.mark_failed(a.id, f"unknown undo kind {a.kind!r}", at=self.clock())
-                continue
-            out.append(Decision(id=a.idempotency_key, kind=kind, node=a.node, reason="", tier=1,  # type: ignore[arg-type]
-                                series=a.series, decided_at=now, detail={"action": a.id}))
-        return tuple(out)
+    # -- operator undo (planned by healthctl through admin.undo, proposed by the round) ---------------
 
     def undo(self, outcome: GateResult, now: float) -> ExecResult:
         """Carry out one allowed undo the admin socket planned (write-ahead already): re-read the node,

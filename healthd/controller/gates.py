@@ -258,10 +258,12 @@ def build_context(
     approved: Iterable[str] = (),
     out_of_service: frozenset[str] | None = None,
     hang_requeues_last_hour: int = 0,
+    correlated: Mapping[str, GroupIncident] | None = None,
 ) -> tuple[GateContext, Alert | None]:
     """Evaluate breaker and correlation for this round; returns the context and the breaker's alert
     (only on the round it opens). Persist `context.breaker` back to the ledger. `out_of_service`:
-    the nodes the fleet cache already knows to be gone (computed from the fleet when None)."""
+    the nodes the fleet cache already knows to be gone (computed from the fleet when None);
+    `correlated`: the round's correlation when it was evaluated already (`correlate`)."""
     state, alert = evaluate_breaker(fleet, settings, now, breaker)
     context = GateContext(
         settings=settings,
@@ -274,7 +276,7 @@ def build_context(
         hang_requeues_last_hour=hang_requeues_last_hour,
         approved=frozenset(approved),
         # a breaker reset does not dissolve a group incident: the shared part is still the cause
-        correlated=correlate(fleet, settings, now),
+        correlated=correlate(fleet, settings, now) if correlated is None else correlated,
         out_of_service=out_of_service if settings.capacity_floors else None,
     )
     return context, alert

@@ -20,6 +20,7 @@ node, which retries.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -27,10 +28,13 @@ from dataclasses import dataclass
 
 from healthd import goodput
 from healthd import goodput_events as ev
+from healthd.controller import inband
 from healthd.envelope import NODE_NAME
 from healthd.persist import write_json_atomic
 from healthd.goodput import MAX_LINE_BYTES
 from healthd.slurm.backend import validate_job_id
+
+_log = logging.getLogger("healthd.controller")
 
 MAX_OFFSET_BYTES = 64
 
@@ -326,3 +330,39 @@ class WindowRecords:
             self._done[job] = max(complete, done)
             if lines:
                 self.write(job, lines)
+
+
+class InbandLogs:
+    """What the rounds' in-band views add to their jobs' goodput logs (`<job>/_controller.jsonl`): the
+    slow ranks' episodes (StragglerEpisodes) and each job's rank x window compute time (WindowRecords)."""
+
+    def __init__(self, store: GoodputStore):
+        self.store = store
+        self.stragglers = StragglerEpisodes(self._write)
+        self.windows = WindowRecords(self._write)
+
+    def _write(self, job: str, lines: list[str]) -> None:
+        try:
+            append_own(self.store, job, lines)
+        except ValueError:  # a job id a report carried that is not Slurm's: nothing to charge it to
+            _log.debug("straggler episodes of %r not written: not a job id", job)
+
+    def observe(self, now: float, rnd: inband.InbandRound) -> None:
+        """One round's slow ranks and rank windows (raises OSError when a log cannot be written)."""
+        self.stragglers.observe(now, [(f.job, f.state.rank, f.node, f.state.gpu, f.straggler.effect)
+                                      for f in rnd.flags])
+        views = rnd.views
+        # only the jobs with a window every rank has newly completed (O(ranks) for the others)
+        changed = {job: view for job, view in views.items()
+                   if self.windows.wants(job, min((p.state.windows[-1].window if p.state.windows else -1)
+                                                  for p in view.ranks.values()) if view.ranks else -1)}
+        self.windows.observe(now, {
+            job: [RankWindows(rank, p.node, p.state.gpu, p.state.rail, tuple((w.window, w.compute_s)
+                                                                            for w in p.state.windows))
+                  for rank, p in view.ranks.items()]
+            for job, view in changed.items()},
+            {job: view.world_size for job, view in changed.items()}, present=views)
+
+    def close(self) -> None:
+        """The controller stops: the open straggler episodes are written as they stand."""
+        self.stragglers.close()
