@@ -335,6 +335,12 @@ def _status(controller: Controller, slurm_ok: bool) -> str:
     return line if slurm_ok else line + ", Slurm unreachable"
 
 
+def _cannot_start(message: str) -> int:
+    """Say on stderr why the controller stops (systemd's journal shows it) and give the exit status for it."""
+    print(f"healthd-controller: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Under systemd (Type=notify): READY=1 once the ledger is open, the HTTP server bound and the
     first control round has returned (Slurm unreachable counts: the controller is up and will
@@ -349,26 +355,21 @@ def main(argv: list[str] | None = None) -> int:
         topology_text = Path(settings.topology_conf).read_text() if settings.topology_conf else ""
         parse_topology_conf(topology_text)
     except ValueError as exc:  # ConfigError, or a topology.conf that cannot be read
-        print(f"healthd-controller: {exc}", file=sys.stderr)
-        return 2
+        return _cannot_start(str(exc))
     except OSError as exc:
-        print(f"healthd-controller: topology_conf: {exc}", file=sys.stderr)
-        return 2
+        return _cannot_start(f"topology_conf: {exc}")
     try:
         ledger = Ledger(settings.ledger)
     except LedgerError as exc:  # the message names the file and says why
-        print(f"healthd-controller: {exc}", file=sys.stderr)
-        return 2
+        return _cannot_start(str(exc))
     except Exception as exc:
-        print(f"healthd-controller: ledger {settings.ledger}: {exc}", file=sys.stderr)
-        return 2
+        return _cannot_start(f"ledger {settings.ledger}: {exc}")
     try:
         backend = default_backend(settings.slurm_conf, _log, dry_run=args.dry_run,
                                   prefer_pyslurm=settings.slurm_backend == "pyslurm")
     except SlurmError as exc:
-        print(f"healthd-controller: Slurm: {exc}", file=sys.stderr)
         ledger.close()
-        return 2
+        return _cannot_start(f"Slurm: {exc}")
     controller = Controller(settings, ledger, backend, dry_run=args.dry_run, topology_text=topology_text)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -443,8 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         notifier.notify("STOPPING=1")
         return 0
     except (OSError, KeyError) as exc:
-        print(f"healthd-controller: {exc}", file=sys.stderr)
-        return 2
+        return _cannot_start(str(exc))
     finally:
         if server is not None:
             server.shutdown()
