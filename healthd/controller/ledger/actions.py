@@ -93,9 +93,7 @@ class ActionStore(DecisionStore):
                     at: float | None) -> Action:
         # `stamp` is one of the fixed column names passed by the methods below.
         with self.transaction():
-            current = self.action(action_id)
-            if current is None:
-                raise LedgerError(f"{self.path}: no action {action_id}")
+            current = self._existing(self.action(action_id), "action", action_id)
             if current.status == to:
                 return current  # repeating a completed step is a no-op
             if current.status not in from_:

@@ -33,10 +33,12 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from healthd.controller.ledger.records import LedgerError
 from healthd.controller.ledger.schema import APPLICATION_ID, SCHEMA_VERSION, migrate
+
+_Row = TypeVar("_Row")
 
 DEFAULT_BUSY_TIMEOUT_S = 5.0
 
@@ -205,6 +207,13 @@ class LedgerCore:
             raise LedgerError(f"{self.path}: rejected: {exc}") from exc
         except sqlite3.DatabaseError as exc:
             raise LedgerError(f"{self.path}: {exc}") from exc
+
+    def _existing(self, record: _Row | None, what: str, key: object) -> _Row:
+        """`record` as read inside the transaction that changes it; a change to a row that is not there
+        is the caller's mistake, said with the ledger's path."""
+        if record is None:
+            raise LedgerError(f"{self.path}: no {what} {key}")
+        return record
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """The rows of one parameterised read (the reports read the tables through it)."""

@@ -121,9 +121,7 @@ class IncidentStore(LedgerCore):
     ) -> Incident:
         """Change the status and/or add members (nodes, GPU serials, jobs only ever accumulate)."""
         with self.transaction():
-            current = self.incident(incident_id)
-            if current is None:
-                raise LedgerError(f"{self.path}: no incident {incident_id}")
+            current = self._existing(self.incident(incident_id), "incident", incident_id)
             jobs = sorted(set(current.jobs) | set(map(str, add_jobs)))
             self._exec(
                 "UPDATE incidents SET status = COALESCE(?, status), jobs = ? WHERE id = ?",
@@ -199,9 +197,7 @@ class IncidentStore(LedgerCore):
         if escalation not in ESCALATIONS:
             raise LedgerError(f"{self.path}: unknown escalation {escalation!r}; expected one of {ESCALATIONS}")
         with self.transaction():
-            current = self.incident(incident_id)
-            if current is None:
-                raise LedgerError(f"{self.path}: no incident {incident_id}")
+            current = self._existing(self.incident(incident_id), "incident", incident_id)
             if current.escalation is None or ESCALATIONS.index(escalation) > ESCALATIONS.index(current.escalation):
                 self._exec("UPDATE incidents SET escalation = ? WHERE id = ?", (escalation, incident_id))
         return self.incident(incident_id)  # type: ignore[return-value]
@@ -257,9 +253,7 @@ class IncidentStore(LedgerCore):
             raise LedgerError(f"{self.path}: {status!r} is not one of {CLOSED_INCIDENT_STATUSES}")
         ts = at_or_now(at)
         with self.transaction():
-            current = self.incident(incident_id)
-            if current is None:
-                raise LedgerError(f"{self.path}: no incident {incident_id}")
+            current = self._existing(self.incident(incident_id), "incident", incident_id)
             self._exec("UPDATE incidents SET status = ?, closed_at = ?, closed_by = ?, close_why = ? WHERE id = ?",
                        (status, ts, by, why, incident_id))
             if not current.signature.startswith("group:"):

@@ -80,9 +80,7 @@ class ReintegrationStore(LedgerCore):
             raise LedgerError(f"{self.path}: unknown reintegration stamp {stamp!r}")
         ts = at_or_now(at)
         with self.transaction():
-            current = self.reintegration(rid)
-            if current is None:
-                raise LedgerError(f"{self.path}: no reintegration {rid}")
+            current = self._existing(self.reintegration(rid), "reintegration", rid)
             self._exec(
                 "UPDATE reintegrations SET state = COALESCE(?, state), reservation = COALESCE(?, reservation), "
                 "results = COALESCE(?, results), detail = COALESCE(?, detail), "
