@@ -20,6 +20,7 @@ from healthd import report_schema as rs
 from healthd.controller.inband import jobs_from_json
 from healthd.controller.policy import NodeReport
 from healthd.report_schema import MAX_DOCUMENT_BYTES, ReportInvalid, fit_report, validate_report
+from tests.controller.schema_support import DELETE, changed
 
 NODE = "gpu001"
 NOW = 1_800_000_000.0
@@ -95,7 +96,6 @@ def test_unknown_gpu_and_missing_optional_fields():
     assert job.hang is None and job.stragglers == ()
 
 
-DELETE = object()
 J = ("inband", "jobs", 0)
 R = (*J, "ranks", 0)
 W = (*R, "windows", 0)
@@ -188,31 +188,18 @@ CASES: list[tuple[tuple, Any, str]] = [
 ]
 
 
-def _change(doc: Any, path: tuple, value: Any) -> Any:
-    doc = copy.deepcopy(doc)
-    *parents, last = path
-    target = doc
-    for p in parents:
-        target = target[p]
-    if value is DELETE:
-        del target[last]
-    else:
-        target[last] = value
-    return doc
-
-
 @pytest.mark.parametrize(("path", "value", "where"), CASES,
                          ids=[f"{'.'.join(map(str, p[2:] or p))[:40]}={str(v)[:12]!r}" for p, v, _ in CASES])
 def test_every_inband_field_is_checked_and_named(path, value, where):
-    exc = refusal(_change(report(section()), path, value))
+    exc = refusal(changed(report(section()), path, value))
     assert exc.path == where, exc.reason
     assert exc.reason.startswith(f"{where}: ")
 
 
 def test_the_messages_read_well():
-    doc = _change(report(section()), (*W, "waits", 3), math.nan)
+    doc = changed(report(section()), (*W, "waits", 3), math.nan)
     assert refusal(doc).reason == "inband.jobs[0].ranks[0].windows[0].waits[3]: expected a number 0-1e+09 or -1, found nan"
-    doc = _change(report(section()), (*J, "ranks", 1, "rank"), 0)
+    doc = changed(report(section()), (*J, "ranks", 1, "rank"), 0)
     assert refusal(doc).reason == "inband.jobs[0].ranks[1].rank: duplicates inband.jobs[0].ranks[0].rank 0"
     two = report({"jobs": [section()["jobs"][0]] * 2})
     assert refusal(two).reason == 'inband.jobs[1].job: duplicates inband.jobs[0].job "123"'
@@ -299,14 +286,14 @@ def test_arbitrary_json_in_any_inband_field_is_refused_or_harmless(data, value):
     from healthd.controller import inband
     from healthd.settings import DetectorSettings
 
-    doc = _change(BASE, data.draw(st.sampled_from(PATHS)), value)
+    doc = changed(BASE, data.draw(st.sampled_from(PATHS)), value)
     try:
         validate_report(doc, node=NODE)
     except ReportInvalid as exc:
         assert "\n" not in exc.reason and len(exc.reason) <= rs.MAX_ERROR_CHARS
     else:
         r = NodeReport.from_document(doc, NOW, checked=True)
-        other = NodeReport.from_document(_change(report(section(2)), ("node",), "gpu002"), NOW, checked=True)
+        other = NodeReport.from_document(changed(report(section(2)), ("node",), "gpu002"), NOW, checked=True)
         inband.evaluate([r, other], {"switch:s1": frozenset({NODE, "gpu002"})}, DetectorSettings(), NOW + 1, 120.0)
         json.dumps([f.to_json() for fs in inband.evaluate([r], {}, DetectorSettings(), NOW, 120.0).findings.values()
                     for f in fs], allow_nan=False)

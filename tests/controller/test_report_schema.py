@@ -63,6 +63,7 @@ from tests.support.builders import (
     xid,
 )
 from tests.controller.munge_support import munged_path
+from tests.controller.schema_support import DELETE, changed
 from tests.support.fake_sources import FakeCollector
 
 NODE = "gpu001"
@@ -290,8 +291,6 @@ def test_the_prologs_drain_request_is_accepted(typical):
 
 # --------------------------------------------------------------------------- every field refused
 
-DELETE = object()
-
 # (path to change, new value, the path the refusal names)
 REPORT_CASES: list[tuple[tuple, Any, str]] = [
     (("node",), DELETE, "node"),
@@ -405,49 +404,36 @@ REPORT_CASES: list[tuple[tuple, Any, str]] = [
 ]
 
 
-def _change(doc: Any, path: tuple, value: Any) -> Any:
-    doc = copy.deepcopy(doc)
-    *parents, last = path
-    target = doc
-    for p in parents:
-        target = target[p]
-    if value is DELETE:
-        del target[last]
-    else:
-        target[last] = value
-    return doc
-
-
 @pytest.mark.parametrize(("path", "value", "where"), REPORT_CASES,
                          ids=[f"{'.'.join(map(str, p))[:40]}={str(v)[:12]!r}" for p, v, _ in REPORT_CASES])
 def test_every_field_is_checked_and_named(typical, path, value, where):
-    exc = refusal(_change(typical, path, value), node=NODE)
+    exc = refusal(changed(typical, path, value), node=NODE)
     assert exc.path == where, exc.reason
     assert exc.reason.startswith(f"{where}: ")
 
 
 def test_the_messages_read_well(typical):
-    assert refusal(_change(typical, ("findings", 0, "tier"), "1x")).reason == \
+    assert refusal(changed(typical, ("findings", 0, "tier"), "1x")).reason == \
         'findings[0].tier: expected an integer 1-3, found "1x"'
     assert refusal(typical, node="gpu002").reason == 'node: report is for "gpu001", its credential for "gpu002"'
-    assert refusal(_change(typical, ("findings",), [{"id": "f"}] * 24_000)).reason == \
+    assert refusal(changed(typical, ("findings",), [{"id": "f"}] * 24_000)).reason == \
         f"findings: 24000 findings, over the limit of {MAX_FINDINGS}"
-    dup = _change(typical, ("findings",), typical["findings"] * 2)
+    dup = changed(typical, ("findings",), typical["findings"] * 2)
     assert refusal(dup).reason == 'findings[1].id: duplicates findings[0].id "xid:gpu1:79"'
     many = dict(typical, **{f"extra{i}": i for i in range(rs.MAX_EXTRA_KEYS + 1)})
     assert refusal(many).reason == f"report: more than {rs.MAX_EXTRA_KEYS} unknown fields"
     assert refusal([]).reason == "report: expected an object, found a list of 0 items"
-    long_id = refusal(_change(typical, ("findings", 0, "id"), "\x1b[31m" + "x" * 50)).reason
+    long_id = refusal(changed(typical, ("findings", 0, "id"), "\x1b[31m" + "x" * 50)).reason
     assert "\x1b" not in long_id and long_id.startswith("findings[0].id: control character in")
 
 
 def test_bounded_unknown_fields_are_accepted_and_ignored(typical):
     """A newer agent may add fields anywhere; each object may carry a few, each bounded."""
-    doc = _change(typical, ("agent", "build"), {"commit": "abc123", "dirty": False})
-    doc = _change(doc, ("findings", 0, "confidence"), 0.97)
-    doc = _change(doc, ("findings", 0, "component", "slot"), "SXM3")
-    doc = _change(doc, ("sources", "steptime"), {"status": "ok", "detail": "", "seconds": 0.1, "ranks": 8})
-    doc = _change(doc, ("findings", 0, "evidence", 0, "kind"), "steptime_sample")  # a new evidence kind
+    doc = changed(typical, ("agent", "build"), {"commit": "abc123", "dirty": False})
+    doc = changed(doc, ("findings", 0, "confidence"), 0.97)
+    doc = changed(doc, ("findings", 0, "component", "slot"), "SXM3")
+    doc = changed(doc, ("sources", "steptime"), {"status": "ok", "detail": "", "seconds": 0.1, "ranks": 8})
+    doc = changed(doc, ("findings", 0, "evidence", 0, "kind"), "steptime_sample")  # a new evidence kind
     doc["schema"] = 2
     validate_report(doc, node=NODE)
     [f] = NodeReport.from_document(doc, NOW).findings
@@ -455,7 +441,7 @@ def test_bounded_unknown_fields_are_accepted_and_ignored(typical):
 
 
 def test_epoch_times_are_still_accepted(typical):
-    doc = _change(typical, ("findings", 0, "first_seen"), NOW - 5)
+    doc = changed(typical, ("findings", 0, "first_seen"), NOW - 5)
     [f] = NodeReport.from_document(doc, NOW).findings
     assert f.first_seen == NOW - 5
 
@@ -480,7 +466,7 @@ REQUEST_CASES: list[tuple[tuple, Any, str]] = [
 def test_every_field_of_a_drain_request_is_checked(typical, path, value, where):
     request = {"kind": "drain-request", "node": NODE, "finding": typical["findings"][0], "job": "4242"}
     validate_request(request, node=NODE)
-    assert refusal(_change(request, path, value), node=NODE, request=True).path == where
+    assert refusal(changed(request, path, value), node=NODE, request=True).path == where
 
 
 def test_finding_from_json_validates_unless_told_it_is_checked(typical):
@@ -489,7 +475,7 @@ def test_finding_from_json_validates_unless_told_it_is_checked(typical):
     with pytest.raises(ValueError, match=r"malformed finding \?: finding: expected an object"):
         finding_from_json(["x"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"findings\[0\].tier"):
-        NodeReport.from_document(_change(typical, ("findings", 0, "tier"), "1x"), NOW)
+        NodeReport.from_document(changed(typical, ("findings", 0, "tier"), "1x"), NOW)
     f = finding_from_json(typical["findings"][0], checked=True)
     assert f == finding_from_json(typical["findings"][0])
 
@@ -563,7 +549,7 @@ def test_a_poisoned_field_is_refused_or_harmless(typical, data, value):
     accepted and then safe for a control round. And the agent's fit of it is always accepted
     while its node and verdict are (what the agent cannot repair, it cannot send)."""
     path = data.draw(st.sampled_from(_paths(typical)))
-    doc = _change(typical, path, value)
+    doc = changed(typical, path, value)
     ms, err = _timed(validate_report, doc, NODE)
     assert ms < SLOW_MS
     if err is None:
@@ -679,7 +665,7 @@ def _poisons(now: float) -> list[tuple[str, dict, str]]:
     good = {"node": "node03", "verdict": "failed", "findings": [_xid79(now)]}
 
     def bad(path: tuple, value: Any) -> dict:
-        return _change(good, path, value)
+        return changed(good, path, value)
 
     return [
         ("tier", bad(("findings", 0, "tier"), "1x"), "findings[0].tier"),
@@ -732,7 +718,7 @@ def test_a_fitted_agent_flood_report_is_accepted_end_to_end(rig, flood):
 @e2e
 def test_a_poisoned_drain_request_is_refused(rig):
     now = time.time()
-    request = {"kind": "drain-request", "node": "node03", "finding": _change(_xid79(now), ("tier",), "1x"),
+    request = {"kind": "drain-request", "node": "node03", "finding": changed(_xid79(now), ("tier",), "1x"),
                "job": "4242"}
     status, payload, _ = rig.post("/v1/request", request, "node03")
     assert status == 400 and payload["granted"] is False and "finding.tier: " in payload["reason"]
