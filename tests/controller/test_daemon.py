@@ -322,14 +322,19 @@ def test_rejected_decision_never_acts(rig_factory):
     assert rig.backend.writes == []
 
 
-def test_operator_undo_is_run_once_by_the_next_round(rig_factory):
+def _undo_a_drain(rig_factory, why: str):
+    """A rig whose round drained node02 on its report, the drain, and the operator's undo of it."""
     from healthd.controller import admin
 
     rig = rig_factory("auto")
     assert rig.report("node02")[0] == 200
     rig.controller.evaluate(time.time())
     (drain,) = rig.ledger.actions(node="node02")
-    result = admin.undo(rig.ledger, drain.id, "alice", "false alarm, GPU reseated")
+    return rig, drain, admin.undo(rig.ledger, drain.id, "alice", why)
+
+
+def test_operator_undo_is_run_once_by_the_next_round(rig_factory):
+    rig, drain, result = _undo_a_drain(rig_factory, "false alarm, GPU reseated")
     assert result.ok, result
     rig.controller.evaluate(time.time())
     rig.controller.evaluate(time.time())
@@ -341,13 +346,7 @@ def test_operator_undo_is_run_once_by_the_next_round(rig_factory):
 def test_undo_refused_when_an_admin_took_the_node_over(rig_factory):
     import dataclasses
 
-    from healthd.controller import admin
-
-    rig = rig_factory("auto")
-    assert rig.report("node02")[0] == 200
-    rig.controller.evaluate(time.time())
-    (drain,) = rig.ledger.actions(node="node02")
-    result = admin.undo(rig.ledger, drain.id, "alice", "false alarm")
+    rig, _, result = _undo_a_drain(rig_factory, "false alarm")
     rig.backend.state["node02"] = dataclasses.replace(rig.backend.state["node02"], reason="PSU swap", reason_user="bob")
     rig.controller.evaluate(time.time())
     assert [w[0] for w in rig.backend.writes] == ["drain"]
