@@ -1,10 +1,19 @@
-"""Documents changed in one place, for the tests that walk every field of a report and expect the
-refusal to name it."""
+"""Documents changed in one place, and arbitrary JSON to put there, for the tests that walk every
+field of a report and expect the refusal to name it."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
+
+from hypothesis import strategies as st
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=6),
+    max_leaves=40,
+)
+"""Any JSON value, NaN and infinities included: what a hostile or broken agent could send."""
 
 DELETE = object()
 """As the new value: remove the field instead."""
@@ -23,3 +32,16 @@ def changed(doc: Any, path: tuple, value: Any) -> Any:
     else:
         target[last] = value
     return doc
+
+
+def paths(doc: Any, *, items: int, prefix: tuple = ()) -> list[tuple]:
+    """Every field's path in `doc`, parents before children; of each list only the first `items`
+    elements, which keeps a hypothesis search over the paths small."""
+    out = [prefix] if prefix else []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += paths(v, items=items, prefix=(*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc[:items]):
+            out += paths(v, items=items, prefix=(*prefix, i))
+    return out

@@ -20,7 +20,7 @@ from healthd import report_schema as rs
 from healthd.controller.inband import jobs_from_json
 from healthd.controller.policy import NodeReport
 from healthd.report_schema import MAX_DOCUMENT_BYTES, ReportInvalid, fit_report, validate_report
-from tests.controller.schema_support import DELETE, changed
+from tests.controller.schema_support import DELETE, JSON, changed, paths
 
 NODE = "gpu001"
 NOW = 1_800_000_000.0
@@ -256,26 +256,8 @@ def test_inband_findings_and_evidence_are_accepted():
     assert got.source == "inband" and got.evidence[0].kind == "inband"
 
 
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=6),
-    max_leaves=40,
-)
-
-
-def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix] if prefix else []
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc[:2]):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
 BASE = report(section(2))
-PATHS = [p for p in _paths(BASE) if p[0] == "inband"]
+PATHS = [p for p in paths(BASE, items=2) if p[0] == "inband"]
 
 
 @hsettings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

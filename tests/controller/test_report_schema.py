@@ -63,7 +63,7 @@ from tests.support.builders import (
     xid,
 )
 from tests.controller.munge_support import munged_path
-from tests.controller.schema_support import DELETE, changed
+from tests.controller.schema_support import DELETE, JSON, changed, paths
 from tests.support.fake_sources import FakeCollector
 
 NODE = "gpu001"
@@ -482,11 +482,6 @@ def test_finding_from_json_validates_unless_told_it_is_checked(typical):
 
 # --------------------------------------------------------------------------- fuzzing
 
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=6),
-    max_leaves=40,
-)
 SLOW_MS = 50.0  # a bound for a loaded 2-core test machine; these documents take well under 1 ms
 
 
@@ -516,17 +511,6 @@ def test_arbitrary_json_only_ever_raises_report_invalid(value):
         assert err is None or (len(err.reason) <= MAX_ERROR_CHARS and "\n" not in err.reason)
 
 
-def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix] if prefix else []
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc[:3]):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
 def _round_safe(report: NodeReport) -> None:
     """What a control round does with an accepted report's values, minus the Slurm calls: decide on
     it, write its strings and evidence to SQLite as the ledger does."""
@@ -548,7 +532,7 @@ def test_a_poisoned_field_is_refused_or_harmless(typical, data, value):
     """Any field of a real document replaced by arbitrary JSON: refused with ReportInvalid, or
     accepted and then safe for a control round. And the agent's fit of it is always accepted
     while its node and verdict are (what the agent cannot repair, it cannot send)."""
-    path = data.draw(st.sampled_from(_paths(typical)))
+    path = data.draw(st.sampled_from(paths(typical, items=3)))
     doc = changed(typical, path, value)
     ms, err = _timed(validate_report, doc, NODE)
     assert ms < SLOW_MS
