@@ -13,20 +13,15 @@ import pytest
 from healthd.controller.daemon import main
 from healthd.envelope import sign_report
 from healthd.model import iso
-from tests.controller.munge_support import MungeFleet, munged_path
+from tests.controller.munge_support import munged_path
 from tests.support.decisions import crash_after_plan, drain_decision
 from tests.support.controller_rig import ControllerRig
 from tests.support.fake_slurm import FakeBackend, FakeLinesBackend
 
 NODES = ["node01", "node02", "node03", "node04"]
+"""The nodes of tests/controller/conftest.py's `fleet`."""
 
 pytestmark = pytest.mark.skipif(munged_path() is None, reason="munged not installed (apt-get install munge)")
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    with MungeFleet(NODES) as f:
-        yield f
 
 
 def xid79(now: float) -> dict:

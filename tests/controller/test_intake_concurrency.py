@@ -13,19 +13,14 @@ from pathlib import Path
 import pytest
 
 from healthd.envelope import sign_report
-from tests.controller.munge_support import MungeFleet, munged_path
+from tests.controller.munge_support import munged_path
 from tests.support import wire
 from tests.support.controller_rig import ControllerRig
 
 NODES = ["node01", "node02", "node03", "node04"]
+"""The nodes of tests/controller/conftest.py's `fleet`."""
 
 pytestmark = pytest.mark.skipif(munged_path() is None, reason="munged not installed (apt-get install munge)")
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    with MungeFleet(NODES) as f:
-        yield f
 
 
 @pytest.fixture(params=[0, 2], ids=["in-process", "2-processes"])
