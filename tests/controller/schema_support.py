@@ -8,6 +8,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from healthd.model import iso
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30),
     lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=6),
@@ -45,3 +47,11 @@ def paths(doc: Any, *, items: int, prefix: tuple = ()) -> list[tuple]:
         for i, v in enumerate(doc[:items]):
             out += paths(v, items=items, prefix=(*prefix, i))
     return out
+
+
+def xid79(now: float, *, evidence_kind: str = "log_line") -> dict:
+    """The agent's JSON for a GPU that fell off the bus (Xid 79): tier 1, drain, first and last seen at `now`."""
+    return {"id": "xid:gpu0:79", "component": {"kind": "gpu", "index": 0}, "source": "kernel_log", "xid": 79,
+            "attribution": "hardware", "tier": 1, "action": "drain", "summary": "xid 79 gpu0: fell off the bus",
+            "evidence": [{"kind": evidence_kind, "text": "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"}],
+            "first_seen": iso(now), "last_seen": iso(now)}

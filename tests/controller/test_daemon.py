@@ -12,8 +12,8 @@ import pytest
 
 from healthd.controller.daemon import main
 from healthd.envelope import sign_report
-from healthd.model import iso
 from tests.controller.munge_support import munged_path
+from tests.controller.schema_support import xid79
 from tests.support.decisions import crash_after_plan, drain_decision
 from tests.support.controller_rig import ControllerRig
 from tests.support.fake_slurm import FakeBackend, FakeLinesBackend
@@ -24,15 +24,8 @@ NODES = ["node01", "node02", "node03", "node04"]
 pytestmark = pytest.mark.skipif(munged_path() is None, reason="munged not installed (apt-get install munge)")
 
 
-def xid79(now: float) -> dict:
-    return {"id": "xid:gpu0:79", "component": {"kind": "gpu", "index": 0}, "source": "kernel_log", "xid": 79,
-            "attribution": "hardware", "tier": 1, "action": "drain", "summary": "xid 79 gpu0: fell off the bus",
-            "evidence": [{"kind": "log", "text": "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"}],
-            "first_seen": iso(now), "last_seen": iso(now)}
-
-
 def state_doc(node: str, now: float, findings=None) -> dict:
-    return {"node": node, "verdict": "failed", "findings": [xid79(now)] if findings is None else findings}
+    return {"node": node, "verdict": "failed", "findings": [xid79(now, evidence_kind="log")] if findings is None else findings}
 
 
 class Rig(ControllerRig):
@@ -161,7 +154,7 @@ def test_slurm_down_skips_the_round(rig_factory):
 
 
 def _drain_request(rig: Rig, node: str) -> tuple[int, dict]:
-    doc = {"kind": "drain-request", "node": node, "finding": xid79(time.time()), "job": "4242"}
+    doc = {"kind": "drain-request", "node": node, "finding": xid79(time.time(), evidence_kind="log"), "job": "4242"}
     return rig.post("/v1/request", sign_report(doc, node, rig.fleet.socket(node)))
 
 

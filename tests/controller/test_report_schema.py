@@ -44,7 +44,6 @@ from healthd.report_schema import (
     validate_request,
 )
 from healthd.agent.history import History
-from healthd.model import iso
 from healthd.agent.reporter import Reporter
 from healthd.client import request_drain
 from healthd.settings import ControllerClientSettings, FilesystemSpec, HookSettings
@@ -63,7 +62,7 @@ from tests.support.builders import (
     xid,
 )
 from tests.controller.munge_support import munged_path
-from tests.controller.schema_support import DELETE, JSON, changed, paths
+from tests.controller.schema_support import DELETE, JSON, changed, paths, xid79
 from tests.support.fake_sources import FakeCollector
 
 NODE = "gpu001"
@@ -582,13 +581,6 @@ def test_the_validator_is_cheap(typical, flood):
 e2e = pytest.mark.skipif(munged_path() is None, reason="munged not installed (apt-get install munge)")
 
 
-def _xid79(now: float) -> dict:
-    return {"id": "xid:gpu0:79", "component": {"kind": "gpu", "index": 0}, "source": "kernel_log", "xid": 79,
-            "attribution": "hardware", "tier": 1, "action": "drain", "summary": "xid 79 gpu0: fell off the bus",
-            "evidence": [{"kind": "log_line", "text": "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"}],
-            "first_seen": iso(now), "last_seen": iso(now)}
-
-
 class Rig:
     """The real Controller behind the real HTTP server, real MUNGE on both sides, fake Slurm."""
 
@@ -646,7 +638,7 @@ def rig(fleet, tmp_path):
 
 def _poisons(now: float) -> list[tuple[str, dict, str]]:
     """(what, a state document from node03, the path its refusal must name)."""
-    good = {"node": "node03", "verdict": "failed", "findings": [_xid79(now)]}
+    good = {"node": "node03", "verdict": "failed", "findings": [xid79(now)]}
 
     def bad(path: tuple, value: Any) -> dict:
         return changed(good, path, value)
@@ -674,7 +666,7 @@ def test_a_poisoned_signed_report_is_refused_and_the_next_round_still_drains(rig
         assert len(payload["error"]) < 400
     assert rig.refused_400() == len(_poisons(now))
     assert rig.controller.reports == {}  # nothing reached the report table
-    status, payload, _ = rig.post("/v1/report", {"node": "node02", "verdict": "failed", "findings": [_xid79(now)]},
+    status, payload, _ = rig.post("/v1/report", {"node": "node02", "verdict": "failed", "findings": [xid79(now)]},
                                   "node02")
     assert (status, payload["accepted"]) == (200, True)
     results = rig.controller.evaluate(time.time())
@@ -702,7 +694,7 @@ def test_a_fitted_agent_flood_report_is_accepted_end_to_end(rig, flood):
 @e2e
 def test_a_poisoned_drain_request_is_refused(rig):
     now = time.time()
-    request = {"kind": "drain-request", "node": "node03", "finding": changed(_xid79(now), ("tier",), "1x"),
+    request = {"kind": "drain-request", "node": "node03", "finding": changed(xid79(now), ("tier",), "1x"),
                "job": "4242"}
     status, payload, _ = rig.post("/v1/request", request, "node03")
     assert status == 400 and payload["granted"] is False and "finding.tier: " in payload["reason"]
