@@ -93,10 +93,17 @@ def test_oversized_body_is_413(rig_factory):
     assert status == 413
 
 
+def _after_report(rig_factory, mode: str, node: str = "node02", *, rounds: int = 1) -> Rig:
+    """A rig in `mode` that accepted `node`'s report of a failed GPU and then ran `rounds` control rounds."""
+    rig = rig_factory(mode)
+    assert rig.report(node)[0] == 200
+    for _ in range(rounds):
+        rig.controller.evaluate(time.time())
+    return rig
+
+
 def test_t1_report_in_auto_drains_with_incident_reason(rig_factory):
-    rig = rig_factory("auto")
-    assert rig.report("node02")[0] == 200
-    rig.controller.evaluate(time.time())
+    rig = _after_report(rig_factory, "auto")
     assert len(rig.backend.writes) == 1
     call, node, reason = rig.backend.writes[0]
     assert (call, node) == ("drain", "node02")
@@ -112,19 +119,14 @@ def test_t1_report_in_auto_drains_with_incident_reason(rig_factory):
 
 
 def test_t1_report_in_observe_writes_nothing(rig_factory):
-    rig = rig_factory("observe")
-    assert rig.report("node02")[0] == 200
-    rig.controller.evaluate(time.time())
-    rig.controller.evaluate(time.time())
+    rig = _after_report(rig_factory, "observe", rounds=2)
     assert rig.backend.writes == []
     rows = rig.ledger.decisions()
     assert len(rows) == 1 and rows[0].outcome == "refused" and rows[0].refused_gate == "mode"
 
 
 def test_breaker_opens_and_limits_drains(rig_factory, caplog):
-    rig = rig_factory("auto")
-    assert rig.report("node01")[0] == 200
-    rig.controller.evaluate(time.time())
+    rig = _after_report(rig_factory, "auto", "node01")
     assert len(rig.backend.writes) == 1  # one failing node of four: below breaker_min_nodes
     for node in ("node02", "node03"):
         assert rig.report(node)[0] == 200
@@ -286,10 +288,7 @@ def test_config_maps_yaml_onto_settings(tmp_path):
 
 
 def test_supervised_waits_then_acts_after_approval(rig_factory):
-    rig = rig_factory("supervised")
-    assert rig.report("node02")[0] == 200
-    rig.controller.evaluate(time.time())
-    rig.controller.evaluate(time.time())
+    rig = _after_report(rig_factory, "supervised", rounds=2)
     assert rig.backend.writes == []
     (waiting,) = rig.ledger.waiting_decisions()
     assert waiting.node == "node02" and waiting.kind == "drain"
@@ -301,9 +300,7 @@ def test_supervised_waits_then_acts_after_approval(rig_factory):
 
 
 def test_rejected_decision_never_acts(rig_factory):
-    rig = rig_factory("supervised")
-    assert rig.report("node02")[0] == 200
-    rig.controller.evaluate(time.time())
+    rig = _after_report(rig_factory, "supervised")
     (waiting,) = rig.ledger.waiting_decisions()
     rig.ledger.record_approval(waiting.id, operator="alice", verdict="reject", why="known flaky riser, ticket 9")
     rig.controller.evaluate(time.time())
@@ -314,9 +311,7 @@ def _undo_a_drain(rig_factory, why: str):
     """A rig whose round drained node02 on its report, the drain, and the operator's undo of it."""
     from healthd.controller import admin
 
-    rig = rig_factory("auto")
-    assert rig.report("node02")[0] == 200
-    rig.controller.evaluate(time.time())
+    rig = _after_report(rig_factory, "auto")
     (drain,) = rig.ledger.actions(node="node02")
     return rig, drain, admin.undo(rig.ledger, drain.id, "alice", why)
 
