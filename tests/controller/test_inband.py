@@ -9,6 +9,8 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -245,17 +247,13 @@ def test_a_t3_straggler_on_100_nodes_never_drains_and_never_opens_the_breaker():
 
 def test_a_t3_straggler_on_100_nodes_through_the_controller_writes_nothing(tmp_path):
     reports, nodes = _big_job_with_100_slow_nodes()
-    c, ledger, backend = make(tmp_path, "auto", nodes=nodes, auto_tier2=True, breaker_nodes=5)
-    try:
+    with made(tmp_path, "auto", nodes=nodes, auto_tier2=True, breaker_nodes=5) as (c, ledger, backend):
         c.reports.update(reports)
         for i in range(3):
             c.evaluate(NOW + i)
         assert backend.writes == [] and not ledger.breaker_state().open
         assert ledger.incidents(status="open") == [] and ledger.actions() == []
         assert c.round_figures(NOW + 2).inband_stragglers == {"T2": 0, "T3": 100}
-    finally:
-        c.close()
-        ledger.close()
 
 
 # --------------------------------------------------------------------------- the controller
@@ -273,9 +271,19 @@ def make(tmp_path: Path, mode: str = "auto", *, nodes=("node01", "node02", "node
     return c, ledger, backend
 
 
-def test_a_corroborated_straggler_on_a_multi_node_job_waits_for_approval_in_auto(tmp_path):
-    c, ledger, backend = make(tmp_path, "auto")
+@contextmanager
+def made(tmp_path: Path, mode: str = "auto", **kw: Any) -> Iterator[tuple[Controller, Ledger, FakeBackend]]:
+    """`make`'s controller, ledger and backend, the controller and the ledger closed after."""
+    c, ledger, backend = make(tmp_path, mode, **kw)
     try:
+        yield c, ledger, backend
+    finally:
+        c.close()
+        ledger.close()
+
+
+def test_a_corroborated_straggler_on_a_multi_node_job_waits_for_approval_in_auto(tmp_path):
+    with made(tmp_path, "auto") as (c, ledger, backend):
         c.reports.update(reports_of(spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125},
                                                corroborate={5: ("gpu1: clocks throttled (hw_slowdown)",)})))
         c.evaluate(NOW)
@@ -289,9 +297,6 @@ def test_a_corroborated_straggler_on_a_multi_node_job_waits_for_approval_in_auto
         c.evaluate(NOW + 1)
         assert [w[:2] for w in backend.writes] == [("drain", "node02")]
         assert "rank 5 of job 123" in backend.writes[0][2]
-    finally:
-        c.close()
-        ledger.close()
 
 
 def test_a_dismissed_straggler_stays_dismissed_through_its_episode_and_a_restart(tmp_path):
@@ -381,10 +386,9 @@ def test_a_hung_opted_in_job_is_requeued_exactly_once_across_rounds_and_restarts
 
 
 def test_a_hung_job_that_did_not_opt_in_is_recorded_and_alerted_once(tmp_path, caplog):
-    c, ledger, backend = make(tmp_path, "auto")
-    opted_in(backend, comment="my experiment")
-    opted_in(backend, job="124", batch=False)  # an interactive job cannot be requeued
-    try:
+    with made(tmp_path, "auto") as (c, ledger, backend):
+        opted_in(backend, comment="my experiment")
+        opted_in(backend, job="124", batch=False)  # an interactive job cannot be requeued
         with caplog.at_level(logging.WARNING, logger="healthd.controller"):
             for i in range(3):
                 c.reports.update(reports_of(hung_job(), hung_job("124"), at=NOW + i - 1))
@@ -397,9 +401,6 @@ def test_a_hung_job_that_did_not_opt_in_is_recorded_and_alerted_once(tmp_path, c
         alerts = [r.getMessage() for r in caplog.records if "ALERT in-band hang" in r.getMessage()]
         assert len(alerts) == 2 and all("a hang never drains a node" in a for a in alerts)
         assert not ledger.holds() and not any(w[0] == "drain" for w in backend.writes)
-    finally:
-        c.close()
-        ledger.close()
 
 
 def test_a_hung_job_that_did_not_opt_in_is_not_recorded_or_alerted_again_after_a_restart(tmp_path, caplog):
@@ -423,32 +424,24 @@ def test_a_hung_job_that_did_not_opt_in_is_not_recorded_or_alerted_again_after_a
 
 
 def test_a_finished_job_whose_records_outlived_it_is_never_requeued(tmp_path):
-    c, ledger, backend = make(tmp_path, "auto")
-    backend.known_jobs["123"] = JobInfo(job_id="123", batch=True, comment="healthd:requeue")  # ended, not running
-    try:
+    with made(tmp_path, "auto") as (c, ledger, backend):
+        backend.known_jobs["123"] = JobInfo(job_id="123", batch=True, comment="healthd:requeue")  # ended, not running
         c.reports.update(reports_of(hung_job()))
         c.evaluate(NOW)
         assert backend.writes == []
         [row] = [d for d in ledger.decisions() if d.kind == "requeue-hang"]
         assert row.refused_gate == "policy" and "not running on node02" in row.refused_reason
-    finally:
-        c.close()
-        ledger.close()
 
 
 def test_observe_mode_and_dry_run_requeue_nothing(tmp_path):
-    c, ledger, backend = make(tmp_path, "observe")
-    opted_in(backend)
-    try:
+    with made(tmp_path, "observe") as (c, ledger, backend):
+        opted_in(backend)
         for i in range(2):
             c.reports.update(reports_of(hung_job(), at=NOW + i - 1))
             c.evaluate(NOW + i)
         assert backend.writes == []
         [row] = [d for d in ledger.decisions() if d.kind == "requeue-hang"]
         assert (row.outcome, row.refused_gate) == ("refused", "mode")
-    finally:
-        c.close()
-        ledger.close()
     d = tmp_path / "dry"
     d.mkdir()
     printed: list[str] = []
@@ -467,9 +460,8 @@ def test_observe_mode_and_dry_run_requeue_nothing(tmp_path):
 
 
 def test_supervised_waits_for_approval_then_requeues_once(tmp_path):
-    c, ledger, backend = make(tmp_path, "supervised")
-    opted_in(backend)
-    try:
+    with made(tmp_path, "supervised") as (c, ledger, backend):
+        opted_in(backend)
         c.reports.update(reports_of(hung_job()))
         c.evaluate(NOW)
         c.evaluate(NOW + 1)
@@ -481,16 +473,12 @@ def test_supervised_waits_for_approval_then_requeues_once(tmp_path):
         c.evaluate(NOW + 3)
         assert backend.writes == [("requeue", "123")]
         assert ledger.decision(waiting.id).outcome == "allowed"
-    finally:
-        c.close()
-        ledger.close()
 
 
 def test_hang_requeues_respect_the_breaker_and_an_hourly_budget(tmp_path):
-    c, ledger, backend = make(tmp_path, "auto", max_actions_per_hour=1)
-    opted_in(backend)
-    opted_in(backend, job="124")
-    try:
+    with made(tmp_path, "auto", max_actions_per_hour=1) as (c, ledger, backend):
+        opted_in(backend)
+        opted_in(backend, job="124")
         ledger.open_breaker("switch:s1", nodes=["node01"], at=NOW - 5)
         c.reports.update(reports_of(hung_job(), hung_job("124")))
         c.evaluate(NOW)
@@ -504,9 +492,6 @@ def test_hang_requeues_respect_the_breaker_and_an_hourly_budget(tmp_path):
         c.reports.update(reports_of(hung_job(), hung_job("124"), at=NOW + 3699))
         c.evaluate(NOW + 3700)  # an hour later the budget has room again
         assert backend.writes == [("requeue", "123"), ("requeue", "124")]
-    finally:
-        c.close()
-        ledger.close()
 
 
 def _crash_after_plan(tmp_path: Path) -> tuple[Ledger, str]:
@@ -542,8 +527,7 @@ def test_a_requeue_a_crash_left_planned_is_settled_then_done_once(tmp_path, land
 
 
 def test_the_round_gauges_count_jobs_stragglers_and_hangs(tmp_path):
-    c, ledger, backend = make(tmp_path, "observe")
-    try:
+    with made(tmp_path, "observe") as (c, ledger, backend):
         c.reports.update(reports_of(hung_job(), spread_job("7", {"node03": 2, "node04": 2}, slow={3: 0.13},
                                                           corroborate={3: ("gpu1: hot",)})))
         c.evaluate(NOW)
@@ -553,9 +537,6 @@ def test_the_round_gauges_count_jobs_stragglers_and_hangs(tmp_path):
         assert get("healthd_controller_inband_hangs") == 1
         assert get("healthd_controller_inband_straggler_ranks", {"tier": "T2"}) == 1
         assert get("healthd_controller_inband_straggler_ranks", {"tier": "T3"}) == 0
-    finally:
-        c.close()
-        ledger.close()
 
 
 def test_a_broken_job_never_stops_the_round(tmp_path, monkeypatch):
