@@ -55,6 +55,9 @@ DAEMONS = ("slurmctld", "slurmd", "munged")
 HOOK_KEYS = ("HealthCheckProgram", "Prolog", "Epilog", "PrologSlurmctld", "EpilogSlurmctld", "TaskProlog")
 NVIDIA_MAJOR = 195  # character-device major of /dev/nvidiaN
 STOP_GRACE_S = 5.0
+# slurm.conf keys `scontrol reconfigure` applies to running daemons at once (slurmctld triggers the health
+# checks with its own interval; each slurmd reads its hooks again): changing only these needs no restart.
+RELOADED_KEYS = (*HOOK_KEYS, "HealthCheckInterval", "HealthCheckNodeState")
 STATE_FILE = "cluster.json"
 PORT_LOCK = Path("/tmp/healthd-slurm-ports.lock")
 PORT_STRIDE = 100
@@ -165,6 +168,25 @@ def is_glob(path: str) -> bool:
     return any(c in str(path) for c in "*?[")
 
 
+def _checked_hooks(hooks: Mapping[str, str] | None) -> dict[str, str]:
+    out = dict(hooks or {})
+    unknown = sorted(set(out) - set(HOOK_KEYS))
+    if unknown:
+        raise ValueError(f"hooks: unknown key(s) {unknown}; known: {', '.join(HOOK_KEYS)}")
+    for key, path in out.items():
+        if not Path(path).is_absolute():
+            raise ValueError(f"hooks[{key!r}] = {path!r}: Slurm needs an absolute path")
+    return out
+
+
+def _restart_lines(conf_text: str) -> list[str]:
+    """The slurm.conf lines a running cluster only takes by restarting (every line but the comments and
+    those `scontrol reconfigure` applies at once: RELOADED_KEYS)."""
+    reloaded = {k.lower() for k in RELOADED_KEYS}
+    return [line for line in conf_text.splitlines()
+            if not line.startswith("#") and line.partition("=")[0].strip().lower() not in reloaded]
+
+
 def _node_names(count: int) -> list[str]:
     return [f"node{i:02d}" for i in range(1, count + 1)]
 
@@ -266,13 +288,7 @@ class SlurmCluster:
         self.nodes = _node_names(nodes)
         self.gpus_per_node = gpus_per_node
         self.cpus_per_node = cpus_per_node
-        self.hooks = dict(hooks or {})
-        unknown = sorted(set(self.hooks) - set(HOOK_KEYS))
-        if unknown:
-            raise ValueError(f"hooks: unknown key(s) {unknown}; known: {', '.join(HOOK_KEYS)}")
-        for key, path in self.hooks.items():
-            if not Path(path).is_absolute():
-                raise ValueError(f"hooks[{key!r}] = {path!r}: Slurm needs an absolute path")
+        self.hooks = _checked_hooks(hooks)
         self.health_check_interval = health_check_interval
         self.extra_conf = extra_conf
         self.auto_port = port_base is None
@@ -857,6 +873,89 @@ class SlurmCluster:
             time.sleep(0.05)
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+    # --------------------------------------------------------------- another configuration, a clean slate
+    def reconfigure(
+        self,
+        *,
+        hooks: Mapping[str, str] | None = None,
+        health_check_interval: int | None = None,
+        extra_conf: str | None = None,
+        timeout_s: float = 60,
+    ) -> str:
+        """Run the cluster with another configuration (arguments as the constructor's; None keeps the
+        current value); a cluster that is not up only gets its slurm.conf written. Only hooks and
+        HealthCheckInterval changed: `scontrol reconfigure` (slurmd runs the new hooks from the next job
+        or health check on; a caller that must know when waits for one of its own hooks to run).
+        Anything else: slurmctld and every slurmd restart on their saved state (munged, node states and
+        jobs' records stay), like a site's restart after a slurm.conf change, and this returns once every
+        node has registered. Returns what it did: "" (nothing changed), "written" (not running),
+        "reloaded" or "restarted"."""
+        # what the running daemons read, whatever attributes a caller changed since
+        before = self.conf_path.read_text() if self.conf_path.is_file() else ""
+        if hooks is not None:
+            checked = _checked_hooks(hooks)
+            for key, path in checked.items():
+                if not is_glob(path) and not os.access(path, os.X_OK):
+                    raise SlurmClusterError(f"hooks[{key!r}] = {path}: not an executable file")
+            self.hooks = checked
+        if health_check_interval is not None:
+            self.health_check_interval = health_check_interval
+        if extra_conf is not None:
+            self.extra_conf = extra_conf
+        after = self.slurm_conf_text()
+        if after == before:
+            return ""
+        self.write_config()
+        if not self._running("slurmctld"):
+            return "written"
+        if _restart_lines(after) == _restart_lines(before):
+            self.run(["scontrol", "reconfigure"], timeout=30, check=True)
+            return "reloaded"
+        self._stop([f"slurmd-{n}" for n in self.nodes])
+        self._stop(["slurmctld"])
+        self._start_ctld_process()
+        for node in self.nodes:
+            self._start_slurmd_process(node)
+        self.wait_registered(timeout_s)
+        return "restarted"
+
+    def clean(self, timeout_s: float = 60) -> None:
+        """Put the cluster back as a fresh one is: every daemon running (a stopped slurmctld continued),
+        no job, no reservation, no reboot pending, every node resumed, undrained, weight 1 and idle.
+        Keeps the configuration (see reconfigure)."""
+        self._continue_ctld()
+        self.up(timeout_s, idle=False)  # starts whatever is not running, on the saved state
+        jobs = self.run(["squeue", "-h", "-o", "%i"], timeout=15, check=True).stdout.split()
+        if jobs:
+            self.run(["scancel", *jobs], timeout=15)
+            self.wait_for(lambda: not self.run(["squeue", "-h", "-o", "%i"], timeout=10).stdout.split(), timeout_s,
+                          what="every job to end")
+        for line in self.run(["scontrol", "show", "reservation", "-o"], timeout=10).stdout.splitlines():
+            if line.startswith("ReservationName="):
+                name = line.split()[0].split("=", 1)[1]
+                self.run(["scontrol", "delete", f"ReservationName={name}"], timeout=10)
+        for node in self.nodes:
+            info = self.node_state(node)
+            state = info.get("State", "")
+            if "REBOOT_REQUESTED" in state:
+                self.run(["scontrol", "cancel_reboot", node], timeout=10)
+                info = self.node_state(node)
+                state = info.get("State", "")
+            if any(flag in state for flag in ("DRAIN", "DOWN", "FAIL", "REBOOT")) or info.get("Reason"):
+                self.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=10)
+            if info.get("Weight", "1") != "1":
+                self.run(["scontrol", "update", f"NodeName={node}", "Weight=1"], timeout=10)
+        self.wait_idle(timeout_s)
+
+    def _continue_ctld(self) -> None:
+        """SIGCONT slurmctld (a test may have left it stopped with SIGSTOP)."""
+        rec = self._recorded("slurmctld")
+        if rec is not None and self._running("slurmctld"):
+            try:
+                os.kill(rec[0], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     # --------------------------------------------------------------- helpers for tests
     def stop_ctld(self) -> None:
