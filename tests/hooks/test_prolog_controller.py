@@ -12,17 +12,19 @@ import yaml
 
 from tests.controller.munge_support import MungeFleet, munged_path
 from tests.hooks.support import Node, finding, state_doc
+from tests.support.shared_daemons import session_munge_fleet
 from tests.support.stub_controller import VerifyingController
 
 pytestmark = pytest.mark.skipif(munged_path() is None, reason="munged not installed (apt-get install munge)")
 
+NODES = ["node01", "node02", "node03", "node04"]
 T1_GPU1 = finding("xid:gpu1:79", 1, xid=79, action="drain-and-requeue", summary="xid 79 gpu1: fell off the bus")
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    with MungeFleet(["node01"]) as f:
-        yield f
+def fleet(request: pytest.FixtureRequest) -> MungeFleet:
+    """The session's munged fleet of node01..node04 (tests/support/shared_daemons.py): node01 signs."""
+    return session_munge_fleet(request.config, NODES)
 
 
 @pytest.fixture

@@ -93,10 +93,11 @@ def _xid79(node_now: float) -> dict:
 
 
 @pytest.fixture(scope="session")
-def controller_scrape(tmp_path_factory) -> str:
+def controller_scrape(request: pytest.FixtureRequest, tmp_path_factory) -> str:
     """The controller's metrics endpoint body after accepted and refused reports and a few rounds in
     supervised mode (a decision waits for approval, an incident is open)."""
-    from tests.controller.munge_support import MungeFleet, munged_path
+    from tests.controller.munge_support import munged_path
+    from tests.support.shared_daemons import session_munge_fleet
 
     if munged_path() is None:
         pytest.skip("munged not installed (apt-get install munge): the controller scrape needs real MUNGE")
@@ -115,59 +116,59 @@ def controller_scrape(tmp_path_factory) -> str:
     from tests.support.fake_slurm import FakeBackend
 
     root = tmp_path_factory.mktemp("obs-controller")
-    with MungeFleet(NODES) as fleet:
-        ledger = Ledger(root / "ledger.sqlite")
-        settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(root / "ledger.sqlite"),
-                                      munge_socket=fleet.controller_socket, node_addrs=fleet.node_addrs,
-                                      policy=ControllerPolicySettings(mode="supervised"),
-                                      goodput=GoodputSettings(directory=str(root / "gathered"), settle_s=0))
-        metrics = ControllerMetrics()
-        backend = FakeBackend(NODES)
-        controller = Controller(settings, ledger, backend, metrics=metrics)
-        server = ControllerHTTPServer(settings.listen, controller)
-        server.start_background()
-        port = free_port()
-        metrics_server = metrics.serve(f"127.0.0.1:{port}")
-        try:
-            def post(node: str, doc: dict, signer: str) -> int:
-                req = urllib.request.Request(server.url + "/v1/report", method="POST",
-                                             data=sign_report(doc, node, fleet.socket(signer)),
-                                             headers={"Content-Type": "application/json"})
-                try:
-                    with urllib.request.urlopen(req, timeout=30) as r:
-                        return r.status
-                except urllib.error.HTTPError as exc:
-                    return exc.code
+    fleet = session_munge_fleet(request.config, NODES)
+    ledger = Ledger(root / "ledger.sqlite")
+    settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(root / "ledger.sqlite"),
+                                  munge_socket=fleet.controller_socket, node_addrs=fleet.node_addrs,
+                                  policy=ControllerPolicySettings(mode="supervised"),
+                                  goodput=GoodputSettings(directory=str(root / "gathered"), settle_s=0))
+    metrics = ControllerMetrics()
+    backend = FakeBackend(NODES)
+    controller = Controller(settings, ledger, backend, metrics=metrics)
+    server = ControllerHTTPServer(settings.listen, controller)
+    server.start_background()
+    port = free_port()
+    metrics_server = metrics.serve(f"127.0.0.1:{port}")
+    try:
+        def post(node: str, doc: dict, signer: str) -> int:
+            req = urllib.request.Request(server.url + "/v1/report", method="POST",
+                                         data=sign_report(doc, node, fleet.socket(signer)),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
 
-            now = time.time()
-            assert post("node01", {"node": "node01", "verdict": "healthy", "findings": []}, "node01") == 200
-            assert post("node02", {"node": "node02", "verdict": "failed", "findings": [_xid79(now)]}, "node02") == 200
-            assert post("node03", {"node": "node03", "verdict": "healthy", "findings": []}, "node04") != 200
-            # a job's goodput log shipped by node01's agent, and accounted once Slurm says it ended
-            (root / "node01/goodput").mkdir(parents=True)
-            (root / "node01/goodput/4242.jsonl").write_text(node_log())
-            shipper = GoodputShipper(ControllerClientSettings(url=server.url, munge_socket=fleet.socket("node01")),
-                                     "node01", str(root / "node01"), start=False)
-            assert shipper.ship_once() and shipper.counters["shipments"] == 1
-            backend.known_jobs["4242"] = JobInfo("4242", True, "", 1, "COMPLETED", "gpu", "ml")
-            accountant = GoodputAccountant(settings.goodput, backend, settings.ledger, metrics.goodput.publish)
-            assert accountant.pass_once() == ["4242"]
-            accountant.jobs.close()
-            for _ in range(3):
-                controller.evaluate(time.time())
-                # the one line daemon.py's evaluate runs after a full round; called here too so this
-                # scrape does not depend on it (idempotent)
-                metrics.observe_round(controller.round_figures(time.time()))
-            body = wait_for(lambda: scrape(f"http://127.0.0.1:{port}/metrics"),
-                            lambda t: "healthd_controller_approvals_waiting 1.0" in t)
-        finally:
-            if metrics_server is not None:
-                metrics_server[0].shutdown()
-                metrics_server[0].server_close()
-            server.shutdown()
-            server.server_close()
-            controller.close()
-            ledger.close()
+        now = time.time()
+        assert post("node01", {"node": "node01", "verdict": "healthy", "findings": []}, "node01") == 200
+        assert post("node02", {"node": "node02", "verdict": "failed", "findings": [_xid79(now)]}, "node02") == 200
+        assert post("node03", {"node": "node03", "verdict": "healthy", "findings": []}, "node04") != 200
+        # a job's goodput log shipped by node01's agent, and accounted once Slurm says it ended
+        (root / "node01/goodput").mkdir(parents=True)
+        (root / "node01/goodput/4242.jsonl").write_text(node_log())
+        shipper = GoodputShipper(ControllerClientSettings(url=server.url, munge_socket=fleet.socket("node01")),
+                                 "node01", str(root / "node01"), start=False)
+        assert shipper.ship_once() and shipper.counters["shipments"] == 1
+        backend.known_jobs["4242"] = JobInfo("4242", True, "", 1, "COMPLETED", "gpu", "ml")
+        accountant = GoodputAccountant(settings.goodput, backend, settings.ledger, metrics.goodput.publish)
+        assert accountant.pass_once() == ["4242"]
+        accountant.jobs.close()
+        for _ in range(3):
+            controller.evaluate(time.time())
+            # the one line daemon.py's evaluate runs after a full round; called here too so this
+            # scrape does not depend on it (idempotent)
+            metrics.observe_round(controller.round_figures(time.time()))
+        body = wait_for(lambda: scrape(f"http://127.0.0.1:{port}/metrics"),
+                        lambda t: "healthd_controller_approvals_waiting 1.0" in t)
+    finally:
+        if metrics_server is not None:
+            metrics_server[0].shutdown()
+            metrics_server[0].server_close()
+        server.shutdown()
+        server.server_close()
+        controller.close()
+        ledger.close()
     return body
 
 

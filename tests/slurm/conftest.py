@@ -1,12 +1,15 @@
 """Fixtures for tests against a real local Slurm (tests/support/slurm_cluster.py).
 
-- `slurm_cluster`: one cluster for the whole session (node01..node04, gpu:4 each, no hooks), up
-  before the first test that asks for it and always stopped at the end. Tests that change it (drain,
-  stop slurmctld) put it back as they found it.
-- `make_slurm_cluster(**kwargs)`: a cluster of your own (hooks, fewer nodes, extra_conf...), up when
-  returned; each gets its own free port range (picked by up() under a machine-wide lock), so it runs
-  next to `slurm_cluster` and next to clusters of another test session on the machine. All are stopped at the
-  end of the session; call `.down()` yourself to stop one earlier.
+- `slurm_cluster`: the session's one cluster (tests/support/shared_daemons.py: node01..node04, gpu:4
+  each, no hooks), up before the first test that asks for it and stopped at the end of the session;
+  cleaned at the start of each module that uses it (no job, no drain, every node idle). Tests that
+  change it (drain, stop slurmctld) put it back as they found it.
+- `shared_slurm`: the same cluster's SessionCluster, for a fixture that installs hooks on it or needs
+  another configuration (tests/slurm/e2e_support.py's running_cluster).
+- `make_slurm_cluster(**kwargs)`: a cluster of your own (fewer nodes, a cluster the test stops...), up
+  when returned; each gets its own free port range (picked by up() under a machine-wide lock), so it
+  runs next to `slurm_cluster` and next to clusters of another test session on the machine. All are
+  stopped at the end of the session; call `.down()` yourself to stop one earlier.
 - SLURM_CONF is set in os.environ for the whole session (to the session cluster's slurm.conf, written
   at once even if the cluster is never started): a Slurm client run without it would make a DNS SRV
   query off the machine.
@@ -22,7 +25,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support.slurm_cluster import SlurmCluster, ensure_installed
+from tests.support.shared_daemons import SessionCluster, session_cluster
+from tests.support.slurm_cluster import SlurmCluster
 
 
 _roots: list[Path] = []
@@ -47,16 +51,15 @@ def _remove_roots() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def slurm_root() -> Path:
-    return _new_root("slurm")
+def shared_slurm(request: pytest.FixtureRequest) -> SessionCluster:
+    return session_cluster(request.config)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def slurm_conf_env(slurm_root: Path) -> Iterator[Path]:
-    """SLURM_CONF in os.environ for the session, pointing at a real file (P1 defence); slurm_cluster's
+def slurm_conf_env(shared_slurm: SessionCluster) -> Iterator[Path]:
+    """SLURM_CONF in os.environ for the session, pointing at a real file (P1 defence); the cluster's
     up() rewrites it with the ports it picks."""
-    ensure_installed()
-    conf = SlurmCluster(slurm_root).write_config()
+    conf = shared_slurm.cluster.conf_path
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)
     yield conf
@@ -66,14 +69,10 @@ def slurm_conf_env(slurm_root: Path) -> Iterator[Path]:
         os.environ["SLURM_CONF"] = old
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(slurm_root: Path, slurm_conf_env: Path) -> Iterator[SlurmCluster]:
-    cluster = SlurmCluster(slurm_root)  # ports: the first free block, picked by up()
-    try:
-        cluster.up()  # stops whatever it started if it fails
-        yield cluster
-    finally:
-        cluster.down()
+@pytest.fixture(scope="module")
+def slurm_cluster(request: pytest.FixtureRequest, shared_slurm: SessionCluster,
+                  slurm_conf_env: Path) -> SlurmCluster:
+    return shared_slurm.use(request.module.__name__)
 
 
 @pytest.fixture(scope="session")

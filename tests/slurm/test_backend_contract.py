@@ -2,10 +2,9 @@
 - ScontrolBackend on a real Slurm (a local cluster from tests/support/slurm_cluster.py), and
 - PyslurmBackend on the pyslurm 25.11 stand-in (tests/slurm/pyslurm_standin).
 
-The real cluster is this module's own (make_slurm_cluster), not the session's `slurm_cluster`:
-`scontrol reboot` is refused outright without a RebootProgram ("RebootProgram isn't defined"), so
-this one has RebootProgram=/bin/true. The reboot checks use a busy node, so the reboot stays
-requested and is cancelled before it is ever issued; /bin/true never runs.
+The real cluster is the session's `slurm_cluster`: its RebootProgram=/bin/true lets `scontrol reboot`
+through (refused outright without one: "RebootProgram isn't defined"). The reboot checks use a busy
+node, so the reboot stays requested and is cancelled before it is ever issued; /bin/true never runs.
 """
 
 from __future__ import annotations
@@ -104,10 +103,8 @@ def step_argv(node: str, command: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def contract_cluster(make_slurm_cluster):
-    cluster = make_slurm_cluster(extra_conf="RebootProgram=/bin/true")
-    yield cluster
-    cluster.down()
+def contract_cluster(slurm_cluster):
+    return slurm_cluster
 
 
 @pytest.fixture
