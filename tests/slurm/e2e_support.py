@@ -2,19 +2,20 @@
 whose HealthCheckProgram, Prolog and Epilog are healthd's hooks, with one real `healthd run` agent per
 node against the C stand-in NVML, an InfiniBand sysfs tree and a journal directory of its own.
 
-    e2e = HooksCluster(root, venv_bin)
-    e2e.start()                          # agents first, then the cluster; returns when all is idle and known
+    e2e = HooksCluster(root, venv_bin)   # or HooksCluster(root, venv_bin, cluster=a_running_cluster)
+    e2e.start()                          # agents first, then the cluster (or its hooks); returns when all is idle and known
     n = e2e.nodes["node02"]
     n.xid(0, 79, "pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
     n.wait_finding(lambda f: f["id"] == "xid:gpu0:79")
     job = e2e.sbatch("--gres=gpu:4", "-N1", wrap="hostname")
     e2e.restore()                        # between scenarios: jobs gone, nodes resumed, weights reset
-    e2e.stop()                           # agents and cluster, by PID only
+    e2e.stop()                           # agents and cluster (a cluster given: its hooks taken out), by PID only
 
 Layout under `root`:
     bin/healthd-hook                     slurm/healthd-hook-wrapper.sh, rendered (see `render_wrapper`)
     bin/healthd-{healthcheck,prolog,epilog} -> healthd-hook   (what slurm.conf names)
-    slurm/                               the SlurmCluster root (etc/slurm.conf, dev/<node>/nvidia[0-3], logs)
+    slurm/                               the SlurmCluster root (etc/slurm.conf, dev/<node>/nvidia[0-3], logs),
+                                         unless the HooksCluster runs on a cluster it was given
     nodes/<node>/healthd.yaml            the config the agent AND the hooks of that node read
     nodes/<node>/{nvml.conf,journal/,sys/class/infiniband,lib/,run/}
     nodes/<node>/hooks.log               the hooks' log lines (HEALTHD_HOOK_LOG of the wrapper)
@@ -310,9 +311,14 @@ class HooksCluster:
     """hook_dirs=True: the layout next to a site's own prologs and epilogs (slurm/slurm.conf.snippet):
     slurm.conf says `Prolog=<root>/prolog.d/*` and `Epilog=<root>/epilog.d/*`, and the wrapper is
     linked in as prolog.d/healthd-prolog and epilog.d/healthd-epilog (HealthCheckProgram stays
-    bin/healthd-healthcheck). A test adds the site's scripts with `site_script`."""
+    bin/healthd-healthcheck). A test adds the site's scripts with `site_script`.
 
-    def __init__(self, root: Path, venv_bin: Path, *, hook_dirs: bool = False):
+    cluster: a running SlurmCluster (node01..node04, configured with EXTRA_CONF: a test session's shared
+    one) to install the hooks on, by `scontrol reconfigure`, instead of starting a cluster of its own;
+    stop() takes them out again and leaves it running. `hooks` may get more keys (a TaskProlog) before
+    start()."""
+
+    def __init__(self, root: Path, venv_bin: Path, *, hook_dirs: bool = False, cluster: SlurmCluster | None = None):
         self.root = Path(root)
         self.venv_bin = Path(venv_bin)
         self.bin = self.root / "bin"
@@ -324,8 +330,13 @@ class HooksCluster:
         if hook_dirs:
             self.hooks["Prolog"] = f"{self.prolog_d}/*"
             self.hooks["Epilog"] = f"{self.epilog_d}/*"
-        self.cluster = SlurmCluster(self.root / "slurm", hooks=self.hooks, health_check_interval=HEALTH_CHECK_INTERVAL,
-                                    extra_conf=EXTRA_CONF)
+        self.own_cluster = cluster is None
+        if cluster is None:
+            cluster = SlurmCluster(self.root / "slurm", hooks=self.hooks, health_check_interval=HEALTH_CHECK_INTERVAL,
+                                   extra_conf=EXTRA_CONF)
+        elif list(cluster.nodes) != list(NODES) or cluster.gpus_per_node != GPUS:
+            raise E2EError(f"the cluster given has nodes {cluster.nodes} of {cluster.gpus_per_node} GPUs, not {NODES} of {GPUS}")
+        self.cluster = cluster
         self.nvml_dir = self.root / "nvml"
         self.nodes: dict[str, HealthdNode] = {}
         self._holds = 0
@@ -340,7 +351,8 @@ class HooksCluster:
         self.release_dir.chmod(0o755)
         build_fake_nvml(self.nvml_dir)
         self.install_wrappers()
-        self.cluster.write_config()  # slurm.conf's path is in every healthd.yaml; up() rewrites it with its ports
+        if self.own_cluster:
+            self.cluster.write_config()  # slurm.conf's path is in every healthd.yaml; up() rewrites it with its ports
         self.nodes = {n: HealthdNode(self.root, n, self.cluster, self.nvml_dir, str(self.venv_bin / "healthd"))
                       for n in NODES}
         for node in self.nodes.values():
@@ -348,7 +360,19 @@ class HooksCluster:
             node.start_agent()
         for node in self.nodes.values():
             node.wait_known()
-        self.cluster.up(timeout_s=60)
+        if self.own_cluster:
+            self.cluster.up(timeout_s=60)
+        else:
+            self.install_hooks()
+
+    def install_hooks(self) -> None:
+        """The hooks into the running cluster's slurm.conf (`scontrol reconfigure`); returns once every
+        node's slurmd has run this root's health check, so the next job runs this root's prolog."""
+        self.cluster.reconfigure(hooks=self.hooks, health_check_interval=HEALTH_CHECK_INTERVAL)
+        for node in self.nodes.values():
+            wait_for(lambda n=node: n.checks() is not None, 30, f"{node.name}'s first health check from {self.root}",
+                     diagnostics=node.diagnostics)
+        self.cluster.wait_idle(30)
 
     def install_wrappers(self) -> None:
         self.bin.mkdir(parents=True, exist_ok=True)
@@ -408,13 +432,19 @@ class HooksCluster:
 
     def stop(self) -> None:
         errors = []
+        if not self.own_cluster:
+            try:  # before the agents: no health check meets them stopped
+                self.cluster.reconfigure(hooks={}, health_check_interval=0)
+            except SlurmClusterError as exc:
+                errors.append(f"taking the hooks out: {exc}")
         for node in self.nodes.values():
             try:
                 node.stop_agent()
             except Exception as exc:  # noqa: BLE001 - stop the rest anyway
                 errors.append(f"{node.name} agent: {exc}")
         try:
-            self.cluster.down()
+            if self.own_cluster:
+                self.cluster.down()
         except SlurmClusterError as exc:
             errors.append(str(exc))
         if errors:
@@ -554,19 +584,31 @@ class HooksCluster:
 
 @contextmanager
 def running_cluster(request: Any, label: str, venv_bin: Path,
-                    prepare: Callable[["HooksCluster"], None] | None = None, **kw: Any) -> Iterator["HooksCluster"]:
+                    prepare: Callable[["HooksCluster"], None] | None = None, *, shared: Any = None,
+                    **kw: Any) -> Iterator["HooksCluster"]:
     """A started HooksCluster (`prepare` runs before the start) in its own directory under /tmp, NOT
     under pytest's basetemp: every pytest session that starts on this machine chmods
     /tmp/pytest-of-root back to 0700, which locks slurmctld (SlurmUser=slurm) out of the munge socket
     in the middle of a run ("Munge encode failed: ... Permission denied"). Removed at the end unless
-    a test failed (then its path is printed, logs and all)."""
+    a test failed (then its path is printed, logs and all).
+
+    shared: the session's cluster (tests/support/shared_daemons.py's SessionCluster): the hooks go on
+    it, with `label` as its owner (cleaned first, configured with EXTRA_CONF), instead of on a cluster
+    of their own. The directory is then removed when the session's cluster stops: a slurmd that has
+    not read its slurm.conf again yet still finds the hooks it was told to run."""
     for name in ("healthd", *HOOK_NAMES.values()):
         assert (venv_bin / name).is_file(), f"{venv_bin / name} missing: `make deps` installs the console scripts"
     ensure_installed()
     failed_before = request.session.testsfailed
     root = Path(tempfile.mkdtemp(prefix=f"healthd-{label}-", dir="/tmp"))
     root.chmod(0o755)
-    cluster = HooksCluster(root, venv_bin, **kw)
+    try:
+        if shared is not None:
+            kw["cluster"] = shared.use(label, extra_conf=EXTRA_CONF)
+        cluster = HooksCluster(root, venv_bin, **kw)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     try:
         with hard_limit(120, "starting 4 agents and the cluster"):
             if prepare is not None:
@@ -576,7 +618,9 @@ def running_cluster(request: Any, label: str, venv_bin: Path,
     finally:
         with hard_limit(60, "stopping the agents and the cluster"):
             cluster.stop()
-        if request.session.testsfailed == failed_before:
+        if shared is not None:
+            shared.remove_at_end(root)  # or kept with the cluster's logs, when a test failed
+        elif request.session.testsfailed == failed_before:
             shutil.rmtree(root, ignore_errors=True)
         else:
             print(f"\n{label}: kept {root} (logs: slurm/log/, nodes/*/hooks.log, nodes/*/agent.log)")

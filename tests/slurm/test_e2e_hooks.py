@@ -67,8 +67,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a real Slurm cluster 
 
 
 @pytest.fixture(scope="module")
-def e2e(request: pytest.FixtureRequest) -> Iterator[HooksCluster]:
-    with running_cluster(request, "e2e-hooks", VENV_BIN) as cluster:
+def e2e(request: pytest.FixtureRequest, shared_slurm) -> Iterator[HooksCluster]:
+    with running_cluster(request, "e2e-hooks", VENV_BIN, shared=shared_slurm) as cluster:
         yield cluster
 
 

@@ -56,15 +56,15 @@ def install_taskprolog(cluster: HooksCluster) -> None:
     path = cluster.bin / "healthd-taskprolog"
     path.write_text(LAUNCHER.format(python=SYSTEM_PYTHON, repo=REPO, root=cluster.root))
     path.chmod(0o755)
-    cluster.cluster.hooks["TaskProlog"] = str(path)
+    cluster.hooks["TaskProlog"] = str(path)
     out = cluster.root / "out"
     out.mkdir(exist_ok=True)
     out.chmod(0o1777)
 
 
 @pytest.fixture(scope="module")
-def e2e(request: pytest.FixtureRequest) -> Iterator[HooksCluster]:
-    with running_cluster(request, "e2e-inband", VENV_BIN, install_taskprolog) as cluster:
+def e2e(request: pytest.FixtureRequest, shared_slurm) -> Iterator[HooksCluster]:
+    with running_cluster(request, "e2e-inband", VENV_BIN, install_taskprolog, shared=shared_slurm) as cluster:
         yield cluster
 
 

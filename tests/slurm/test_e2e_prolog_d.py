@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a real Slurm cluster 
 
 
 @pytest.fixture(scope="module")
-def e2e(request: pytest.FixtureRequest) -> Iterator[HooksCluster]:
+def e2e(request: pytest.FixtureRequest, shared_slurm) -> Iterator[HooksCluster]:
     """Like test_e2e_hooks's cluster, with the hook directories and a site script on each side."""
     def site_scripts(cluster: HooksCluster) -> None:
         cluster.install_wrappers()
@@ -46,7 +46,8 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[HooksCluster]:
             cluster.site_script(cluster.prolog_d, f"{prefix}-prolog")
             cluster.site_script(cluster.epilog_d, f"{prefix}-epilog")
 
-    with running_cluster(request, "e2e-prolog-d", VENV_BIN, site_scripts, hook_dirs=True) as cluster:
+    with running_cluster(request, "e2e-prolog-d", VENV_BIN, site_scripts, shared=shared_slurm,
+                         hook_dirs=True) as cluster:
         yield cluster
 
 
