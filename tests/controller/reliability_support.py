@@ -28,7 +28,7 @@ from typing import Any
 from healthd.envelope import sign_report
 from healthd.model import iso
 from tests.controller.munge_support import MungeFleet
-from tests.support.polling import free_port, poll as wait_until
+from tests.support.polling import free_port, poll as wait_until, scrape
 from tests.support.slurm_cluster import SAFE_PATH, SlurmCluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,6 +114,7 @@ class ControllerProc:
         self.config = self.workdir / "controller.yaml"
         self.log = self.workdir / "controller.log"
         self.port = 0
+        self.metrics_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -121,9 +122,12 @@ class ControllerProc:
 
     def write_config(self) -> None:
         self.port = free_port()
+        self.metrics_port = free_port()
         policy = {"mode": self.mode, **self.policy}
         lines = [
             f"listen: 127.0.0.1:{self.port}",
+            # the rounds' figures: wait_rounds() counts rounds by them
+            f"metrics_listen: 127.0.0.1:{self.metrics_port}",
             f"ledger: {self.ledger}",
             f"munge_socket: {self.fleet.controller_socket}",
             f"slurm_conf: {self.cluster.conf_path}",
@@ -151,17 +155,13 @@ class ControllerProc:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
                 start_new_session=True,
             )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"controller did not come up (rc={self.proc.poll()}):\n{self.log_text()[-4000:]}")
-            time.sleep(0.1)
+        def up() -> bool:
+            if self.proc is None or self.proc.poll() is not None:
+                raise AssertionError(f"controller exited (rc={self.proc and self.proc.poll()}):\n{self.log_text()[-4000:]}")
+            return scrape(f"{self.url}/healthz") is not None
+
+        wait_until(up, timeout, "the controller's /healthz", interval=0.1,
+                   diagnostics=lambda: self.log_text()[-4000:])
 
     @property
     def url(self) -> str:
@@ -250,9 +250,30 @@ class ControllerProc:
         cols = ("id", "signature", "status", "first_evidence_at", "detected_at")
         return [dict(zip(cols, r, strict=True)) for r in self.ledger_rows(sql, (node,) if node else ())]
 
-    def wait_rounds(self, rounds: int = 4) -> None:
-        """Let `rounds` control rounds pass (the loop sleeps `interval` between rounds)."""
-        time.sleep(rounds * self.interval + 0.5)
+    def last_round(self) -> float | None:
+        """When the last full control round (Slurm reachable) was, from the controller's metrics; None
+        before the first one or when it does not answer."""
+        body = scrape(f"http://127.0.0.1:{self.metrics_port}/metrics") if self.metrics_port else None
+        for line in (body or "").splitlines():
+            if line.startswith("healthd_controller_last_round_timestamp_seconds "):
+                return float(line.split()[1]) or None
+        return None
+
+    def wait_rounds(self, rounds: int = 4, timeout: float | None = None) -> None:
+        """Until `rounds` more full control rounds have completed: what a test waits for before it asserts
+        that nothing (more) happened. On a busy machine a round takes longer than `interval`; counting
+        them keeps the test's meaning where a fixed sleep would let fewer rounds pass."""
+        after = self.last_round() or 0.0
+        seen: set[float] = set()
+
+        def counted() -> bool:
+            t = self.last_round()
+            if t is not None and t > after:
+                seen.add(t)
+            return len(seen) >= rounds
+
+        wait_until(counted, timeout if timeout is not None else 30 + rounds * self.interval,
+                   f"{rounds} more control rounds", interval=0.05, diagnostics=lambda: self.log_text()[-3000:])
 
 
 # ------------------------------------------------------------------------------------ scontrol wrapper

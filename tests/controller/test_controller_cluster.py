@@ -20,6 +20,7 @@ from healthd.controller.server import ControllerHTTPServer
 from healthd.model import iso
 from healthd.slurm.scontrol import ScontrolBackend
 from tests.controller.munge_support import MungeFleet, munged_path
+from tests.support.polling import poll, scrape
 from tests.support.slurm_cluster import SlurmCluster
 
 NODES = ["node01", "node02", "node03", "node04"]
@@ -103,14 +104,9 @@ def test_drain_and_requeue_requeues_the_opted_in_batch_job(cluster, fleet, tmp_p
         out = cluster.run(["sbatch", "--parsable", "-w", "node02", "--comment", comment, "--requeue",
                            "-o", "/dev/null", "--wrap", "sleep 300"], check=True).stdout
         submitted.append(out.strip().split(";")[0])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        running = cluster.run(["squeue", "-h", "-w", "node02", "-t", "R", "-o", "%i"]).stdout.split()
-        if set(submitted) <= set(running):
-            break
-        time.sleep(0.3)
-    else:
-        pytest.fail(f"jobs {submitted} did not start on node02")
+    cluster.wait_for(lambda: set(submitted) <= set(cluster.run(["squeue", "-h", "-w", "node02", "-t", "R", "-o",
+                                                                 "%i"]).stdout.split()),
+                     30, what=f"jobs {submitted} to start on node02")
     backend, ledger, results = _run(cluster, fleet, tmp_path, "auto")
     try:
         (outcome, result), = results
@@ -144,29 +140,34 @@ def test_daemon_dry_run_prints_the_drain_and_stops_on_sigterm(cluster, fleet, tm
     before = snapshot(ScontrolBackend(str(cluster.conf_path), timeout_s=10))
     port = _free_port()
     cfg = tmp_path / "controller.yaml"
+    metrics_port = _free_port()
     cfg.write_text(
         f"listen: 127.0.0.1:{port}\nledger: {tmp_path / 'ledger.sqlite'}\nmunge_socket: {fleet.controller_socket}\n"
         f"slurm_conf: {cluster.conf_path}\nnode_addrs: {json.dumps(fleet.node_addrs)}\npolicy:\n  mode: auto\n"
-        f"admin_socket: {tmp_path / 'admin.sock'}\n"
+        f"admin_socket: {tmp_path / 'admin.sock'}\nmetrics_listen: 127.0.0.1:{metrics_port}\n"
     )
     proc = subprocess.Popen([sys.executable, "-m", "healthd.controller.daemon", "--config", str(cfg), "--dry-run",
                              "--interval", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, SLURM_CONF=str(cluster.conf_path)))
+    def up() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"controller did not come up: {proc.communicate(timeout=5)}")
+        return scrape(f"http://127.0.0.1:{port}/healthz") is not None
+
+    def rounds() -> list[float]:
+        body = scrape(f"http://127.0.0.1:{metrics_port}/metrics") or ""
+        return [float(line.split()[1]) for line in body.splitlines()
+                if line.startswith("healthd_controller_last_round_timestamp_seconds ")]
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"controller did not come up: {proc.communicate(timeout=5)}")
-                time.sleep(0.2)
+        poll(up, 30, "the controller's /healthz")
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/report", data=_report(fleet, "node02"), method="POST")
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert resp.status == 200
-        time.sleep(2.0)  # several rounds
+        # several rounds after the report: a drain printed once per round would show more than once
+        after, seen = time.time(), set()
+        poll(lambda: seen.update(t for t in rounds() if t > after) or len(seen) >= 4, 30, "4 control rounds",
+             interval=0.05)
         from healthd.controller.admin import call_admin
 
         assert call_admin(str(tmp_path / "admin.sock"), {"cmd": "ping"})["ok"] is True

@@ -127,7 +127,9 @@ def test_controller_killed_mid_action_restart_applies_exactly_once(cluster, flee
         assert files["rc"].read_text().strip() == "0"
         assert "DRAIN" in shown["State"] and shown["Reason"].startswith("healthd:"), shown
         written_at = shown["ReasonTime"]
-        time.sleep(1.2)  # a second write would show a later ReasonTime
+        # ReasonTime has whole seconds: once the clock is past it, a second write would show a later one
+        wait_until(lambda: time.strftime("%Y-%m-%dT%H:%M:%S") > written_at, 5, "the clock to pass the drain's ReasonTime",
+                   interval=0.05)
     else:
         assert "DRAIN" not in shown["State"] and not shown.get("Reason"), shown
 

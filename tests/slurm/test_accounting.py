@@ -9,7 +9,6 @@ answers None."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -61,7 +60,9 @@ def _requeued_job(cluster: SlurmCluster) -> str:
     """A batch job requeued while it ran, then run to completion: two runs in accounting."""
     job = _submit(cluster, "--wrap", "sleep 4")
     cluster.wait_for(lambda: _state(cluster, job) == "RUNNING", 30, what=f"job {job} to run")
-    time.sleep(1.5)
+    # accounting keeps whole seconds: a first run shorter than one would end when it started
+    cluster.wait_for(lambda: cluster.run(["squeue", "-h", "-j", job, "-o", "%M"], timeout=10).stdout.strip()
+                     not in ("", "0:00"), 30, what=f"job {job}'s first second of run time")
     cluster.run(["scontrol", "requeue", job], check=True)
     # a requeued job waits (BeginTime) before it starts again; let it go at once
     cluster.wait_for(lambda: _state(cluster, job) == "PENDING", 30, what=f"job {job} requeued")
