@@ -60,10 +60,6 @@ class SessionCluster:
         self.cluster.extra_conf = base_extra_conf(self.cluster)
         self.cluster.write_config()  # SLURM_CONF may point here before anything starts
         self.owner: str | None = None
-        self.starts = 0
-        """Fresh starts of the cluster (1 in a session, unless every daemon was stopped)."""
-        self.restarts = 0
-        """Restarts of slurmctld and the slurmd for another configuration."""
         self.failed = False
         """Set when the session ends with a failed test: the directories are kept for their logs."""
         self._leftovers: list[Path] = []
@@ -76,15 +72,13 @@ class SessionCluster:
         if self.owner is None:
             cluster.extra_conf = wanted
         if not cluster.is_up():
-            self.starts += not any(cluster.pids())
             cluster.up(timeout_s, idle=False)  # the first start, or daemons a test stopped and left stopped
         if owner != self.owner:
-            self.restarts += cluster.reconfigure(hooks={}, health_check_interval=0, extra_conf=wanted,
-                                                 timeout_s=timeout_s) == "restarted"
+            cluster.reconfigure(hooks={}, health_check_interval=0, extra_conf=wanted, timeout_s=timeout_s)
             cluster.clean(timeout_s)
             self.owner = owner
         elif cluster.extra_conf != wanted:
-            self.restarts += cluster.reconfigure(extra_conf=wanted, timeout_s=timeout_s) == "restarted"
+            cluster.reconfigure(extra_conf=wanted, timeout_s=timeout_s)
             cluster.wait_idle(timeout_s)
         return cluster
 
