@@ -18,6 +18,9 @@ What runs (all stopped by PID in `stop()`, which `__exit__`, Ctrl-C and a failed
 
 Everything lives in one directory under /tmp with mode 0755 (munged, slurmctld and a job's user must
 traverse it), removed at stop. Every Slurm client runs with SLURM_CONF set.
+
+A test session passes the cluster and the munged fleet it shares (tests/support/shared_daemons.py):
+the harness then runs on them, configured by their owner, and leaves them running at stop.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from tests.controller.munge_support import MungeFleet, munged_path  # noqa: E402
 from tests.support.fake_nvml import build_fake_nvml, healthy_node, write_nvml_config  # noqa: E402
 from tests.support.ib_tree import make_ndr_node  # noqa: E402
 from tests.support.journal import write_journal  # noqa: E402
-from tests.support.polling import free_port, poll  # noqa: E402
+from tests.support.polling import free_port, poll, scrape  # noqa: E402
+from tests.support.shared_daemons import base_extra_conf  # noqa: E402
 from tests.support.slurm_cluster import SlurmCluster, ensure_installed  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -81,23 +85,31 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def _stop_proc(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
     """SIGTERM by PID, SIGKILL after grace_s, reap (PID 1 here may not)."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+    _stop_procs([proc], grace_s)
+
+
+def _stop_procs(procs: Sequence[subprocess.Popen | None], grace_s: float = 5.0) -> None:
+    """_stop_proc for several at once: all are sent SIGTERM before any is waited for, so their shutdowns
+    (an agent's last report, up to 2 s) overlap."""
+    running = [p for p in procs if p is not None and p.poll() is None]
+    for proc in list(running):
         try:
-            os.kill(proc.pid, signal.SIGKILL)
+            os.kill(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
-            pass
+            running.remove(proc)
+    deadline = time.monotonic() + grace_s
+    for proc in running:
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pass
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 @dataclasses.dataclass
@@ -108,6 +120,8 @@ class SimNode:
     root: Path
     gpus: list[dict]
     proc: subprocess.Popen | None = None
+    log_from: int = 0
+    """The size of `log` when the running agent started: what it logged comes after."""
 
     @property
     def journal(self) -> Path:
@@ -146,13 +160,25 @@ class FleetHarness:
         main scheduling loop's period; default 60 s), shortened so a requeued job restarts within seconds.
     idle_nodes: more nodes declared in slurm.conf (idle00001...) that never run a slurmd: slurmctld
         holds them as down, not responding, as a large fleet's idle view costs it and its clients.
+    cluster / munge: a running SlurmCluster (with `nodes` nodes of `gpus_per_node` GPUs, configured
+        with slurm_extra_conf()) and a running MungeFleet of its nodes to use instead of starting
+        them; stop() leaves both running.
+    ledger_dir: where the controller keeps its ledger (default: its own directory);
+    controller_extra_env: more environment for the controller (systemd's notify socket).
     """
 
     def __init__(self, nodes: int = 4, gpus_per_node: int = 4, *, policy: Mapping[str, Any] | None = None,
                  extra_config: Mapping[str, Any] | None = None, agent_config: Mapping[str, Any] | None = None,
                  round_s: float = 0.5,
                  agent_interval_s: float = 5.0, heartbeat_s: float = 5.0, requeue_delay_s: int = 10,
-                 sched_interval_s: int = 2, idle_nodes: int = 0, log: Callable[[str], None] | None = None):
+                 sched_interval_s: int = 2, idle_nodes: int = 0, log: Callable[[str], None] | None = None,
+                 cluster: SlurmCluster | None = None, munge: MungeFleet | None = None):
+        if cluster is not None and (len(cluster.nodes) != nodes or cluster.gpus_per_node != gpus_per_node
+                                    or idle_nodes):
+            raise HarnessError(f"the cluster given has {len(cluster.nodes)} nodes of {cluster.gpus_per_node} GPUs; "
+                               f"this fleet wants {nodes} of {gpus_per_node} and {idle_nodes} idle nodes")
+        self.own_cluster = cluster is None
+        self.own_munge = munge is None
         self.node_count = nodes
         self.idle_nodes = idle_nodes
         self.gpus_per_node = gpus_per_node
@@ -166,13 +192,16 @@ class FleetHarness:
         self.sched_interval_s = sched_interval_s
         self.say = log or (lambda _msg: None)
         self.root: Path | None = None
-        self.cluster: SlurmCluster | None = None
-        self.munge: MungeFleet | None = None
+        self.cluster: SlurmCluster | None = cluster
+        self.munge: MungeFleet | None = munge
         self.nodes: dict[str, SimNode] = {}
         self.controller: subprocess.Popen | None = None
         self.controller_path_prefix: str | None = None
         """A directory put first on the controller's PATH (a test's Slurm client wrapper)."""
+        self.ledger_dir: Path | None = None
+        self.controller_extra_env: dict[str, str] | None = None
         self.port = 0
+        self.metrics_port = 0
         self._nvml_lib: Path | None = None
 
     # ------------------------------------------------------------------ paths
@@ -184,7 +213,7 @@ class FleetHarness:
 
     @property
     def ledger(self) -> Path:
-        return self.dir / "controller" / "ledger.sqlite"
+        return (self.ledger_dir or self.dir / "controller") / "ledger.sqlite"
 
     @property
     def admin_socket(self) -> Path:
@@ -203,6 +232,10 @@ class FleetHarness:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
     def slurm_conf(self) -> str:
         assert self.cluster is not None
         return str(self.cluster.conf_path)
@@ -214,6 +247,16 @@ class FleetHarness:
         return dict(self.cluster.env, PATH=f"{BIN}:{self.cluster.env['PATH']}")
 
     # ------------------------------------------------------------------ lifecycle
+    def slurm_extra_conf(self, cluster: SlurmCluster) -> str:
+        """The slurm.conf lines this fleet runs with: a requeued job may start again after
+        requeue_delay_s at the next scheduling pass (sched_interval_s; Slurm's defaults are 120 s and
+        60 s), and the idle nodes."""
+        lines = base_extra_conf(cluster, self.requeue_delay_s, self.sched_interval_s)
+        if self.idle_nodes:
+            lines += (f"NodeName=idle[00001-{self.idle_nodes:05d}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=1 "
+                      f"CPUs=4 RealMemory=1000 Gres=gpu:{self.gpus_per_node} State=UNKNOWN\n")
+        return lines
+
     def start(self) -> "FleetHarness":
         if munged_path() is None or shutil.which("slurmctld") is None:
             ensure_installed()
@@ -221,24 +264,22 @@ class FleetHarness:
         self.root.chmod(0o755)
         try:
             t0 = time.monotonic()
-            self.cluster = SlurmCluster(self.root / "slurm", nodes=self.node_count, gpus_per_node=self.gpus_per_node)
-            # A requeued job may not start again for AuthInfo's cred_expire (default 120 s) and then waits
-            # for the main scheduling loop (sched_interval, default 60 s): both shortened for the demo.
-            self.cluster.extra_conf = (
-                f"AuthInfo=socket={self.cluster.munge_socket},cred_expire={self.requeue_delay_s}\n"
-                f"SchedulerParameters=nohold_on_prolog_fail,sched_interval={self.sched_interval_s}\n")
-            if self.idle_nodes:
-                self.cluster.extra_conf += (
-                    f"NodeName=idle[00001-{self.idle_nodes:05d}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=1 "
-                    f"CPUs=4 RealMemory=1000 Gres=gpu:{self.gpus_per_node} State=UNKNOWN\n")
-            self.cluster.up(timeout_s=60 + self.idle_nodes / 100)
+            if self.own_cluster:
+                self.cluster = SlurmCluster(self.root / "slurm", nodes=self.node_count, gpus_per_node=self.gpus_per_node)
+                self.cluster.extra_conf = self.slurm_extra_conf(self.cluster)
+                self.cluster.up(timeout_s=60 + self.idle_nodes / 100)
+            elif self.cluster is None or not self.cluster.is_up():
+                raise HarnessError("the cluster given to the harness is not up")
             self.say(f"slurm: munged + slurmctld + {self.node_count} slurmd up ({time.monotonic() - t0:.1f}s), "
                      f"SLURM_CONF={self.cluster.conf_path}")
-            self.munge = MungeFleet(self.cluster.nodes).start()
+            if self.own_munge:
+                self.munge = MungeFleet(self.cluster.nodes).start()
+            assert self.munge is not None
             self.say(f"munge: {len(self.cluster.nodes) + 1} munged, one per node (origins "
                      f"{', '.join(self.munge.node_addrs.values())}) and the controller's")
             self._nvml_lib = build_fake_nvml(self.root / "nvml-lib")
             self.port = free_port()
+            self.metrics_port = free_port()
             for i, name in enumerate(self.cluster.nodes):
                 self.nodes[name] = self._make_node(name, i)
             self.start_controller()
@@ -251,15 +292,19 @@ class FleetHarness:
             raise
         return self
 
+    def stop_processes(self) -> None:
+        """Stop the agents and the controller (by PID, all at once); the cluster and munged keep running."""
+        _stop_procs([*(node.proc for node in self.nodes.values()), self.controller])
+        self.controller = None
+
     def stop(self) -> None:
-        """Stop agents, controller, munged fleet and Slurm, each by PID; remove the directory."""
-        for node in self.nodes.values():
-            _stop_proc(node.proc)
-        _stop_proc(self.controller)
-        if self.munge is not None:
+        """Stop agents, controller, munged fleet and Slurm (the last two only when the harness started
+        them), each by PID; remove the directory."""
+        self.stop_processes()
+        if self.munge is not None and self.own_munge:
             self.munge.stop()
             self.munge = None
-        if self.cluster is not None:
+        if self.cluster is not None and self.own_cluster:
             try:
                 self.cluster.down()
             except Exception as exc:  # keep cleaning up
@@ -297,23 +342,29 @@ class FleetHarness:
         write_journal(node.journal, ["Linux version 6.1.0-28-amd64 (debian-kernel@lists.debian.org)",
                                      "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.127.05"],
                       hostname=name, start_usec=int(time.time() * 1e6) - 60_000_000)
+        self.write_agent_config(node)
+        return node
+
+    def write_agent_config(self, node: SimNode) -> None:
+        """`node`'s healthd.yaml with the harness's agent_config on top; its agent reads it when it starts."""
         assert self.munge is not None
+        root = node.root
         doc = {
-            "node_name": name,
+            "node_name": node.name,
             "state_file": str(node.state_file),
             "state_dir": str(root / "state"),
             "interval_s": self.agent_interval_s,
             "nvml": {"expected_gpus": self.gpus_per_node},
             "kernel_log": {"journal_dir": str(node.journal), "kmsg_path": None, "start_at": "head"},
-            "infiniband": {"sysfs_root": str(ib), "expected_ports": 2, "expected_rate_gbps": 400},
-            "host": {"proc_root": str(proc)},
+            "infiniband": {"sysfs_root": str(root / "sys/class/infiniband"), "expected_ports": 2,
+                           "expected_rate_gbps": 400},
+            "host": {"proc_root": str(root / "proc")},
             "metrics": {"textfile": str(root / "healthd.prom")},
-            "controller": {"url": self.url, "munge_socket": self.munge.socket(name),
+            "controller": {"url": self.url, "munge_socket": self.munge.socket(node.name),
                            "heartbeat_s": self.heartbeat_s, "backoff_max_s": 5.0, "timeout_s": 5.0},
             **self.agent_config,
         }
         node.config.write_text(json.dumps(doc, indent=2) + "\n")  # JSON is YAML
-        return node
 
     def _agent_env(self, node: SimNode) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -323,6 +374,7 @@ class FleetHarness:
 
     def _start_agent(self, node: SimNode) -> None:
         with open(node.log, "ab") as out:
+            node.log_from = out.tell()
             node.proc = subprocess.Popen([HEALTHD, "run", "--config", str(node.config)], env=self._agent_env(node),
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -330,6 +382,10 @@ class FleetHarness:
     def stop_agent(self, name: str) -> None:
         """Stop one node's agent by PID (and reap it); start_agent starts it again."""
         _stop_proc(self.nodes[name].proc)
+
+    def stop_agents(self) -> None:
+        """Stop every node's agent by PID, all at once."""
+        _stop_procs([node.proc for node in self.nodes.values()])
 
     def start_agent(self, name: str) -> None:
         self._start_agent(self.nodes[name])
@@ -345,14 +401,20 @@ class FleetHarness:
             return None
 
     def wait_reported(self, names: Sequence[str] | Mapping[str, Any], timeout_s: float = 60) -> None:
-        """Every named agent is running, has published a state, and its report was accepted."""
+        """Every named agent is running, has published a state, and a report of the running agent was
+        accepted (what an agent logged before it was restarted does not count)."""
+        def accepted(node: SimNode) -> bool:
+            with open(node.log, "rb") as fh:
+                fh.seek(node.log_from)
+                return b"reports accepted" in fh.read()
+
         def ready() -> bool:
             for name in names:
                 node = self.nodes[name]
                 if node.proc is None or node.proc.poll() is not None:
                     raise HarnessError(f"agent {name} exited ({None if node.proc is None else node.proc.returncode}):\n"
                                        f"{_tail(node.log)}")
-                if self.agent_state(name) is None or "reports accepted" not in node.log.read_text(errors="replace"):
+                if self.agent_state(name) is None or not accepted(node):
                     return False
             return True
         try:
@@ -381,6 +443,8 @@ class FleetHarness:
             "node_addrs": dict(self.munge.node_addrs),
             "admin_socket": str(self.admin_socket),
             "policy": self.policy,
+            # the rounds' figures: wait_rounds() counts rounds by them
+            "metrics_listen": f"127.0.0.1:{self.metrics_port}",
             **self.extra_config,
         }
         self.controller_config.parent.mkdir(parents=True, exist_ok=True)
@@ -389,8 +453,10 @@ class FleetHarness:
     def start_controller(self) -> None:
         if not self.port:
             self.port = free_port()
+        if not self.metrics_port:
+            self.metrics_port = free_port()
         self.write_controller_config()
-        env = self.env
+        env = dict(self.env, **(self.controller_extra_env or {}))
         if self.controller_path_prefix:
             env["PATH"] = f"{self.controller_path_prefix}:{env['PATH']}"
         with open(self.controller_log, "ab") as out:
@@ -409,6 +475,31 @@ class FleetHarness:
             except OSError:
                 return False
         wait_for(up, 30, 0.1, "healthd-controller's /healthz")
+
+    def last_round(self) -> float | None:
+        """When the running controller's last full round (Slurm reachable) was, from its metrics; None
+        before the first one or when it does not answer."""
+        body = scrape(self.metrics_url) if self.metrics_port else None
+        for line in (body or "").splitlines():
+            if line.startswith("healthd_controller_last_round_timestamp_seconds "):
+                value = float(line.split()[1])
+                return value or None
+        return None
+
+    def wait_rounds(self, rounds: int, timeout_s: float | None = None) -> None:
+        """Until the controller has completed `rounds` more full rounds: what a test waits for before it
+        asserts that nothing happened (a controller slowed down by a busy machine takes longer, not fewer
+        rounds)."""
+        seen: set[float] = set()
+        after = self.last_round() or 0.0
+
+        def counted() -> bool:
+            t = self.last_round()
+            if t is not None and t > after:
+                seen.add(t)
+            return len(seen) >= rounds
+        wait_for(counted, timeout_s if timeout_s is not None else 30 + rounds * self.round_s, 0.05,
+                 f"{rounds} more control rounds")
 
     def stop_controller(self, *, fresh_ledger: bool = False) -> None:
         """Stop healthd-controller by PID; with fresh_ledger, delete its ledger (and WAL) too."""

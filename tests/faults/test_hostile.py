@@ -35,6 +35,7 @@ from tests.controller.munge_support import munged_path
 from tests.controller.reliability_support import finding, report_doc
 from tests.faults.world import FaultWorld
 from tests.support.journal import write_journal
+from tests.support.polling import poll
 from tests.support.sdnotify import NotifyListener, longest_gap
 from tests.support.wire import post_json
 
@@ -56,28 +57,11 @@ def say(msg: str) -> None:
     print(f"hostile: {msg}", flush=True)
 
 
-class HostileWorld(FaultWorld):
-    """FaultWorld whose controller keeps its ledger in `ledger_dir` when set (a small tmpfs, a loop-mounted
-    file system), and whose controller gets `controller_extra_env` (systemd's notify socket)."""
-
-    ledger_dir: Path | None = None
-    controller_extra_env: dict[str, str] | None = None
-
-    @property
-    def ledger(self) -> Path:
-        return (self.ledger_dir or self.dir / "controller") / "ledger.sqlite"
-
-    @property
-    def env(self) -> dict[str, str]:
-        return dict(super().env, **(self.controller_extra_env or {}))
-
-
-@pytest.fixture(scope="module")
-def world():
+@pytest.fixture
+def agent_config() -> dict[str, Any]:
     # No incident window on the agents: every distinct Xid is a finding of its own (on by default, the
     # Xids of one GPU within the window are one finding), the largest report a node can send.
-    with HostileWorld(agent_config={"classify": {"sympathetic_window_s": 0.0}}) as w:
-        yield w
+    return {"classify": {"sympathetic_window_s": 0.0}}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -386,7 +370,7 @@ def test_poisoned_signed_reports_are_refused_and_do_not_delay_other_drains(w):
     say(f"poison 24,000 findings, whole body sent: {outcome} in {took * 1000:.0f} ms")
     assert status in (413, None) and took < 5.0
 
-    time.sleep(4 * w.round_s)
+    w.wait_rounds(4)  # were a poisoned report kept, these rounds would act on it
     took = w.checker.drain_not_delayed("node02")
     say(f"poisoned reports: node02's Xid drained in {took:.2f} s")
     for node in ("node01", "node03"):
@@ -423,7 +407,7 @@ def test_a_flood_of_distinct_xids_opens_a_bounded_number_of_incidents(w):
         doc = w.agent_state("node02") or {}
         return len(doc.get("findings", []))
     w.wait(lambda: state_findings() > MAX_FINDINGS, 60, f"node02's state with more than {MAX_FINDINGS} findings")
-    time.sleep(6 * w.round_s)
+    w.wait_rounds(6)  # the rounds that would open more incidents and drain again, were the caps not kept
     opened = w.incidents("node02", "open")
     agent_log = log_since(w.nodes["node02"].log, agent_off)
     controller_log = log_since(w.controller_log, off)
@@ -460,7 +444,9 @@ def test_connection_exhaustion_from_one_address_does_not_keep_agents_out(w):
         assert first["refused"] >= 1000 - DEFAULT_MAX_CONNECTIONS_PER_PEER - first["connect_errors"] - 5, first
         took = w.checker.drain_not_delayed("node03")
         say(f"report port exhaustion: node03's Xid drained in {took:.2f} s")
-        time.sleep(2.0)
+        # the client's next look: the connections it put in place of the refused ones are refused too
+        w.wait(lambda: (st := client.stats()) is not None and st["looks"] >= 2 and st["refused"] > first["refused"],
+               60, "the hostile client's replacement connections refused")
         assert client.proc.poll() is None
     final = client.stats()
     text = log_since(w.controller_log, off)
@@ -523,11 +509,13 @@ def test_admin_socket_exhaustion_by_a_local_user_does_not_lock_out_root(w):
 
 
 ADMIN_FLOOD = r'''
-"""connect() to the unix socket PATH and close, in a loop, for SECONDS: keeps the listen backlog full."""
-import socket, struct, sys, time
+"""connect() to the unix socket PATH and close, in a loop, for SECONDS: keeps the listen backlog full.
+After its first connect it leaves a file named by its PID in MARKS."""
+import os, socket, struct, sys, time
 
-path, seconds = sys.argv[1], float(sys.argv[2])
+path, seconds, marks = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 end = time.monotonic() + seconds
+started = False
 while time.monotonic() < end:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
@@ -536,6 +524,9 @@ while time.monotonic() < end:
     except OSError:
         pass
     s.close()
+    if not started:  # the test probes once every flooder is under way
+        open(f"{marks}/{os.getpid()}", "w").close()
+        started = True
 '''
 FLOODERS = 8
 
@@ -547,16 +538,19 @@ def test_admin_socket_connect_flood_by_a_local_user_does_not_lock_out_root(w):
     script = w.dir / "admin_flood.py"
     script.write_text(ADMIN_FLOOD)
     script.chmod(0o644)
+    marks = w.dir / f"admin-flood-{time.monotonic_ns()}"
+    marks.mkdir()
+    marks.chmod(0o1777)  # the flooders run as uid 65534
     procs = []
     codes: list[tuple[int, str]] = []
     try:
         for _ in range(FLOODERS):
             procs.append(subprocess.Popen(
                 ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", USER_PYTHON, "-I",
-                 str(script), str(w.admin_socket), "120"],
+                 str(script), str(w.admin_socket), "120", str(marks)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True))
-        time.sleep(1.0)
+        w.wait(lambda: len(list(marks.iterdir())) == FLOODERS, 60, "every flooder connecting")
         for _ in range(5):
             p = run([str(BIN / "healthctl"), "--ledger", str(w.ledger), "--socket", str(w.admin_socket), "undo",
                      "999999", "--why", "probe"], env=w.env)
@@ -577,7 +571,7 @@ def test_admin_socket_connect_flood_by_a_local_user_does_not_lock_out_root(w):
 
 
 @contextmanager
-def ledger_on(w: HostileWorld, mount_dir: Path, umount: list[str]) -> Iterator[None]:
+def ledger_on(w: FaultWorld, mount_dir: Path, umount: list[str]) -> Iterator[None]:
     """Restart the controller with its ledger in `mount_dir` (mounted by the caller); at the end stop it,
     unmount, and leave the world's ledger where the reset expects it."""
     w.stop_controller()
@@ -589,11 +583,9 @@ def ledger_on(w: HostileWorld, mount_dir: Path, umount: list[str]) -> Iterator[N
         w.stop_controller()
         w.ledger_dir = None
         w.controller_extra_env = None
-        for _ in range(20):
-            if run(umount).returncode == 0 or not os.path.ismount(mount_dir):
-                break
-            time.sleep(0.5)
-        assert not os.path.ismount(mount_dir), f"{mount_dir} still mounted"
+        # the stopped controller's last file handles may keep it busy for a moment
+        poll(lambda: run(umount).returncode == 0 or not os.path.ismount(mount_dir), 10, f"{mount_dir} unmounted",
+             interval=0.5)
 
 
 def mount_tmpfs(mnt: Path, size: str) -> Path:
@@ -659,7 +651,7 @@ def test_ledger_disk_full_means_no_slurm_write_until_it_can_be_recorded(w):
     try:
         with ledger_on(w, mnt, ["umount", str(mnt)]):
             pid = w.controller_pid()
-            time.sleep(6 * w.round_s)
+            w.wait_rounds(6)  # rounds recorded on the tmpfs before it is full
             filler = fill(mnt)
             t_full = time.monotonic()
             took_error, text, took_status = nothing_written_while_the_ledger_fails(w, pid, 8.0)  # 16 rounds
@@ -709,7 +701,7 @@ def test_ledger_file_system_turned_read_only_under_the_controller(w):
         pytest.skip(f"{trigger} is missing: cannot make the kernel turn the file system read-only")
     with ledger_on(w, mnt, ["umount", str(mnt)]):
         pid = w.controller_pid()
-        time.sleep(4 * w.round_s)
+        w.wait_rounds(4)  # rounds recorded on the ext4 before it fails
         trigger.write_text("healthd fault test: the ledger's disk failed\n")
         with pytest.raises(OSError) as refused:
             (mnt / "probe").write_text("x")
@@ -816,7 +808,7 @@ def test_state_directory_owned_by_another_user_makes_the_prolog_let_the_job_run(
         say(f"hostile state dir: prolog exit {done.returncode}: {done.stderr.strip()[-300:]!r}")
         assert done.returncode == 0, done.stderr
         assert "state file refused" in done.stderr and str(state_dir) in done.stderr, done.stderr
-        time.sleep(4 * w.round_s)
+        w.wait_rounds(4)
         assert "drain request" not in log_since(w.controller_log, off)
         assert not w.rows("SELECT id FROM incidents WHERE jobs LIKE '%4242%'")
         # the control: the same prolog with the directory back to root's 0755 asks the controller

@@ -141,6 +141,8 @@ class FaultWorld(FleetHarness):
         super().__init__(policy=dict(SUITE_POLICY, **(policy or {})), **kw)
         self.base_policy = dict(self.policy)
         """The envelope `reset` restores (a test may start the controller with its own)."""
+        self.base_agent_config = dict(self.agent_config)
+        """The agents' configuration `reset` restores unless it is given another for the test."""
         self.scontrol: ScontrolFaults | None = None
         self.checker: Checker | None = None
         self.kills = 0
@@ -308,28 +310,38 @@ class FaultWorld(FleetHarness):
 
     # -- resetting between tests --------------------------------------------------------------------
 
-    def reset(self) -> None:
-        """A fresh controller and ledger with the world's own envelope, fresh agents (no memory, a new
-        journal), every node resumed and idle, no rules armed and no slow reads, no job, slurmctld
-        running; the checker forgets what it allowed."""
+    def park(self) -> None:
+        """Stop the agents and the controller (by PID) until the next reset: a world shared by a whole
+        test session costs nothing while other tests run."""
+        self.stop_processes()
+
+    def reset(self, *, agent_config: dict[str, Any] | None = None) -> None:
+        """A fresh controller and ledger with the world's own envelope (its ledger in its own directory,
+        no extra environment), fresh agents (no memory, a new journal) with the world's own configuration
+        and `agent_config`'s keys on top, every node resumed and idle, no rules armed and no slow reads,
+        no job, slurmctld running; the checker forgets what it allowed and the wrapper what fired (a world
+        serves a whole session: a test waiting for its rule to fire must not see another test's)."""
         assert self.cluster is not None and self.scontrol is not None
         self.scontrol.disarm()
+        self.scontrol.fired_log.unlink(missing_ok=True)
         try:
             os.kill(self.ctld_pid(), signal.SIGCONT)
         except (KeyError, ProcessLookupError):
             pass
         if not self.cluster._running("slurmctld"):  # noqa: SLF001
             self.cluster.start_ctld()
+        self.stop_processes()  # the controller and every agent at once: their shutdowns overlap
+        self.ledger_dir = None
+        self.controller_extra_env = None
         self.stop_controller(fresh_ledger=True)
         self.policy = dict(self.base_policy)
+        self.agent_config = {**self.base_agent_config, **(agent_config or {})}
         self.validation_rc.write_text("0\n")
         jobs = self.slurm(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
         if jobs:
             self.slurm(["scancel", *jobs], check=False)
         for node in self.nodes.values():
-            from demo.harness import _stop_proc
-
-            _stop_proc(node.proc)
+            self.write_agent_config(node)
             write_nvml_config(node.nvml_values, node.gpus)  # healthy GPUs again
             shutil.rmtree(node.root / "state", ignore_errors=True)
             node.state_file.unlink(missing_ok=True)
