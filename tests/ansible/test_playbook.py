@@ -81,6 +81,7 @@ def wheels(work: Path) -> dict[str, Path]:
     src.mkdir()
     shutil.copy(REPO / "pyproject.toml", src)
     shutil.copy(REPO / "README.md", src)
+    shutil.copy(REPO / "healthd_inband.py", src)  # a module of the distribution: the agent loads it
     shutil.copytree(REPO / "healthd", src / "healthd", ignore=shutil.ignore_patterns("__pycache__"))
     pyproject = src / "pyproject.toml"
     text = pyproject.read_text()
