@@ -54,7 +54,6 @@ FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
     "tests/observability/conftest.py::controller_scrape": ("fleet",),
     # whole fleets: Slurm, a munged and an agent per node, the healthd-controller process
     "tests/faults/conftest.py::world": ("cluster", "fleet"),
-    "tests/faults/test_hostile.py::world": ("cluster", "fleet"),
     "tests/inband/test_ddp_job.py::fleet": ("cluster", "fleet", "ddp"),
     # systemd as PID 1 of a systemd-nspawn container (and the debootstrap of its root file system)
     "tests/systemd/test_units_real_systemd.py::rootfs": ("container",),
