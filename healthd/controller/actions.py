@@ -24,7 +24,6 @@ from healthd.model import Evidence
 
 GATE_ORDER: tuple[str, ...] = ("mode", "rate-limit", "breaker", "correlation", "capacity", "ownership")
 """The gates in the order they run (healthd.controller.gates.GATES)."""
-ALL_GATES = GATE_ORDER
 
 Approval = Literal["tier", "opt-in", "operator", ""]
 Budget = Literal["removals", "hang-requeues", ""]
@@ -86,7 +85,7 @@ class ActionKind:
 
 
 _REMOVAL = dict(target="node", changes_node=True, removes_capacity=True, holds=True, approval="tier",
-                budget="removals", gates=ALL_GATES)
+                budget="removals", gates=GATE_ORDER)
 
 ACTIONS: Mapping[str, ActionKind] = MappingProxyType({a.kind: a for a in (
     ActionKind("drain", "drain", records="drain", proposed_by="policy: a T1/T2 finding whose remedy is a drain "
