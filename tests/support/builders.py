@@ -82,8 +82,8 @@ def port(device: str = "mlx5_0", n: int = 1, up: bool = True, rate: float | None
                       counters=counters or {}, **kw)
 
 
-def ib(*ports: PortSample, status: str = "ok", detail: str = "") -> InfinibandSample:
-    return InfinibandSample(status=status, detail=detail, ports=tuple(ports))
+def ib(*ports: PortSample, status: str = "ok", detail: str = "", **kw: Any) -> InfinibandSample:
+    return InfinibandSample(status=status, detail=detail, ports=tuple(ports), **kw)
 
 
 def host(**kw: Any) -> HostSample:

@@ -7,28 +7,17 @@ import math
 
 import pytest
 
-from healthd.model import (
-    TS_MAX,
-    CounterDelta,
-    FilesystemProbe,
-    GpuSample,
-    HostSample,
-    InfinibandSample,
-    KernelSample,
-    NvmlSample,
-    PortSample,
-    Snapshot,
-    XidEvent,
-)
+from healthd.model import TS_MAX, CounterDelta, GpuSample, PortSample, XidEvent
+from tests.support.builders import fs, gpu, host, ib, kernel, nvml, port, snap
 
 
 def test_gpu_readings_that_are_not_of_their_type_are_no_data():
-    g = GpuSample(index=0, uuid=7, temperature_c=True, margin_c=math.nan, pcie_width=8.5, remap_pending="yes",  # type: ignore[arg-type]
-                  nvlink_errors={"link0.replay": 3, "link1.replay": None, 2: 5, "link2.crc_flit": False},  # type: ignore[dict-item]
-                  errors={"power": 3})  # type: ignore[dict-item]
+    g = gpu(0, uuid=7, temperature_c=True, margin_c=math.nan, pcie_width=8.5, remap_pending="yes",
+            nvlink_errors={"link0.replay": 3, "link1.replay": None, 2: 5, "link2.crc_flit": False},
+            errors={"power": 3})
     assert (g.uuid, g.temperature_c, g.margin_c, g.pcie_width, g.remap_pending) == (None, None, None, None, None)
     assert g.nvlink_errors == {"link0.replay": 3} and g.errors == {"power": "3"}
-    good = GpuSample(index=1, temperature_c=40, remap_pending=False, nvlink_errors={"link0.replay": 0})
+    good = gpu(1, temperature_c=40, remap_pending=False, nvlink_errors={"link0.replay": 0})
     assert (good.temperature_c, good.remap_pending, good.nvlink_errors) == (40, False, {"link0.replay": 0})
 
 
@@ -39,8 +28,7 @@ def test_gpu_readings_that_are_not_of_their_type_are_no_data():
     lambda: XidEvent(xid="79", bus_id=None, text="", count=1, first_ts=1.0, last_ts=1.0, first_cursor=None, last_cursor=None),  # type: ignore[arg-type]
     lambda: CounterDelta(value=1.5, delta=None, window_s=None),  # type: ignore[arg-type]
     lambda: PortSample(device=None, port=1, state=None, phys_state=None, rate_gbps=None, link_layer=None),  # type: ignore[arg-type]
-    lambda: Snapshot(node="n", time=math.nan, boot_id=None, nvml=NvmlSample("ok"), kernel=KernelSample("ok"),
-                     infiniband=InfinibandSample("ok"), host=HostSample("ok")),
+    lambda: snap(math.nan),
 ])
 def test_a_field_naming_what_was_sampled_must_be_of_its_type(build):
     with pytest.raises(TypeError):
@@ -51,24 +39,24 @@ def test_xid_events_hold_a_positive_count_and_usable_times():
     e = XidEvent(xid=13, bus_id=3, text=None, count=0, first_ts=math.inf, last_ts=TS_MAX + 1,  # type: ignore[arg-type]
                  first_cursor=None, last_cursor=None, gpc="1", tpc=2, synthesized=1)  # type: ignore[arg-type]
     assert (e.bus_id, e.text, e.count, e.first_ts, e.last_ts, e.gpc, e.tpc, e.synthesized) == (None, "", 1, None, None, None, 2, True)
-    k = KernelSample("ok", identities={"00000000:18:00.0": ("GPU-a", 5), "x": "junk", 3: ("a", "b")})  # type: ignore[dict-item]
+    k = kernel(identities={"00000000:18:00.0": ("GPU-a", 5), "x": "junk", 3: ("a", "b")})
     assert k.identities == {"00000000:18:00.0": ("GPU-a", None)}
 
 
 def test_counter_deltas_are_never_negative_and_windows_never_broken():
     assert CounterDelta(value=5, delta=-2, window_s=-1.0) == CounterDelta(value=5, delta=None, window_s=None)
     assert CounterDelta(value=5, delta=2, window_s=math.nan).rate_per_s is None
-    p = PortSample("mlx5_0", 1, "ACTIVE", "LinkUp", math.inf, "InfiniBand",
-                   counters={"counters/x": CounterDelta(1, 1, 10.0), "counters/y": 4},  # type: ignore[dict-item]
-                   unreadable={"counters/z": OSError("EIO")})  # type: ignore[dict-item]
+    p = port(rate=math.inf,
+             counters={"counters/x": CounterDelta(1, 1, 10.0), "counters/y": 4},
+             unreadable={"counters/z": OSError("EIO")})
     assert p.rate_gbps is None and list(p.counters) == ["counters/x"] and p.unreadable == {"counters/z": "EIO"}
-    assert InfinibandSample("ok", time=-5.0).time is None
+    assert ib(time=-5.0).time is None
 
 
 def test_host_readings():
-    h = HostSample("ok", mem_available_bytes=1.5, psi={"memory": {"full_avg10": math.nan, "some_avg10": 3.0}, "io": 7},  # type: ignore[arg-type, dict-item]
-                   dstate_pids=((1, "a"), (2,), ("3", "c"), (4, "d")))  # type: ignore[arg-type]
+    h = host(mem_available_bytes=1.5, psi={"memory": {"full_avg10": math.nan, "some_avg10": 3.0}, "io": 7},
+             dstate_pids=((1, "a"), (2,), ("3", "c"), (4, "d")))
     assert h.mem_available_bytes is None and h.psi == {"memory": {"some_avg10": 3.0}} and h.dstate_pids == ((1, "a"), (4, "d"))
-    f = FilesystemProbe("/ckpt", "checkpoint", True, writable="no", latency_s=math.nan)  # type: ignore[arg-type]
+    f = fs(writable="no", latency_s=math.nan)
     assert (f.writable, f.latency_s) == (None, None)
-    assert NvmlSample("ok", count=True).count is None  # type: ignore[arg-type]
+    assert nvml(count=True).count is None
