@@ -25,36 +25,13 @@ from healthd.controller.policy import (
     Decision,
     FleetView,
     LedgerView,
-    NodeReport,
     decide,
     failing_nodes,
 )
-from healthd.model import Component, Evidence, Finding
-from healthd.slurm.backend import NodeInfo
+from tests.support.fleet_inputs import NOW, finding, info, report
 
-NOW = 1_800_000_000.0
 NODES = ("node01", "node02", "node03", "node04")
 TOPOLOGY = "SwitchName=leaf1 Nodes=node[01-04]\nSwitchName=leaf2 Nodes=node[05-08]\n"
-
-
-def finding(fid="xid:gpu0:79", tier=1, action="drain-and-requeue", attribution="hardware", xid=79,
-            first_seen=NOW - 5) -> Finding:
-    return Finding(
-        id=fid, component=Component(kind="gpu", index=0), source="kernel_log", attribution=attribution,
-        tier=tier, action=action, summary=f"{fid} test", evidence=(Evidence("log_line", f"Xid {xid}"),),
-        xid=xid, first_seen=first_seen, last_seen=first_seen,
-    )
-
-
-def report(node, *findings, received_at=NOW - 1) -> NodeReport:
-    return NodeReport(node=node, verdict="failed" if findings else "healthy", findings=tuple(findings),
-                      received_at=received_at)
-
-
-def info(node, state="idle", flags=(), reason="", partitions=("gpu",), user=None) -> NodeInfo:
-    return NodeInfo(name=node, state=state, flags=frozenset(flags), reason=reason, reason_user=user,
-                    partitions=tuple(partitions))
-
 
 NO_LEDGER = LedgerView()
 CLOSED = BreakerState()
@@ -433,18 +410,18 @@ findings_st = st.builds(
 def fleets(draw):
     names = sorted(draw(st.sets(node_names, min_size=1, max_size=12)))
     infos = [
-        NodeInfo(
-            name=n,
+        info(
+            n,
             state=draw(st.sampled_from(["idle", "mixed", "allocated", "down"])),
-            flags=frozenset(draw(st.sets(st.sampled_from(["DRAIN", "NOT_RESPONDING", "REBOOT_REQUESTED"])))),
+            flags=draw(st.sets(st.sampled_from(["DRAIN", "NOT_RESPONDING", "REBOOT_REQUESTED"]))),
             reason=draw(reasons),
-            partitions=tuple(draw(st.sets(st.sampled_from(["gpu", "debug"]), max_size=2))),
+            partitions=draw(st.sets(st.sampled_from(["gpu", "debug"]), max_size=2)),
         )
         for n in names
     ]
     reports = [
-        NodeReport(node=n, verdict="failed", findings=tuple(draw(st.lists(findings_st, max_size=3))),
-                   received_at=draw(st.floats(NOW - 300, NOW)))
+        report(n, *draw(st.lists(findings_st, max_size=3)), received_at=draw(st.floats(NOW - 300, NOW)),
+               verdict="failed")
         for n in names if draw(st.booleans())
     ]
     groups = {f"rack:r{i}": frozenset(draw(st.sets(st.sampled_from(names), max_size=6))) for i in range(2)}

@@ -21,37 +21,9 @@ from healthd.controller.policy import (
     make_reason,
     parse_topology_conf,
 )
-from healthd.model import Component, Evidence, Finding
+from healthd.model import Finding
 from healthd.reason import MAX_REASON_BYTES as MAX_REASON_CHARS
-from healthd.slurm.backend import NodeInfo
-
-NOW = 1_800_000_000.0
-
-
-def finding(fid="xid:gpu0:79", tier=1, action="drain-and-requeue", attribution="hardware", xid=79,
-            first_seen=NOW - 5, summary=None) -> Finding:
-    return Finding(
-        id=fid,
-        component=Component(kind="gpu", index=0, serial="1650123456789"),
-        source="kernel_log",
-        attribution=attribution,
-        tier=tier,
-        action=action,
-        summary=summary or f"{fid}: test finding",
-        evidence=(Evidence(kind="log_line", text=f"NVRM: Xid (PCI:0000:3b:00): {xid}, test"),),
-        xid=xid,
-        first_seen=first_seen,
-        last_seen=first_seen,
-    )
-
-
-def report(node, *findings, received_at=NOW - 1, verdict="failed") -> NodeReport:
-    return NodeReport(node=node, verdict=verdict, findings=tuple(findings), received_at=received_at)
-
-
-def info(node, state="idle", flags=(), reason="", partitions=("gpu",), user=None) -> NodeInfo:
-    return NodeInfo(name=node, state=state, flags=frozenset(flags), reason=reason, reason_user=user,
-                    partitions=tuple(partitions))
+from tests.support.fleet_inputs import NOW, finding, info, report
 
 
 def fleet(reports=(), infos=None, topology="", settings=None, names=("node01", "node02", "node03", "node04")):
