@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,12 @@ from healthd.agent.collectors.kernel_parse import is_nvrm, looks_like_xid, nvlin
 from healthd.model import KernelLine, normalize_bus_id
 
 UUID = "GPU-509665ad-1c2d-3e4f-5a6b-7c8d9e0f1a2b"
+
+
+def whole_line(message: str, kind: str, bus_id: str | None, **fields: Any) -> tuple[str, KernelLine]:
+    """A case for a line that is not an Xid: its KernelLine's text is the whole message."""
+    return message, KernelLine(kind=kind, bus_id=bus_id, text=message, **fields)  # type: ignore[arg-type]
+
 
 # message -> the exact KernelLine expected (fields not named are the dataclass defaults)
 CASES: list[tuple[str, KernelLine]] = [
@@ -97,40 +104,16 @@ CASES: list[tuple[str, KernelLine]] = [
         KernelLine(kind="xid", bus_id="00000000:3B:00.0", xid=95, pid=1234, process="pt_main_thread",
                    text="Uncontained: FBHUB. RST: Yes, D-RST: No"),
     ),
-    (
-        "NVRM: GPU 0000:05:00.0: GPU has fallen off the bus.",
-        KernelLine(kind="fallen_off_bus", bus_id="00000000:05:00.0", xid=79,
-                   text="NVRM: GPU 0000:05:00.0: GPU has fallen off the bus."),
-    ),
-    (
-        "NVRM: The NVIDIA GPU 0000:18:00.0\nNVRM: (PCI ID: 10de:2330) installed in this system has\n"
-        "NVRM: fallen off the bus and is not responding to commands.",
-        KernelLine(kind="fallen_off_bus", bus_id="00000000:18:00.0", xid=79,
-                   text="NVRM: The NVIDIA GPU 0000:18:00.0\nNVRM: (PCI ID: 10de:2330) installed in this system "
-                   "has\nNVRM: fallen off the bus and is not responding to commands."),
-    ),
-    (
-        # Some drivers leave out the PCI domain (gpud's normalisation test).
-        "NVRM: GPU 18:00.0: GPU has fallen off the bus.",
-        KernelLine(kind="fallen_off_bus", bus_id="00000000:18:00.0", xid=79,
-                   text="NVRM: GPU 18:00.0: GPU has fallen off the bus."),
-    ),
-    (
-        # A fail-stop line whose address cannot be read still counts, on an unknown GPU.
-        "NVRM: fallen off the bus and is not responding to commands.",
-        KernelLine(kind="fallen_off_bus", bus_id=None, xid=79,
-                   text="NVRM: fallen off the bus and is not responding to commands."),
-    ),
-    (
-        f"NVRM: GPU at PCI:0000:9b:00: {UUID}",
-        KernelLine(kind="gpu_identity", bus_id="00000000:9B:00.0", text=f"NVRM: GPU at PCI:0000:9b:00: {UUID}",
-                   uuid=UUID),
-    ),
-    (
-        "NVRM: GPU Board Serial Number: 1652823054928",
-        KernelLine(kind="serial", bus_id=None, text="NVRM: GPU Board Serial Number: 1652823054928",
-                   serial="1652823054928"),
-    ),
+    whole_line("NVRM: GPU 0000:05:00.0: GPU has fallen off the bus.", "fallen_off_bus", "00000000:05:00.0", xid=79),
+    whole_line("NVRM: The NVIDIA GPU 0000:18:00.0\nNVRM: (PCI ID: 10de:2330) installed in this system has\n"
+               "NVRM: fallen off the bus and is not responding to commands.",
+               "fallen_off_bus", "00000000:18:00.0", xid=79),
+    # Some drivers leave out the PCI domain (gpud's normalisation test).
+    whole_line("NVRM: GPU 18:00.0: GPU has fallen off the bus.", "fallen_off_bus", "00000000:18:00.0", xid=79),
+    # A fail-stop line whose address cannot be read still counts, on an unknown GPU.
+    whole_line("NVRM: fallen off the bus and is not responding to commands.", "fallen_off_bus", None, xid=79),
+    whole_line(f"NVRM: GPU at PCI:0000:9b:00: {UUID}", "gpu_identity", "00000000:9B:00.0", uuid=UUID),
+    whole_line("NVRM: GPU Board Serial Number: 1652823054928", "serial", None, serial="1652823054928"),
     (
         # A dmesg-style prefix before NVRM is tolerated.
         "[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 48, An uncorrectable double bit error (DBE) has been detected",
@@ -150,36 +133,17 @@ CASES: list[tuple[str, KernelLine]] = [
         KernelLine(kind="xid", bus_id="00000000:07:00.0", xid=74,
                    text="NVLink: nonfatal error detected on link 2(0x0, 0x0, 0x0)", nvlink_severity="Non-fatal"),
     ),
-    (
-        # A GPU that failed to initialise: no Xid number, read as 143 on the bus the line names.
-        "NVRM: GPU 0000:39:00.0: RmInitAdapter failed! (0x62:0x40:2393)",
-        KernelLine(kind="init_failed", bus_id="00000000:39:00.0", xid=143,
-                   text="NVRM: GPU 0000:39:00.0: RmInitAdapter failed! (0x62:0x40:2393)"),
-    ),
-    (
-        "NVRM: GPU 0000:0a:00.0: rm_init_adapter failed, device minor number 5",
-        KernelLine(kind="init_failed", bus_id="00000000:0A:00.0", xid=143,
-                   text="NVRM: GPU 0000:0a:00.0: rm_init_adapter failed, device minor number 5"),
-    ),
-    (
-        "NVRM: GPU 0000:3b:00.0: GPU does not have the necessary power cables connected.",
-        KernelLine(kind="init_failed", bus_id="00000000:3B:00.0", xid=143,
-                   text="NVRM: GPU 0000:3b:00.0: GPU does not have the necessary power cables connected."),
-    ),
-    (
-        # Older drivers name no bus: still a failed GPU, on an unknown bus.
-        "NVRM: RmInitAdapter failed! (0x27:0x38:1193)",
-        KernelLine(kind="init_failed", bus_id=None, xid=143, text="NVRM: RmInitAdapter failed! (0x27:0x38:1193)"),
-    ),
-    (
-        "NVRM: rm_init_adapter failed for device bearing minor number 0",
-        KernelLine(kind="init_failed", bus_id=None, xid=143,
-                   text="NVRM: rm_init_adapter failed for device bearing minor number 0"),
-    ),
-    (
-        "NVRM: rm_init_adapter(0) failed",
-        KernelLine(kind="init_failed", bus_id=None, xid=143, text="NVRM: rm_init_adapter(0) failed"),
-    ),
+    # A GPU that failed to initialise: no Xid number, read as 143 on the bus the line names.
+    whole_line("NVRM: GPU 0000:39:00.0: RmInitAdapter failed! (0x62:0x40:2393)", "init_failed", "00000000:39:00.0",
+               xid=143),
+    whole_line("NVRM: GPU 0000:0a:00.0: rm_init_adapter failed, device minor number 5", "init_failed",
+               "00000000:0A:00.0", xid=143),
+    whole_line("NVRM: GPU 0000:3b:00.0: GPU does not have the necessary power cables connected.", "init_failed",
+               "00000000:3B:00.0", xid=143),
+    # Older drivers name no bus: still a failed GPU, on an unknown bus.
+    whole_line("NVRM: RmInitAdapter failed! (0x27:0x38:1193)", "init_failed", None, xid=143),
+    whole_line("NVRM: rm_init_adapter failed for device bearing minor number 0", "init_failed", None, xid=143),
+    whole_line("NVRM: rm_init_adapter(0) failed", "init_failed", None, xid=143),
 ]
 
 
@@ -188,6 +152,7 @@ def test_variant_parses_exactly(message: str, expected: KernelLine) -> None:
     assert parse_line(message) == expected
 
 
+# lines parse_line reads as no KernelLine: not the driver's Xid lines, or Xid lines too broken to read
 NOT_OURS = [
     "",
     "usb 1-1: new high-speed USB device number 2 using xhci_hcd",
@@ -199,14 +164,6 @@ NOT_OURS = [
     "NVRM: RmInitAdapter: Cannot initialize GSP firmware RM",
     "NVRM: RmInitAdapter: osInitNvMapping failed, bailing out of RmInitAdapter",
 ]
-
-
-@pytest.mark.parametrize("message", NOT_OURS)
-def test_other_lines_are_none_and_not_malformed(message: str) -> None:
-    assert parse_line(message) is None
-    assert not looks_like_xid(message)
-
-
 MALFORMED = [
     "NVRM: Xid (PCI:zz): abc",
     "NVRM: Xid (PCI:0000:3b:00): abc, text",
@@ -218,10 +175,11 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("message", MALFORMED)
-def test_malformed_xid_lines_are_none_and_flagged(message: str) -> None:
+@pytest.mark.parametrize(("message", "malformed"), [*((m, False) for m in NOT_OURS), *((m, True) for m in MALFORMED)])
+def test_unparsed_lines_are_none_and_only_broken_xid_lines_are_flagged(message: str, malformed: bool) -> None:
     assert parse_line(message) is None
-    assert looks_like_xid(message) and is_nvrm(message)
+    assert looks_like_xid(message) is malformed
+    assert is_nvrm(message) or not malformed
 
 
 def test_nvlink5_subcode_is_bits_20_to_25() -> None:
