@@ -636,6 +636,19 @@ def nothing_written_while_the_ledger_fails(w: FaultWorld, pid: int | None, secon
     return took_error, text, time.monotonic() - t1
 
 
+def drained_once_when_the_ledger_records(w: FaultWorld, case: str, since: float, after: str) -> None:
+    """The ledger records again (since `since`, `after` says what happened then): node02's pending Xid is
+    drained exactly once and node03's Xid is not delayed; the checker finds no Slurm write it objects to."""
+    assert w.checker is not None
+    w.wait(lambda: w.held_and_drained("node02"), 60, f"node02 drained {after}")
+    say(f"{case}: drained {time.monotonic() - since:.2f} s {after}")
+    assert len(applied_drains(w, "node02")) == 1
+    w.checker.check()
+    took = w.checker.drain_not_delayed("node03")
+    say(f"{case}: node03's Xid drained in {took:.2f} s afterwards")
+    w.checker.check()
+
+
 def ledger_errors(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if "ledger.sqlite" in ln and ("full" in ln or "read" in ln.lower()
                                                                          or "I/O" in ln)]
@@ -666,15 +679,8 @@ def test_ledger_disk_full_means_no_slurm_write_until_it_can_be_recorded(w):
                 f"{len(ledger_errors(text))} naming the ledger, e.g. {ledger_errors(text)[0][-160:]!r}; "
                 f"longest watchdog gap {gap:.1f} s (WatchdogSec 4 s); healthctl status {took_status:.2f} s")
             filler.unlink()
-            w.wait(lambda: w.held_and_drained("node02"), 60, "node02 drained once the ledger has room")
-            converged = time.monotonic() - t_free
-            say(f"ledger disk full: drained {converged:.2f} s after the disk was freed")
-            assert w.controller_pid() == pid
-            assert len(applied_drains(w, "node02")) == 1
-            w.checker.check()
-            took = w.checker.drain_not_delayed("node03")
-            say(f"ledger disk full: node03's Xid drained in {took:.2f} s afterwards")
-            w.checker.check()
+            drained_once_when_the_ledger_records(w, "ledger disk full", t_free, "after the disk was freed")
+            assert w.controller_pid() == pid, "the controller exited"
     finally:
         dog.close()
 
@@ -719,14 +725,8 @@ def test_ledger_file_system_turned_read_only_under_the_controller(w):
         assert fsck.returncode in (0, 1), fsck.stdout + fsck.stderr
         assert run(["mount", "-o", "loop,errors=remount-ro", str(img), str(mnt)]).returncode == 0
         w.start_controller()
-        w.wait(lambda: w.held_and_drained("node02"), 60, "node02 drained after the repair")
-        converged = time.monotonic() - t_repair
-        say(f"ledger read-only: drained {converged:.2f} s after the repair began (controller restart included)")
-        assert len(applied_drains(w, "node02")) == 1
-        w.checker.check()
-        took = w.checker.drain_not_delayed("node03")
-        say(f"ledger read-only: node03's Xid drained in {took:.2f} s afterwards")
-        w.checker.check()
+        drained_once_when_the_ledger_records(w, "ledger read-only", t_repair,
+                                             "after the repair began (controller restart included)")
 
 
 def test_ledger_read_only_when_the_controller_starts(w):
@@ -761,13 +761,7 @@ def test_ledger_read_only_when_the_controller_starts(w):
         assert run(["mount", "-o", "remount,rw", str(mnt)]).returncode == 0
         t_rw = time.monotonic()
         w.start_controller()
-        w.wait(lambda: w.held_and_drained("node02"), 60, "node02 drained after the remount")
-        say(f"ledger read-only at start: drained {time.monotonic() - t_rw:.2f} s after the remount and start")
-        assert len(applied_drains(w, "node02")) == 1
-        w.checker.check()
-        took = w.checker.drain_not_delayed("node03")
-        say(f"ledger read-only at start: node03's Xid drained in {took:.2f} s afterwards")
-        w.checker.check()
+        drained_once_when_the_ledger_records(w, "ledger read-only at start", t_rw, "after the remount and start")
     assert status.returncode == 0, status.stderr
 
 
