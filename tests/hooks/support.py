@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from healthd.text import iso
+from tests.support.hook_log import one_line
 
 BIN = Path(sys.executable).parent
 
@@ -236,6 +237,15 @@ class Node:
         p = subprocess.run([str(BIN / hook), "--config", str(self.config)], env=env, capture_output=True, text=True,
                            timeout=timeout, cwd=str(self.root))
         return p.returncode, p.stderr, time.monotonic() - start
+
+
+def prolog_would_refuse(node: Node, job: str, gpus: str, reason: str) -> None:
+    """With hooks.gating off and a finding that concerns the job's GPUs: the prolog runs the job, says in
+    one line that it would refuse it for `reason`, and asks Slurm nothing."""
+    rc, err, _ = node.run("healthd-prolog", node.prolog_env(job=job, gpus=gpus))
+    assert rc == 0, err
+    one_line(err, f"would refuse job {job}: healthd: {reason} [job {job}] (hooks.gating off)")
+    assert node.calls() == []
 
 
 def snapshot(d: Path) -> dict[str, bytes]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.hooks.support import Node, finding, state_doc, snapshot
+from tests.hooks.support import Node, finding, prolog_would_refuse, state_doc, snapshot
 from tests.support.hook_log import one_line
 
 NOBODY = 65534
@@ -234,10 +234,7 @@ def test_a_node_level_t1_hardware_finding_does_not_refuse_a_job_without_gpus(nod
 def test_a_node_level_t1_finding_with_gating_off_only_says_what_it_would_refuse(node):
     node.write_config(gating="off")
     node.write_state(state_doc(findings=[GPU_COUNT]))
-    rc, err, _ = node.run("healthd-prolog", node.prolog_env(job="12", gpus="0,1"))
-    assert rc == 0, err
-    one_line(err, "would refuse job 12: healthd: 3 of 4 GPUs visible to NVML [job 12] (hooks.gating off)")
-    assert node.calls() == []
+    prolog_would_refuse(node, "12", "0,1", "3 of 4 GPUs visible to NVML")
 
 
 def test_a_node_level_finding_in_an_untrusted_state_refuses_nothing(node):
