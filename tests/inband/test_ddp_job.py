@@ -58,6 +58,7 @@ from tests.slurm.e2e_support import (  # noqa: E402
     hard_limit,
     job_field,
     running_cluster,
+    scenario_then_restore,
     wait_for,
 )
 from tests.support.polling import free_port  # noqa: E402
@@ -281,10 +282,8 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[InbandFleet]:
 
 @pytest.fixture(autouse=True)
 def scenario(fleet: InbandFleet) -> Iterator[InbandFleet]:
-    with hard_limit(SCENARIO_LIMIT_S, "scenario"):
+    with scenario_then_restore(fleet.e2e, SCENARIO_LIMIT_S):
         yield fleet
-    with hard_limit(90, "restoring the cluster after the scenario"):
-        fleet.e2e.restore()
 
 
 # ----------------------------------------------------------------------------- a

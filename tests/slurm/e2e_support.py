@@ -624,3 +624,16 @@ def running_cluster(request: Any, label: str, venv_bin: Path,
             shutil.rmtree(root, ignore_errors=True)
         else:
             print(f"\n{label}: kept {root} (logs: slurm/log/, nodes/*/hooks.log, nodes/*/agent.log)")
+
+
+@contextmanager
+def scenario_then_restore(cluster: HooksCluster, limit_s: int,
+                          reset: Callable[[], None] | None = None) -> Iterator[None]:
+    """One scenario under a hard limit of `limit_s`, then the cluster put back as start() left it for
+    the next one (`reset` first: what the module changes that restore() does not know of)."""
+    with hard_limit(limit_s, "scenario"):
+        yield
+    with hard_limit(90, "restoring the cluster after the scenario"):
+        if reset is not None:
+            reset()
+        cluster.restore()

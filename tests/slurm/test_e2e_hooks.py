@@ -51,9 +51,9 @@ from tests.slurm.e2e_support import (
     REPO,
     WRAPPER_TEMPLATE,
     HooksCluster,
-    hard_limit,
     job_field,
     running_cluster,
+    scenario_then_restore,
     wait_for,
 )
 
@@ -74,10 +74,8 @@ def e2e(request: pytest.FixtureRequest, shared_slurm) -> Iterator[HooksCluster]:
 
 @pytest.fixture(autouse=True)
 def scenario(e2e: HooksCluster) -> Iterator[HooksCluster]:
-    with hard_limit(SCENARIO_LIMIT_S, "scenario"):
+    with scenario_then_restore(e2e, SCENARIO_LIMIT_S):
         yield e2e
-    with hard_limit(90, "restoring the cluster after the scenario"):
-        e2e.restore()
 
 
 def reasons_set(log: str, node: str) -> list[str]:

@@ -29,7 +29,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from tests.slurm.e2e_support import REPO, HooksCluster, HealthdNode, hard_limit, running_cluster, wait_for
+from tests.slurm.e2e_support import REPO, HooksCluster, HealthdNode, running_cluster, scenario_then_restore, wait_for
 
 VENV_BIN = Path(sys.executable).parent
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -70,12 +70,12 @@ def e2e(request: pytest.FixtureRequest, shared_slurm) -> Iterator[HooksCluster]:
 
 @pytest.fixture(autouse=True)
 def scenario(e2e: HooksCluster) -> Iterator[HooksCluster]:
-    with hard_limit(120, "scenario"):
-        yield e2e
-    with hard_limit(90, "restoring the cluster after the scenario"):
+    def default_inband() -> None:
         for node in e2e.nodes.values():
             set_inband(node, None)
-        e2e.restore()
+
+    with scenario_then_restore(e2e, 120, reset=default_inband):
+        yield e2e
 
 
 def set_inband(node: HealthdNode, section: dict | None) -> None:

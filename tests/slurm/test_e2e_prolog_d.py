@@ -27,7 +27,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.slurm.e2e_support import HooksCluster, hard_limit, job_field, running_cluster, wait_for
+from tests.slurm.e2e_support import HooksCluster, job_field, running_cluster, scenario_then_restore, wait_for
 from tests.slurm.test_e2e_hooks import XID79_TEXT, reasons_set, wait_done_binding
 from tests.support.slurm_cluster import slurm_version
 
@@ -53,10 +53,8 @@ def e2e(request: pytest.FixtureRequest, shared_slurm) -> Iterator[HooksCluster]:
 
 @pytest.fixture(autouse=True)
 def scenario(e2e: HooksCluster) -> Iterator[HooksCluster]:
-    with hard_limit(90, "scenario"):
+    with scenario_then_restore(e2e, 90):
         yield e2e
-    with hard_limit(90, "restoring the cluster after the scenario"):
-        e2e.restore()
 
 
 def marks(e2e: HooksCluster, job: str, context: str) -> list[tuple[str, str]]:
