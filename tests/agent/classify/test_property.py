@@ -23,8 +23,7 @@ from healthd.model import (
     Snapshot,
     XidEvent,
 )
-from healthd.settings import InfinibandSettings, NvmlSettings, Settings
-from tests.support.builders import BUS, CATALOG, NOW
+from tests.support.builders import BUS, CATALOG, NOW, settings
 
 small_int = st.one_of(st.none(), st.integers(-5, 5), st.integers(0, 2**40))
 maybe_bool = st.one_of(st.none(), st.booleans())
@@ -107,8 +106,8 @@ host = st.builds(
 snapshots = st.builds(Snapshot, node=st.just("gpu001"), time=times, boot_id=st.one_of(st.none(), st.sampled_from(["b1", "b2"])),
                       nvml=nvml, kernel=kernel, infiniband=infiniband, host=host)
 configs = st.builds(
-    lambda g, p, r, i: Settings(node_name="gpu001", interval_s=i, nvml=NvmlSettings(expected_gpus=g),
-                                infiniband=InfinibandSettings(expected_ports=p, expected_rate_gbps=r)),
+    lambda g, p, r, i: settings(interval_s=i, nvml={"expected_gpus": g},
+                                infiniband={"expected_ports": p, "expected_rate_gbps": r}),
     st.one_of(st.none(), st.integers(0, 8)),
     st.one_of(st.none(), st.integers(0, 8)),
     st.one_of(st.none(), st.floats(0, 800)),
