@@ -12,15 +12,18 @@ Jobs run as `nobody`, so the TaskProlog runs as nobody too.
 4. inband.keep_jobs: done/ keeps the newest jobs only.
 5. inband.enabled false: no directory, no export, and the job runs.
 
-`nobody` cannot run this venv's interpreter (it lives under /root here), so the TaskProlog slurmd
-runs is a two-line launcher that runs the same entry point, healthd.hooks.taskprolog:main, with the
-system python3 and the node's healthd.yaml (a site's TaskProlog does the same: docs/inband.md).
+`nobody` can neither run this venv's interpreter nor read a checkout in a private directory (under
+/root, mode 0700), so the cluster gets a copy of healthd that every user can read (`lib/`, as a site
+installs it), and the TaskProlog slurmd runs is a two-line launcher that runs the same entry point,
+healthd.hooks.taskprolog:main, from that copy with the system python3 and the node's healthd.yaml (a
+site's TaskProlog does the same: docs/inband.md). The jobs' ranks import healthd_inband from there too.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -42,7 +45,7 @@ pytestmark = [
 
 LAUNCHER = """#!/bin/sh
 # slurm.conf's TaskProlog: run as the job's user, with the task's environment
-exec {python} -I -c 'import sys; sys.path.insert(0, "{repo}"); from healthd.hooks.taskprolog import main; \
+exec {python} -I -c 'import sys; sys.path.insert(0, "{lib}"); from healthd.hooks.taskprolog import main; \
 sys.exit(main(sys.argv[1:]))' --config "{root}/nodes/$SLURMD_NODENAME/healthd.yaml"
 """
 
@@ -51,10 +54,20 @@ SHOW = 'echo "batch HEALTHD_INBAND_DIR=${HEALTHD_INBAND_DIR-unset}"; ' \
        '[ -n "$HEALTHD_INBAND_DIR" ] && stat -c "stat %a %u %F" "$HEALTHD_INBAND_DIR"; '
 
 
+def readable_copy(cluster: HooksCluster) -> Path:
+    """healthd and healthd_inband.py under the cluster's root, readable by every user."""
+    lib = cluster.root / "lib"
+    shutil.copytree(REPO / "healthd", lib / "healthd", ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    shutil.copy2(REPO / "healthd_inband.py", lib / "healthd_inband.py")
+    for path in [lib, *lib.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return lib
+
+
 def install_taskprolog(cluster: HooksCluster) -> None:
     cluster.bin.mkdir(parents=True, exist_ok=True)
     path = cluster.bin / "healthd-taskprolog"
-    path.write_text(LAUNCHER.format(python=SYSTEM_PYTHON, repo=REPO, root=cluster.root))
+    path.write_text(LAUNCHER.format(python=SYSTEM_PYTHON, lib=readable_copy(cluster), root=cluster.root))
     path.chmod(0o755)
     cluster.hooks["TaskProlog"] = str(path)
     out = cluster.root / "out"
@@ -127,9 +140,10 @@ def test_the_tasks_get_their_jobs_0700_directory_and_the_epilog_archives_the_rin
     assert "TaskProlog" in e2e.cluster.conf_path.read_text()
     n1 = e2e.nodes["node01"]
     steps = 4
+    lib = e2e.root / "lib"
     script = (SHOW + "srun -n2 sh -c 'echo \"task $SLURM_PROCID HEALTHD_INBAND_DIR=$HEALTHD_INBAND_DIR\"'; "
-              f"srun -n2 env PYTHONPATH={REPO} {SYSTEM_PYTHON} -I -c "
-              f"'import sys; sys.path.insert(0, \"{REPO}\"); import healthd_inband as hd; "
+              f"srun -n2 {SYSTEM_PYTHON} -I -c "
+              f"'import sys; sys.path.insert(0, \"{lib}\"); import healthd_inband as hd; "
               f"print(\"enabled\", hd.enabled); [hd.step(i) for i in range({steps})]'")
     job, out = submit(e2e, "node01", script, "-n2")
     lines = finished(e2e, n1, job, out)
