@@ -65,8 +65,14 @@ $(STAMP_MLGP): $(STAMP_APT)
 
 mlgp-venv: $(STAMP_MLGP)
 
+# pytest-xdist: JOBS worker processes, each given whole modules (a module's cluster or fleet starts once), the
+# longest first (tests/conftest.py orders them). The daemon tier mostly waits on real daemons, so three
+# workers keep two cores busy; JOBS=0 runs the suite in one process.
+JOBS ?= 3
+XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
+
 test: deps lint nspawn-rootfs mlgp-venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # the inner loop: lint and every test that boots no daemon (`-m "not daemon"`: no Slurm, munged, controller,
 # container, ansible, browser or DDP job; the tiers are in docs/testing.md); `make test` runs these and the rest
@@ -80,7 +86,7 @@ check: deps lint mlgp-venv
 # entry points, the hooks as slurmd runs them) counts as missed.
 MARK ?= not daemon
 coverage: deps lint mlgp-venv $(if $(MARK),,nspawn-rootfs)
-	COVERAGE_FILE=build/.coverage $(PY) -m pytest -q $(if $(MARK),-m "$(MARK)") --cov=healthd \
+	COVERAGE_FILE=build/.coverage $(PY) -m pytest -q $(XDIST) $(if $(MARK),-m "$(MARK)") --cov=healthd \
 		--cov-report=term:skip-covered --cov-report=html:build/coverage
 
 lint: deps

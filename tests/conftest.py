@@ -35,7 +35,7 @@ FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
     "tests/slurm/conftest.py::slurm_cluster": ("cluster",),
     "tests/slurm/conftest.py::make_slurm_cluster": ("cluster",),
     "tests/controller/conftest.py::cluster": ("cluster",),
-    "tests/ansible/test_playbook.py::cluster": ("cluster",),
+    "tests/ansible/conftest.py::cluster": ("cluster",),
     # ... with slurmdbd and MariaDB beside it (tests/support/slurm_accounting.py)
     "tests/slurm/test_accounting.py::accounted_cluster": ("cluster",),
     # ... with a healthd agent per node and the hooks installed (tests/slurm/e2e_support.py)
@@ -58,7 +58,7 @@ FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
     # systemd as PID 1 of a systemd-nspawn container (and the debootstrap of its root file system)
     "tests/systemd/test_units_real_systemd.py::rootfs": ("container",),
     # ansible-playbook and ansible-lint
-    "tests/ansible/test_playbook.py::ansible_env": ("ansible",),
+    "tests/ansible/conftest.py::ansible_env": ("ansible",),
     # headless chromium
     "tests/goodput/test_report_html.py::chromium": ("browser",),
 }
@@ -106,13 +106,30 @@ def _tiers(item: pytest.Item) -> set[str]:
     return tiers
 
 
+# Modules run longest first, judged by what they boot: `make test` hands whole modules to its workers
+# (pytest-xdist, --dist loadfile, in this order), and a long module started last is the run's tail.
+MODULE_ORDER = ("ansible", "ddp", "world", "container", "cluster", "fleet", "browser")
+
+
+def _module_rank(tiers: set[str]) -> int:
+    if {"cluster", "fleet"} <= tiers and "ddp" not in tiers:
+        return MODULE_ORDER.index("world")  # a whole fault world: Slurm, agents and the controller
+    ranks = [MODULE_ORDER.index(t) for t in tiers if t in MODULE_ORDER]
+    return min(ranks, default=len(MODULE_ORDER))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank: dict[str, int] = {}
     for item in items:
         tiers = _tiers(item)
         for name in sorted(tiers):
             item.add_marker(name)
         if tiers:
             item.add_marker("daemon")
+        module = item.nodeid.split("::", 1)[0]
+        rank[module] = min(rank.get(module, len(MODULE_ORDER)), _module_rank(tiers))
+    # stable: the tests of a module keep their order, and modules of one rank keep theirs
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
 
 
 # --- the guard: a test outside the daemon tier that starts a daemon fails, naming it -------------------
