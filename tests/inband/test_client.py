@@ -357,6 +357,9 @@ for step in range(6):
     model(torch.randn(32, 64)).sum().backward()
     opt.step()
     hd.step(step)
+# DDP's reducer before the group: torch's gloo threads otherwise now and then abort the exit
+# ("terminate called without an active exception", about 1 run in 12 here)
+del opt, model
 dist.destroy_process_group()
 """
 
