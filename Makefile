@@ -77,7 +77,7 @@ test: deps lint nspawn-rootfs mlgp-venv
 # the inner loop: lint and every test that boots no daemon (`-m "not daemon"`: no Slurm, munged, controller,
 # container, ansible, browser or DDP job; the tiers are in docs/testing.md); `make test` runs these and the rest
 check: deps lint mlgp-venv
-	$(PY) -m pytest -q -m "not daemon"
+	$(PY) -m pytest -q $(XDIST) -m "not daemon"
 
 # line coverage of healthd/ for one tier (MARK, a pytest -m expression; MARK= for the whole suite): a
 # table of the files below 100% and build/coverage/index.html. Only the pytest process is measured: a
