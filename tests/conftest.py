@@ -112,10 +112,9 @@ MODULE_ORDER = ("ansible", "ddp", "world", "container", "cluster", "fleet", "bro
 
 
 def _module_rank(tiers: set[str]) -> int:
-    if {"cluster", "fleet"} <= tiers and "ddp" not in tiers:
-        return MODULE_ORDER.index("world")  # a whole fault world: Slurm, agents and the controller
-    ranks = [MODULE_ORDER.index(t) for t in tiers if t in MODULE_ORDER]
-    return min(ranks, default=len(MODULE_ORDER))
+    if {"cluster", "fleet"} <= tiers:
+        tiers = tiers | {"world"}  # Slurm, agents and the controller together: a whole fault world
+    return min((MODULE_ORDER.index(t) for t in tiers if t in MODULE_ORDER), default=len(MODULE_ORDER))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
