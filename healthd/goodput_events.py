@@ -24,6 +24,10 @@ LOG_SUFFIX = ".jsonl"
 
 JOB_NAME = "job_name"
 """On every line: the Slurm job id."""
+RUN = "run"
+"""On any line, optional: the run it belongs to, Slurm's restart count (SLURM_RESTART_COUNT; 0 for the
+job's first run). Without it a line belongs to the run whose job_start_time line precedes it in its
+file."""
 
 # ml-goodput-measurement's entries
 JOB_START_TIME = "job_start_time"
@@ -37,7 +41,12 @@ CUSTOM_EVENT_TYPE = "custom_badput_event_type"
 CUSTOM_EVENT_START_TIME = "custom_badput_event_start_time"
 CUSTOM_EVENT_END_TIME = "custom_badput_event_end_time"
 CHECKPOINT_SAVE = "checkpoint_save"
-"""The custom event healthd accounts: the blocking part of a save (its start, then its end)."""
+"""The custom event healthd accounts as `checkpoint`: the blocking part of a save (its start, then its
+end). Any other custom event's time (an evaluation, data loading) is `other`."""
+DATA_LOADING_START_TIME = "data_loading_start_time"
+DATA_LOADING_END_TIME = "data_loading_end_time"
+"""ml-goodput-measurement's data loading: accounted like a custom event named `data_loading`."""
+DATA_LOADING = "data_loading"
 
 # healthd's own
 EVENT = "healthd_event"

@@ -503,11 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--since", type=_since, default=None, metavar="T",
                    help="every job with a run ending after T (RFC 3339, or a number of days: 7d)")
     s.add_argument("--by", choices=("cause", "node", "serial", "partition", "account"), default="cause",
-                   help="how the jobs' lost GPU-hours are grouped (cause, node, serial), or the jobs "
+                   help="how the interruptions' cost is grouped (cause, node, serial), or the jobs "
                         "themselves (partition, account: as the controller recorded them) (default cause)")
     s.add_argument("--format", choices=("table", "json", "html"), default="table")
     s.add_argument("-o", "--output", default=None, help="where --format html writes the report (one self-contained file)")
     s.add_argument("--slo", type=_slo, default=0.9, help="the goodput objective the report burns against (default 0.9)")
+    s.add_argument("--ettr-window", type=_window, default=goodput.ETTR_WINDOW_S, metavar="D",
+                   help="the sliding window of the effective training time ratio: seconds, or 30m, 1h, 2d (default 1h)")
     s.add_argument("--sacct", action="store_true",
                    help="with --job: the job's runs from Slurm's accounting (sacct, where the site runs slurmdbd; "
                         "slurm.conf from the controller's config), as the controller accounts them")
@@ -565,6 +567,21 @@ def _duration(s: float | None) -> str:
     return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _window(text: str) -> float:
+    """A duration: seconds, or a number with s, m, h or d."""
+    unit = _UNITS.get(text[-1:], None)
+    try:
+        value = float(text[:-1] if unit else text) * (unit or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, or a number with s, m, h or d (1h)") from None
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"{text!r}: a window longer than 0 s")
+    return value
+
+
 def _slo(text: str) -> float:
     try:
         value = float(text)
@@ -575,17 +592,21 @@ def _slo(text: str) -> float:
     return value
 
 
-def goodput_doc(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -> dict[str, Any]:
+def goodput_doc(acc: goodput.Account, advice: goodput.IntervalAdvice | None, ettr: goodput.Ettr) -> dict[str, Any]:
     return {"job": acc.job, "held_gpu_s": acc.held_gpu_s, "goodput": acc.goodput, "gpu_s": dict(acc.gpu_s),
+            "queued_s": acc.queued_s, "at_risk_gpu_s": acc.at_risk_gpu_s,
             "runs": acc.runs, "interruptions": acc.interruptions, "mtbi_s": acc.mtbi_s,
             "incidents": [{"incident": i.incident, "cause": i.cause, "node": i.node, "gpu": i.gpu,
-                           "false_positive": i.false_positive, "gpu_s": dict(i.gpu_s), "total_gpu_s": i.total_gpu_s}
+                           "false_positive": i.false_positive, "gpu_s": dict(i.gpu_s), "cost_gpu_s": i.cost_gpu_s}
                           for i in acc.incidents],
+            "ettr": {"cumulative": ettr.cumulative, "window_s": ettr.window_s, "window_min": ettr.window_min,
+                     "longest_unproductive_s": ettr.longest_unproductive_s,
+                     "longest_unproductive_at": ettr.longest_unproductive_at},
             "checkpoint_interval": None if advice is None else {
                 "checkpoint_s": advice.checkpoint_s, "mtbi_s": advice.mtbi_s, "current_s": advice.current_s,
                 "young_s": advice.young_s, "daly_s": advice.daly_s, "efficiency_current": advice.efficiency_current,
                 "efficiency_daly": advice.efficiency_daly, "gain": advice.gain},
-            "partial": acc.partial, "problems": list(acc.problems)}
+            "partial": acc.partial, "problems": list(acc.problems), "notes": list(acc.notes)}
 
 
 def _category_table(gpu_s: Mapping[str, float], held: float) -> list[str]:
@@ -595,18 +616,29 @@ def _category_table(gpu_s: Mapping[str, float], held: float) -> list[str]:
                   for c in CATEGORIES if gpu_s.get(c, 0) > 0])
 
 
-def goodput_lines(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -> list[str]:
-    """`healthctl goodput` as a person reads it: the share, where the GPU-hours went, what each
-    interruption cost (largest first), and the checkpoint interval against Young's and Daly's."""
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def goodput_lines(acc: goodput.Account, advice: goodput.IntervalAdvice | None, ettr: goodput.Ettr) -> list[str]:
+    """`healthctl goodput` as a person reads it: the share, where the GPU-hours went, the effective
+    training time, what each interruption cost (largest first), and the checkpoint interval against
+    Young's and Daly's."""
     held = acc.held_gpu_s
-    share = "-" if acc.goodput is None else f"{acc.goodput:.1%}"
-    lines = [f"job {acc.job or '?'}: goodput {share} of {held / 3600:.2f} GPU-h over {acc.runs} run(s), "
-             f"{acc.interruptions} interruption(s)" + (f" (MTBI {_duration(acc.mtbi_s)})" if acc.mtbi_s else "")]
+    lines = [f"job {acc.job or '?'}: goodput {_share(acc.goodput)} of {held / 3600:.2f} GPU-h held over {acc.runs} run(s), "
+             f"{acc.interruptions} interruption(s)" + (f" (MTBI {_duration(acc.mtbi_s)})" if acc.mtbi_s else "")
+             + (f"; {_duration(acc.queued_s)} queued between runs (not held)" if acc.queued_s > 0 else "")]
     lines += _category_table(acc.gpu_s, held)
+    if acc.at_risk_gpu_s > 0:
+        lines.append(f"at risk: {acc.at_risk_gpu_s / 3600:.3f} GPU-h of the productive time came after the last durable "
+                     "checkpoint of the run still going (lost if it failed now)")
+    lines.append(f"effective training time ratio: {_share(ettr.cumulative)}; lowest over {_duration(ettr.window_s)} "
+                 f"{_share(ettr.window_min)}; longest unproductive stretch {_duration(ettr.longest_unproductive_s)}"
+                 + (f" from {stamp(ettr.longest_unproductive_at)}" if ettr.longest_unproductive_at else ""))
     if acc.incidents:
-        lines.append("interruptions, by GPU-hours lost:")
-        lines += table(["incident", "cause", "node", "gpu", "GPU-h", "of which"],
-                       [[i.incident, i.cause, i.node or "-", i.gpu or "-", f"{i.total_gpu_s / 3600:.3f}",
+        lines.append("interruptions, by interruption cost:")
+        lines += table(["incident", "cause", "node", "gpu", "cost GPU-h", "of which"],
+                       [[i.incident, i.cause, i.node or "-", i.gpu or "-", f"{i.cost_gpu_s / 3600:.3f}",
                          ("FALSE POSITIVE " if i.false_positive else "")
                          + ", ".join(f"{c} {i.gpu_s[c] / 3600:.3f}" for c in CATEGORIES if i.gpu_s.get(c, 0) > 0)]
                         for i in acc.incidents])
@@ -615,6 +647,7 @@ def goodput_lines(acc: goodput.Account, advice: goodput.IntervalAdvice | None) -
         lines.append(f"checkpoint interval: now {_duration(advice.current_s)}; blocking save {_duration(advice.checkpoint_s)}, "
                      f"MTBI {_duration(advice.mtbi_s)}: Young {_duration(advice.young_s)}, "
                      f"Daly {_duration(advice.daly_s)}{gain}")
+    lines += [f"note: {n}" for n in acc.notes[:20]]
     if acc.problems:
         lines.append(f"PARTIAL: {len(acc.problems)} problem(s) in the log; the figures assume:")
         lines += [f"  {p}" for p in acc.problems[:20]]
@@ -681,7 +714,7 @@ def _recorded_jobs(logs: str) -> dict[str, tuple[str, str]]:
 
 def _goodput_fleet(args: argparse.Namespace) -> int:
     """Every job's log in --logs (with a run ending after --since): the jobs, the categories over all
-    of them, and the lost GPU-hours grouped --by cause, node or GPU serial, largest first."""
+    of them, and the interruptions' cost grouped --by cause, node or GPU serial, largest first."""
     if args.format == "html":
         return _fail(EXIT_USAGE, "--format html is one job's report: name it with --job or --log")
     try:
@@ -718,20 +751,20 @@ def _goodput_fleet(args: argparse.Namespace) -> int:
             g["held_gpu_s"] += acc.held_gpu_s
             g["productive_gpu_s"] += acc.gpu_s["productive"]
             g["interruptions"] += acc.interruptions
-            g["gpu_s"] += sum(inc.total_gpu_s for inc in acc.incidents)
+            g["gpu_s"] += sum(inc.cost_gpu_s for inc in acc.incidents)
             continue
         for inc in acc.incidents:
             key = {"cause": inc.cause, "node": inc.node, "serial": inc.gpu}[args.by] or "unknown"
             g = groups.setdefault(key, {"interruptions": 0, "gpu_s": 0.0})
             g["interruptions"] += 1
-            g["gpu_s"] += inc.total_gpu_s
+            g["gpu_s"] += inc.cost_gpu_s
     held = sum(totals.values())
     ranked = sorted(groups.items(), key=lambda kv: (-kv[1]["gpu_s"], kv[0]))
     if args.json or args.format == "json":
         print(json.dumps({"jobs": [{"job": a.job, "goodput": a.goodput, "held_gpu_s": a.held_gpu_s,
                                     "interruptions": a.interruptions, "partial": a.partial} for a in jobs],
                           "held_gpu_s": held, "gpu_s": totals, "goodput": totals["productive"] / held if held else None,
-                          "by": args.by, "lost": [{args.by: k, **v} for k, v in ranked], "unreadable": unreadable},
+                          "by": args.by, "cost": [{args.by: k, **v} for k, v in ranked], "unreadable": unreadable},
                          indent=2, sort_keys=True))
         return EXIT_OK
     share = f"{totals['productive'] / held:.1%}" if held else "-"
@@ -743,13 +776,13 @@ def _goodput_fleet(args: argparse.Namespace) -> int:
         lines += _category_table(totals, held)
     if ranked and args.by in ("partition", "account"):
         lines.append(f"by {args.by}:")
-        lines += table([args.by, "jobs", "GPU-h", "goodput", "interruptions", "lost GPU-h"],
+        lines += table([args.by, "jobs", "GPU-h", "goodput", "interruptions", "interruption cost GPU-h"],
                        [[k, int(v["jobs"]), f"{v['held_gpu_s'] / 3600:.2f}",
                          f"{v['productive_gpu_s'] / v['held_gpu_s']:.1%}" if v["held_gpu_s"] else "-",
                          int(v["interruptions"]), f"{v['gpu_s'] / 3600:.3f}"] for k, v in ranked])
     elif ranked:
-        lines.append(f"lost GPU-hours by {args.by}:")
-        lines += table([args.by, "interruptions", "GPU-h"],
+        lines.append(f"interruption cost by {args.by}:")
+        lines += table([args.by, "interruptions", "cost GPU-h"],
                        [[k, int(v["interruptions"]), f"{v['gpu_s'] / 3600:.3f}"] for k, v in ranked])
     lines += [f"unreadable: {u}" for u in unreadable]
     print("\n".join(lines))
@@ -783,6 +816,7 @@ def _goodput(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(EXIT_UNREACHABLE, f"{path}: cannot read the event log: {exc.strerror or exc}")
     advice = goodput.interval_advice(log, acc)
+    ettr = goodput.ettr(acc, args.ettr_window)
     if args.format == "html":
         if not args.output:
             return _fail(EXIT_USAGE, "goodput --format html needs -o FILE")
@@ -793,9 +827,9 @@ def _goodput(args: argparse.Namespace) -> int:
             return _fail(EXIT_UNREACHABLE, f"{args.output}: cannot write the report: {exc.strerror or exc}")
         print(f"{args.output}: goodput report of job {acc.job or '?'}" + (" (PARTIAL)" if acc.partial else ""))
     elif args.json or args.format == "json":
-        print(json.dumps({**goodput_doc(acc, advice), "ledger": where}, indent=2, sort_keys=True))
+        print(json.dumps({**goodput_doc(acc, advice, ettr), "ledger": where}, indent=2, sort_keys=True))
     else:
-        print("\n".join([*goodput_lines(acc, advice), where]))
+        print("\n".join([*goodput_lines(acc, advice, ettr), where]))
     return EXIT_OK
 
 

@@ -54,8 +54,8 @@ def test_a_job_is_accounted_once_it_ended_and_its_log_settled(world):
     f = published[-1]
     # the hand-computed job of test_ledger_join, charged to its incident's cause
     assert f.jobs == {"gpu": 1}
-    assert f.gpu_s[("gpu", "productive")] == 1240 and sum(v for (p, _), v in f.gpu_s.items() if p == "gpu") == 2160
-    assert f.lost == {("gpu", "xid:79"): 40 + 60 + 220 + 400 + 120}
+    assert f.gpu_s[("gpu", "productive")] == 1240 and sum(v for (p, _), v in f.gpu_s.items() if p == "gpu") == 1800
+    assert f.lost == {("gpu", "xid:79"): 40 + 60 + 220 + 40 + 120}
     assert f.objective == {"big": 0.95, "gpu": 0.9}
     assert inc
     assert acct.pass_once() == []  # nothing new: not accounted again
@@ -134,13 +134,13 @@ def test_healthctl_reads_the_gathered_logs_by_partition(world, capsys):
     assert healthctl.main(["--ledger", str(tmp_path / "ledger.db"), "--json", "goodput", "--logs", gathered,
                            "--by", "partition"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    [row] = doc["lost"]
-    assert row["partition"] == "gpu" and row["jobs"] == 1 and row["held_gpu_s"] == 2160
+    [row] = doc["cost"]
+    assert row["partition"] == "gpu" and row["jobs"] == 1 and row["held_gpu_s"] == 1800
     assert row["productive_gpu_s"] == 1240
     assert healthctl.main(["--ledger", str(tmp_path / "ledger.db"), "goodput", "--logs", gathered,
                            "--job", JOB]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"job {JOB}: goodput 57.4% of 0.60 GPU-h over 2 run(s)")
+    assert out.startswith(f"job {JOB}: goodput 68.9% of 0.50 GPU-h held over 2 run(s)")
     assert "1 requeue(s) of job 4242 and their incidents joined" in out
 
 
@@ -163,11 +163,12 @@ def test_slurms_runs_replace_the_logs_own():
     acc = goodput.account(goodput.with_runs(log, runs))
     mine = goodput.account(log)
     # Slurm allocated 5 s before rank 0 started (4 GPUs): startup the log could not see; the second
-    # run's 10 s earlier start moves that time from waiting to the restart
-    assert acc.held_gpu_s == mine.held_gpu_s + 5 * 4
+    # run's 10 s earlier start moves that time from the queue into the held time, as its restart
+    assert acc.held_gpu_s == mine.held_gpu_s + (5 + 10) * 4
     assert acc.gpu_s["other"] == mine.gpu_s["other"] + 5 * 4
     assert acc.gpu_s["restart"] == mine.gpu_s["restart"] + 10 * 4
-    assert acc.gpu_s["waiting"] == mine.gpu_s["waiting"] - 10 * 4
+    assert acc.gpu_s["waiting"] == mine.gpu_s["waiting"]
+    assert (acc.queued_s, mine.queued_s) == (80, 90)
     assert acc.gpu_s["productive"] == mine.gpu_s["productive"]
     assert (acc.runs, acc.interruptions, acc.problems) == (2, 1, ())
     [inc] = acc.incidents

@@ -72,11 +72,11 @@ def test_the_html_report_shows_every_category(category: Category):
 
 @pytest.mark.parametrize("category", TABLE, ids=CATEGORIES)
 def test_healthctl_shows_every_category(category: Category, tmp_path, capsys):
-    lines = healthctl.goodput_lines(only(category), None)
+    lines = healthctl.goodput_lines(only(category), None, goodput.ettr(only(category)))
     assert any(re.match(rf"{category.name}\s+1\.000\s+100\.0%$", line) for line in lines), lines
     if category.incident:
         assert any(f"{category.name} 1.000" in line for line in lines), lines
-    assert healthctl.goodput_doc(only(category), None)["gpu_s"] == {c: only(category).gpu_s[c] for c in CATEGORIES}
+    assert healthctl.goodput_doc(only(category), None, goodput.ettr(only(category)))["gpu_s"] == {c: only(category).gpu_s[c] for c in CATEGORIES}
 
 
 def test_healthctl_over_many_jobs_totals_every_category(tmp_path, capsys):

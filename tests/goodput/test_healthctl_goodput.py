@@ -20,14 +20,16 @@ def test_table_and_json(tmp_path, capsys):
     path.write_text(crash_and_restore())
     code, out, err = run(capsys, "goodput", "--log", str(path))
     assert code == 0 and err == ""
-    assert out.startswith("job 4242: goodput 57.4% of 0.60 GPU-h over 2 run(s), 1 interruption(s) (MTBI 7.5 min)")
-    assert "productive  0.344  57.4%" in out and "waiting     0.111  18.5%" in out
-    assert "7         xid:79  node01  1652000003  0.233  lost 0.061, detection 0.011" in out
+    assert out.startswith("job 4242: goodput 68.9% of 0.50 GPU-h held over 2 run(s), 1 interruption(s) (MTBI 7.5 min); "
+                          "1.5 min queued between runs (not held)")
+    assert "productive  0.344  68.9%" in out and "waiting     0.011  2.2%" in out
+    assert "7         xid:79  node01  1652000003  0.133       lost 0.061, detection 0.011" in out
     assert "blocking save 10 s, MTBI 7.5 min: Young 1.6 min, Daly 88 s" in out and "PARTIAL" not in out
     code, out, _ = run(capsys, "--json", "goodput", "--log", str(path), "--job", J)
     doc = json.loads(out)
-    assert code == 0 and doc["held_gpu_s"] == 2160 and doc["gpu_s"]["productive"] == 1240 and not doc["partial"]
-    assert doc["incidents"][0]["incident"] == "7" and doc["incidents"][0]["total_gpu_s"] == 840
+    assert code == 0 and doc["held_gpu_s"] == 1800 and doc["gpu_s"]["productive"] == 1240 and not doc["partial"]
+    assert doc["queued_s"] == 90 and doc["at_risk_gpu_s"] == 0
+    assert doc["incidents"][0]["incident"] == "7" and doc["incidents"][0]["cost_gpu_s"] == 480
     assert doc["checkpoint_interval"]["checkpoint_s"] == 10 and doc["checkpoint_interval"]["current_s"] is None
 
 
@@ -58,8 +60,8 @@ def test_a_partial_log_says_what_it_assumed_and_a_missing_one_is_exit_3(tmp_path
     path = tmp_path / "cut.jsonl"
     path.write_text(crash_and_restore()[:-30])
     code, out, _ = run(capsys, "goodput", "--log", str(path))
-    assert code == 0 and "PARTIAL: 2 problem(s) in the log; the figures assume:" in out
-    assert "truncated (the last line, no newline)" in out and "no end recorded" in out
+    assert code == 0 and "PARTIAL: 1 problem(s) in the log; the figures assume:" in out
+    assert "truncated (the last line, no newline)" in out and "no end yet" in out
     code, out, err = run(capsys, "goodput", "--log", str(tmp_path / "none.jsonl"))
     assert code == 3 and out == "" and err.count("\n") == 1 and "cannot read the event log" in err
 
@@ -77,12 +79,12 @@ def test_every_jobs_log_in_a_directory_with_lost_hours_by_cause_node_or_serial(t
     assert code == 0 and err == "", err
     assert out.startswith(f"3 job(s) in {logs}: goodput")
     assert [line.split()[0] for line in out.splitlines()[2:5]] == ["5", "77", "4242"]  # natural order
-    lost = out[out.index("lost GPU-hours by cause:"):].splitlines()
-    assert lost[2].startswith("nvlink:down  1") and lost[3].startswith("xid:79       1"), lost  # the larger first
+    cost = out[out.index("interruption cost by cause:"):].splitlines()
+    assert cost[2].startswith("nvlink:down  1") and cost[3].startswith("xid:79       1"), cost  # the larger first
     assert "unreadable: 9.jsonl" in out
     code, out, _ = run(capsys, "--json", "goodput", "--logs", str(logs), "--by", "node")
     doc = json.loads(out)
-    assert [x["node"] for x in doc["lost"]] == ["node02", "node01"] and doc["held_gpu_s"] == sum(doc["gpu_s"].values())
+    assert [x["node"] for x in doc["cost"]] == ["node02", "node01"] and doc["held_gpu_s"] == sum(doc["gpu_s"].values())
     code, out, _ = run(capsys, "--json", "goodput", "--logs", str(logs), "--since", "2030-01-01T00:00:00+00:00")
     assert code == 0 and json.loads(out)["jobs"] == []  # every run ended long before
     code, out, _ = run(capsys, "--json", "goodput", "--logs", str(logs), "--since", "7d")

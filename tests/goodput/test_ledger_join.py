@@ -55,8 +55,8 @@ def test_the_ledger_charges_the_interruption_to_its_incident(tmp_path, capsys):
     [i] = doc["incidents"]
     assert (i["incident"], i["cause"], i["node"], i["gpu"], i["false_positive"]) == (str(inc), "xid:79", "node01", SERIAL,
                                                                                      False)
-    assert i["gpu_s"] == {"lost": 220, "detection": 40, "decision": 60, "waiting": 400, "restart": 120}
-    assert doc["gpu_s"]["productive"] == 1240 and doc["held_gpu_s"] == 2160
+    assert i["gpu_s"] == {"lost": 220, "detection": 40, "decision": 60, "waiting": 40, "restart": 120}
+    assert doc["gpu_s"]["productive"] == 1240 and doc["held_gpu_s"] == 1800
 
 
 def test_without_the_ledger_the_interruption_is_its_runs(tmp_path, capsys):
@@ -65,10 +65,10 @@ def test_without_the_ledger_the_interruption_is_its_runs(tmp_path, capsys):
     [i] = doc["incidents"]
     assert (i["incident"], i["cause"]) == ("run-0", "FAILED")
     assert doc["gpu_s"]["detection"] == 0 and doc["gpu_s"]["decision"] == 0
-    assert sum(i["gpu_s"].values()) == 840  # the same seconds, not split by the ledger's times
+    assert sum(i["gpu_s"].values()) == 480  # the same seconds, not split by the ledger's times
 
 
 def test_a_false_positive_in_the_ledger_is_charged_whole(tmp_path, capsys):
     ledger(tmp_path / "ledger.db", false_positive=True)
     doc = goodput(capsys, tmp_path, tmp_path / "ledger.db")
-    assert doc["gpu_s"]["false_positive"] == 840 and doc["incidents"][0]["false_positive"] is True
+    assert doc["gpu_s"]["false_positive"] == 480 and doc["incidents"][0]["false_positive"] is True
