@@ -8,17 +8,26 @@ job's ranks across nodes), like classify: no I/O, no clock (times are passed in)
   least, so compute, not step time, is what tells ranks apart.
 - Steps are grouped into **windows by step number** (`window = step // window_steps`), not by clock,
   so ranks on different nodes are compared over the same steps whatever their clocks say.
-- A window's figure for a rank is the median over its steps; ranks are compared by the ratio of
-  their figure to the job's median figure in that window (which cancels the batch mix, the job's own
-  phases and fleet-wide slowdowns).
-- **Magnitude test:** a rank is slow in a window when its ratio exceeds 1 by at least
+- A window's compute figure for a rank is the mean of its steps' compute times once the fastest and
+  the slowest fifth are set aside (a trimmed mean: a spike or a save-sized step is dropped like by a
+  median, yet a rank slow on every other step shows its whole mean slowdown, which a median hides).
+  Ranks are compared by the ratio of their figure to the median figure of the job's other ranks in
+  that window (which cancels the batch mix, the job's own phases and fleet-wide slowdowns; leaving
+  the rank out keeps a two-rank job's ratio its own slowdown, not half of it).
+- **Structure is not onset.** A rank's baseline is the median of its ratios over the job's first
+  `baseline_windows` compared windows. A rank's **effect** in a window is its ratio over the larger of
+  its baseline and 1, less 1: a rank slower than the others from the job's first windows (a heavier
+  pipeline stage, rank 0's extra work) counts only what it lost since, and is never flagged for its
+  structure. So the callers keep each rank's first windows with its recent ones (`with_baseline`).
+- **Magnitude test:** a rank is slow in a window when its effect is at least
   `max(min_effect, mad_k x sigma)`, sigma the robust spread (1.4826 x MAD) of the ratios across the
   job's ranks (small jobs: pooled over the recent windows too); flagged after `consecutive` slow
   windows in a row.
 - **Rank-order test** (small jobs, where a spread across a few ranks means little): in each step the
   rank that waited least arrived last. Under no straggler each rank is last with probability 1/R; a
   rank last in L of W steps with a binomial tail below `rank_order_p`, over `rank_order_consecutive`
-  windows in a row, is flagged.
+  windows in a row, each with an effect of at least `min_effect`, is flagged. So no test flags a rank
+  less than `min_effect` slower, whatever the job's size.
 - **Hang:** the job's highest committed step has not advanced for
   `max(hang_factor x median step time, hang_min_s)` (a save in progress gets `phase_factor` x the
   longest save seen instead, when that is longer, and the first save at least `first_save_s`). The ranks behind, and their phase, are named.
@@ -59,7 +68,8 @@ class RankWindow:
     steps: int
     """Steps of the window the rank recorded (a full window has window_steps)."""
     compute_s: float
-    """Median over the window's steps of step time minus wait time."""
+    """Step time minus wait time over the window's steps: their mean once the fastest and the slowest
+    fifth are set aside (the median when fewer than five steps)."""
     step_s: float
     """Median step time."""
     wait_s: float
@@ -78,7 +88,8 @@ class Straggler:
     windows: tuple[int, ...]
     """The consecutive slow windows that flagged it, oldest first."""
     effect: float
-    """Compute time above the job's median in the latest of them: 0.08 is 8 % slower."""
+    """Compute time above the median of the job's other ranks in the latest of them, beyond the rank's
+    own baseline when that is higher: 0.08 is 8 % slower."""
     threshold: float
     """The effect that window needed (magnitude), or the p-value bound (rank-order)."""
     last_in: int = 0
@@ -157,7 +168,7 @@ def summarize(rank: int, samples: Sequence[StepSample], settings: DetectorSettin
     first. A window is complete once the rank has a sample in a later window. Steps out of order or
     repeated (a restart replays steps) are taken as they come: the latest sample of a step wins.
     Samples with step_s 0 (the first after a start) or a checkpoint are not compute and are left out
-    of the medians. `with_waits`: fill RankWindow.waits (small jobs)."""
+    of the figures. `with_waits`: fill RankWindow.waits (small jobs)."""
     ws = _window_steps(settings)
     keep = _int(settings.history_windows) or 0
     if keep == 0:
@@ -193,11 +204,60 @@ def summarize(rank: int, samples: Sequence[StepSample], settings: DetectorSettin
             waits = tuple(slots)
         out.append(RankWindow(
             rank=rank, window=w, steps=len(rows),
-            compute_s=statistics.median([st - wt for _, st, wt in rows]),
+            compute_s=_trimmed([st - wt for _, st, wt in rows]),
             step_s=statistics.median([st for _, st, _ in rows]),
             wait_s=statistics.median([wt for _, _, wt in rows]),
             waits=waits))
     return tuple(out)
+
+
+_TRIM = 0.2
+"""The share of a window's steps set aside at each end before its compute figure is averaged: one
+step in five either way is far more than the spikes of a healthy rank (about 1 %), and still keeps
+three fifths of an intermittent straggler's slow and fast steps in the figure."""
+
+
+def _trimmed(values: list[float]) -> float:
+    """The mean of `values` without the lowest and highest `_TRIM` share (the median below 5 values)."""
+    n = len(values)
+    k = int(n * _TRIM)
+    if k == 0:
+        return statistics.median(values)
+    return math.fsum(sorted(values)[k:n - k]) / (n - 2 * k)
+
+
+def with_baseline(first: Sequence[RankWindow], recent: Sequence[RankWindow],
+                  settings: DetectorSettings) -> tuple[tuple[RankWindow, ...], tuple[RankWindow, ...]]:
+    """(the rank's first `baseline_windows` windows, those and `recent` as one sequence for
+    stragglers): a caller that keeps only a rank's recent windows keeps its first ones with this, so
+    that the detector can tell a rank slow from the start (structure) from one that became slow.
+    `first`: what the previous call returned (() at the rank's start); a window number in both is
+    taken from `recent`."""
+    keep = _int(settings.baseline_windows) or 0
+    have = {w.window: w for w in first if _int(getattr(w, "window", None)) is not None}
+    if len(have) < keep:
+        for w in recent:
+            n = _int(getattr(w, "window", None))
+            if n is not None and n not in have and (len(have) < keep or n < max(have)):
+                have[n] = w
+                if len(have) > keep:
+                    del have[max(have)]
+    kept = tuple(have[n] for n in sorted(have))
+    newer = {w.window for w in recent if _int(getattr(w, "window", None)) is not None}
+    return kept, tuple(w for w in kept if w.window not in newer) + tuple(recent)
+
+
+def throttle_coincides(onset_window: int, before_step: int | None, since_step: int, window_steps: int) -> bool:
+    """Whether a throttle (clock event) reason that began between `before_step` (the rank's last step
+    at the last read without it; None: never read without it) and `since_step` (its last step at the
+    first read with it) can explain a slowdown whose first slow window is `onset_window`. The onset
+    itself lies in that window or the one before (a window's figure shows a slowdown once most of its
+    steps are slow); the throttle must have begun within one window of that, neither long before
+    (a GPU throttled while its rank kept pace did not make it slow) nor after."""
+    ws = max(1, window_steps)
+    if before_step is None:
+        return False  # present at the first read: when it began is not known
+    return before_step < (onset_window + 2) * ws and since_step >= (onset_window - 2) * ws
 
 
 def _spread(ratios: list[float]) -> float:
@@ -297,19 +357,40 @@ def stragglers(windows: Mapping[int, Sequence[RankWindow]], settings: DetectorSe
     min_effect = _num(settings.min_effect) or 0.0
     mad_k = _num(settings.mad_k) or 0.0
 
-    # window -> rank -> ratio to the median of the ranks that hold it, and the window's own spread
-    # (None: too few ranks in it for a spread of their own)
+    # window -> rank -> ratio to the median of the other ranks that hold it, and the window's own
+    # spread (None: too few ranks in it for a spread of their own)
     ratios: dict[int, dict[int, float]] = {}
-    spreads: dict[int, float | None] = {}
     for w, got in by_window.items():
         if len(got) < 2:
             continue
-        med = statistics.median(got.values())
-        mine = {r: x for r, c in got.items() if (x := c / med) < math.inf}
-        if len(mine) < 2:
-            continue
-        ratios[w] = mine
-        spreads[w] = None if small or len(mine) < spread_ranks else _spread(list(mine.values()))
+        mine = {r: x for r, c, med in _others_medians(got) if (x := c / med) < math.inf}
+        if len(mine) >= 2:
+            ratios[w] = mine
+    # rank -> its structure: the median of its ratios over the job's first compared windows. Its
+    # effect is measured from the larger of that and 1 (a rank faster than the others from the start
+    # is judged against the others); the spread, from that alone (each rank against itself: a job's
+    # pipeline stages widen the ratios, not the noise a slow rank must stand out of).
+    first = sorted(ratios)[:_int(settings.baseline_windows) or 0]
+    base: dict[int, float] = {}
+    for r in ranks:
+        held = [ratios[w][r] for w in first if r in ratios[w]]
+        base[r] = statistics.median(held) if held else 1.0
+    effects: dict[int, dict[int, float]] = {}
+    devs: dict[int, dict[int, float]] = {}
+    spreads: dict[int, float | None] = {}  # None: too few ranks in it for a spread of their own
+    for w, mine in ratios.items():
+        effects[w] = {r: x / max(1.0, base[r]) - 1.0 for r, x in mine.items()}
+        devs[w] = {r: x / base[r] for r, x in mine.items()}
+        spreads[w] = None if small or len(mine) < spread_ranks else _spread(list(devs[w].values()))
+    # One spread for every window: the median of the windows' own (leaving out the baseline windows
+    # when there are others, as each rank's baseline is made of them, which narrows theirs). A
+    # window's own spread from a few dozen ranks is a rough estimate: a threshold that moved with it
+    # would name one straggler a window after its onset and another many windows later.
+    own = [x for w, x in spreads.items() if x is not None and w not in first] or \
+        [x for x in spreads.values() if x is not None]
+    if own:
+        job_spread = statistics.median(own)
+        spreads = {w: None if x is None else job_spread for w, x in spreads.items()}
     pooled: float | None = None
     others: dict[int, float] = {}  # small jobs: rank -> the spread of every other rank's ratios
     slow: dict[int, dict[int, tuple[float, float]]] = {}  # rank -> slow window -> (effect, threshold)
@@ -317,22 +398,25 @@ def stragglers(windows: Mapping[int, Sequence[RankWindow]], settings: DetectorSe
         sigma = spreads[w]
         if sigma is None and not small:
             if pooled is None:
-                pooled = _spread([x for g in ratios.values() for x in g.values()])
+                pooled = _spread([x for g in devs.values() for x in g.values()])
             sigma = pooled
-        for r, x in mine.items():
+        for r in mine:
             if sigma is None:
                 # A few ranks: the spread is pooled over their recent windows, leaving out the rank
                 # being judged, whose own slow windows would otherwise raise the bar it has to clear.
                 if r not in others:
-                    others[r] = _spread([y for g in ratios.values() for q, y in g.items() if q != r])
+                    others[r] = _spread([y for g in devs.values() for q, y in g.items() if q != r])
                 threshold = max(min_effect, mad_k * others[r])
             else:
                 threshold = max(min_effect, mad_k * sigma)
-            if x - 1.0 >= threshold:
-                slow.setdefault(r, {})[w] = (x - 1.0, threshold)
+            effect = effects[w][r]
+            if effect >= threshold:
+                slow.setdefault(r, {})[w] = (effect, threshold)
 
     newest_first = sorted(ratios, reverse=True)
     need = _count(settings.consecutive, 2)
+    if small:  # a few ranks' spread is a rough estimate of their noise: as many windows as rank order
+        need = max(need, _count(settings.rank_order_consecutive, 3))
     found: dict[int, Straggler] = {}
     for r, mine_slow in slow.items():
         latest = next(w for w in newest_first if r in ratios[w])  # the rank's newest compared window
@@ -342,21 +426,39 @@ def stragglers(windows: Mapping[int, Sequence[RankWindow]], settings: DetectorSe
             found[r] = Straggler(rank=r, test="magnitude", windows=run, effect=effect, threshold=threshold)
 
     if small:
-        found.update(_rank_order(windows, ratios, found, settings))
+        found.update(_rank_order(windows, effects, found, settings))
     return tuple(found[r] for r in sorted(found))
 
 
-def _rank_order(windows: Mapping[int, Sequence[RankWindow]], ratios: Mapping[int, Mapping[int, float]],
+def _others_medians(got: Mapping[int, float]) -> list[tuple[int, float, float]]:
+    """(rank, its value, the median of every other rank's value) for each rank of `got` (two or more):
+    one sort, then each rank's median of the others is read off by position (equal values are
+    interchangeable, so which of them is left out does not matter)."""
+    order = sorted(got.items(), key=lambda rc: rc[1])
+    vals = [c for _, c in order]
+    m = len(vals) - 1  # the others of each rank
+
+    def other(j: int, i: int) -> float:  # the j-th smallest of the values without the i-th
+        return vals[j] if j < i else vals[j + 1]
+
+    if m % 2:
+        return [(r, c, other(m // 2, i)) for i, (r, c) in enumerate(order)]
+    return [(r, c, (other(m // 2 - 1, i) + other(m // 2, i)) / 2.0) for i, (r, c) in enumerate(order)]
+
+
+def _rank_order(windows: Mapping[int, Sequence[RankWindow]], effects: Mapping[int, Mapping[int, float]],
                 found: Mapping[int, Straggler], settings: DetectorSettings) -> dict[int, Straggler]:
     """The rank-order test over the compared windows (the ones two ranks or more hold), for the
-    ranks the magnitude test has not flagged."""
+    ranks the magnitude test has not flagged. A window counts for a rank only when its effect there
+    reaches min_effect too: arriving last is evidence of who is slowest, not of by how much."""
+    floor = _num(settings.min_effect) or 0.0
     waits: dict[int, dict[int, tuple[float, ...]]] = {}  # window -> rank -> its waits
     for rank, seq in windows.items():
         if _int(rank) is None:
             continue
         for rw in seq:
             w = _int(getattr(rw, "window", None))
-            if w is not None and w in ratios and rank in ratios[w]:
+            if w is not None and w in effects and rank in effects[w]:
                 got = getattr(rw, "waits", None)
                 # the later of a repeated window wins, as for the magnitude test
                 waits.setdefault(w, {})[rank] = tuple(got) if isinstance(got, (tuple, list)) else ()
@@ -374,7 +476,7 @@ def _rank_order(windows: Mapping[int, Sequence[RankWindow]], ratios: Mapping[int
         for r, n in last.items():
             pv = _tail(counted, n, p)
             tested.setdefault(r, {})[w] = (n, counted, pv)
-            if pv < bound:
+            if pv < bound and effects[w][r] >= floor:
                 late.setdefault(r, set()).add(w)
     need = _count(settings.rank_order_consecutive, 3)
     out: dict[int, Straggler] = {}
@@ -384,7 +486,7 @@ def _rank_order(windows: Mapping[int, Sequence[RankWindow]], ratios: Mapping[int
         run = _run(mine_late, max(tested[r]))
         if len(run) >= need:
             n, counted, pv = tested[r][run[-1]]
-            effect = ratios[run[-1]][r] - 1.0
+            effect = effects[run[-1]][r]
             out[r] = Straggler(rank=r, test="rank-order", windows=run, effect=effect, threshold=bound, last_in=n,
                                of_steps=counted, p_value=pv)
     return out

@@ -262,11 +262,15 @@ class DetectorSettings:
     window_steps: int = 25
     """Steps per window; windows are aligned by step number across ranks."""
     min_effect: float = 0.05
-    """The smallest slowdown flagged: 0.05 is a rank whose compute is 5 % above the job's median."""
+    """The smallest slowdown flagged, in jobs of every size and by either test: 0.05 is a rank whose
+    compute is 5 % above the median of the job's other ranks, and 5 % above its own baseline when
+    that is higher."""
     mad_k: float = 4.0
-    """How many robust standard deviations (1.4826 x MAD across ranks) a slow rank must exceed."""
+    """How many robust standard deviations a slow rank must exceed: 1.4826 x MAD across ranks of each
+    rank's ratio over its baseline, the median of the job's windows' figures."""
     consecutive: int = 2
-    """Slow windows in a row before the magnitude test flags a rank."""
+    """Slow windows in a row before the magnitude test flags a rank (below min_ranks_spread ranks, at
+    least rank_order_consecutive)."""
     min_ranks_spread: int = 16
     """Below this many ranks the spread is pooled over the recent windows of all ranks, and the
     rank-order test runs too."""
@@ -277,6 +281,11 @@ class DetectorSettings:
     biased: one rank is often last for scheduling reasons alone)."""
     history_windows: int = 8
     """Complete windows kept per rank (and sent in reports)."""
+    baseline_windows: int = 3
+    """A rank's first windows, kept (and sent) besides its recent ones: the median of its ratios over
+    the job's first this many windows is its structure (a heavier pipeline stage, rank 0's extra
+    work), and a rank is flagged only for a slowdown beyond it. 0: no baseline, every rank is held to
+    the job's median."""
     hang_factor: float = 10.0
     """A hang is no new step for this many median step times..."""
     hang_min_s: float = 60.0

@@ -80,14 +80,26 @@ def test_consecutive_setting_is_honoured():
 
 def test_a_wide_spread_raises_the_threshold_above_the_floor():
     # ranks spread +-4 %: 4 robust sigmas is well above 5 %, so an 8 % rank is within the job's own noise
-    wide = {r: [win(r, w, BASE * (1 + 0.01 * ((r + w) % 9 - 4))) for w in range(8)] for r in range(64)}
+    rng = random.Random(5)
+    wide = {r: [win(r, w, BASE * (1 + rng.uniform(-0.04, 0.04))) for w in range(8)] for r in range(64)}
     assert stragglers(wide, S) == ()
-    wide[3] = [win(3, w, BASE * 1.25) for w in range(8)]
+    wide[3] = [win(3, w, BASE * (1.25 if w >= 5 else 1.0)) for w in range(8)]
     (s,) = stragglers(wide, S)
-    latest = [wide[r][7].compute_s for r in wide]
-    ratios = [c / statistics.median(latest) for c in latest]
-    m = statistics.median(ratios)
-    assert s.threshold == pytest.approx(4 * 1.4826 * statistics.median([abs(x - m) for x in ratios]))
+
+    def ratios(w: int) -> list[float]:  # each rank against the median of the others
+        cs = [wide[r][w].compute_s for r in wide]
+        return [c / statistics.median(cs[:i] + cs[i + 1:]) for i, c in enumerate(cs)]
+
+    # each rank's ratio over its own baseline (the median over the first 3 windows); the spread of a
+    # window is the robust spread of those, and the job's the median of its later windows' spreads
+    base = [statistics.median(x) for x in zip(ratios(0), ratios(1), ratios(2), strict=True)]
+
+    def spread(w: int) -> float:
+        devs = [x / b for x, b in zip(ratios(w), base, strict=True)]
+        m = statistics.median(devs)
+        return 1.4826 * statistics.median([abs(x - m) for x in devs])
+
+    assert s.threshold == pytest.approx(4 * statistics.median([spread(w) for w in range(3, 8)]))
     assert s.threshold > 0.05
 
 
@@ -109,8 +121,10 @@ def test_windows_in_any_order_and_ranks_sorted():
 
 
 def test_small_job_pools_the_spread_over_its_history():
-    (s,) = stragglers(job(ranks=4, slow={2: {6: 1.08, 7: 1.08}}), S)
-    assert (s.rank, s.test, s.windows) == (2, "magnitude", (6, 7))
+    # a few ranks: as many slow windows in a row as the rank-order test needs
+    assert stragglers(job(ranks=4, slow={2: {6: 1.08, 7: 1.08}}), S) == ()
+    (s,) = stragglers(job(ranks=4, slow={2: {5: 1.08, 6: 1.08, 7: 1.08}}), S)
+    assert (s.rank, s.test, s.windows) == (2, "magnitude", (5, 6, 7))
     # a two-rank job: each rank is the median's other half, so only the rank-order test can tell
     assert stragglers(job(ranks=2, slow={1: {6: 1.08, 7: 1.08}}), S) == ()
 
@@ -138,70 +152,89 @@ def waits_last(rank: int, ranks: int, last_in: int, steps: int = 50) -> dict[int
 
 
 def order_job(ranks: int, late: dict[int, int], slow: float = 1.0, windows: int = 8,
-              who: int = 2) -> dict[int, list[RankWindow]]:
-    """Equal compute everywhere (except rank `who` x slow in late windows); late: window -> steps in
-    which `who` arrived last (the other windows: ranks take turns)."""
+              who: int = 2, spread: float = 0.0) -> dict[int, list[RankWindow]]:
+    """Rank `who` at BASE (x slow in late windows), the others spread evenly over BASE x (1 +- spread)
+    in turns, whose median is BASE: `who`'s effect is slow - 1, and a spread of 5 % puts the
+    magnitude test's threshold far above 8 %. late: window -> steps in which `who` arrived last (the
+    other windows: ranks take turns)."""
     out: dict[int, list[RankWindow]] = {r: [] for r in range(ranks)}
     for w in range(windows):
         waits = waits_last(who, ranks, late.get(w, 50 // ranks))
         for r in range(ranks):
-            c = BASE * (slow if r == who and w in late else 1.0)
+            m, i = ranks - 1, r if r < who else r - 1  # the others, and this one's place among them
+            # -1 .. 1 evenly (median 0) in each window, shuffled between windows: each rank noisy
+            turn = random.Random(w).sample(range(m), m)[i] * 2 / (m - 1) - 1 if m > 1 else 0.0
+            c = BASE * (slow if w in late else 1.0) if r == who else BASE * (1 + spread * turn)
             out[r].append(win(r, w, c, waits=waits[r]))
     return out
 
 
+LATE = {5: 40, 6: 40, 7: 40}
+SLOW = dict(slow=1.08, spread=0.05)  # 8 % slower, below the magnitude test's threshold in that spread
+
+
 def test_rank_order_flags_a_rank_last_40_of_50_steps_for_three_windows():
-    (s,) = stragglers(order_job(4, {5: 40, 6: 40, 7: 40}), S)
+    assert stragglers(order_job(4, LATE, spread=0.05), S) == ()  # as slow as the others: last, yet no effect
+    (s,) = stragglers(order_job(4, LATE, **SLOW), S)
     assert (s.rank, s.test, s.windows) == (2, "rank-order", (5, 6, 7))
     assert (s.last_in, s.of_steps) == (40, 50)
     exact = sum(math.comb(50, k) * 0.25 ** k * 0.75 ** (50 - k) for k in range(40, 51))
     assert s.p_value == pytest.approx(exact, rel=1e-9)
     assert s.p_value < S.rank_order_p and s.threshold == S.rank_order_p
-    assert s.effect == pytest.approx(0.0)
+    assert s.effect == pytest.approx(0.08)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8, 15])
+@pytest.mark.parametrize("slow", [1.0, 1.02, 1.04, 1.049])
+def test_rank_order_never_flags_a_rank_less_than_min_effect_slower(ranks, slow):
+    # last in 45 of 50 steps: a p-value far below the bound, but the rank is not 5 % slower
+    assert stragglers(order_job(ranks, {5: 45, 6: 45, 7: 45}, slow=slow, spread=0.05, who=1), S) == ()
+    (s,) = stragglers(order_job(ranks, {5: 45, 6: 45, 7: 45}, slow=1.051, spread=0.05, who=1), S)
+    assert s.rank == 1 and s.effect >= S.min_effect
 
 
 def test_rank_order_tells_the_slow_one_of_two_ranks():
-    (s,) = stragglers(order_job(2, {5: 45, 6: 45, 7: 45}, slow=1.08, who=1), S)
-    assert (s.rank, s.test, s.last_in) == (1, "rank-order", 45)
-    assert s.effect == pytest.approx(1.08 / 1.04 - 1)  # against the median of two ranks: about half the slowdown
+    (s,) = stragglers(order_job(2, {5: 45, 6: 45, 7: 45}, slow=1.06, who=1), S)
+    assert s.rank == 1
+    assert s.effect == pytest.approx(0.06)  # against the other rank: its own slowdown, not half of it
     assert stragglers(order_job(2, {5: 35, 6: 35, 7: 35}, who=1), S) == ()
 
 
 def test_rank_order_needs_three_windows_in_a_row():
-    assert stragglers(order_job(4, {6: 40, 7: 40}), S) == ()
-    assert stragglers(order_job(4, {4: 40, 6: 40, 7: 40}), S) == ()
-    assert stragglers(order_job(4, {4: 40, 5: 40, 6: 40}), S) == ()  # recovered in the latest
+    assert stragglers(order_job(4, {6: 40, 7: 40}, **SLOW), S) == ()
+    assert stragglers(order_job(4, {4: 40, 6: 40, 7: 40}, **SLOW), S) == ()
+    assert stragglers(order_job(4, {4: 40, 5: 40, 6: 40}, **SLOW), S) == ()  # recovered in the latest
 
 
 def test_rank_order_tolerates_the_scheduling_bias_of_a_small_machine():
     # last in 22 of 50 on 4 ranks (expected 12.5) is what 2 busy cores do to a healthy rank
-    assert stragglers(order_job(4, {w: 22 for w in range(8)}), S) == ()
+    assert stragglers(order_job(4, {w: 22 for w in range(3, 8)}, **SLOW), S) == ()
 
 
 def test_rank_order_runs_only_for_small_jobs():
-    assert stragglers(order_job(16, {5: 40, 6: 40, 7: 40}), S) == ()
-    assert [s.test for s in stragglers(order_job(15, {5: 40, 6: 40, 7: 40}), S)] == ["rank-order"]
+    assert stragglers(order_job(16, LATE, **SLOW), S) == ()
+    assert [s.test for s in stragglers(order_job(15, LATE, **SLOW), S)] == ["rank-order"]
 
 
 def test_a_rank_flagged_by_both_tests_is_returned_once_magnitude_first():
-    (s,) = stragglers(order_job(4, {5: 40, 6: 40, 7: 40}, slow=1.08), S)
+    (s,) = stragglers(order_job(4, LATE, slow=1.08), S)
     assert (s.rank, s.test, s.windows) == (2, "magnitude", (5, 6, 7))
 
 
 def test_rank_order_skips_unrecorded_steps_and_ties():
-    j = order_job(4, {5: 40, 6: 40, 7: 40})
+    j = order_job(4, LATE, **SLOW)
     # equal waits name nobody; a step one rank did not record is not counted
     for r in range(4):
         j[r][7] = replace(j[r][7], waits=(0.01,) * 50)
     assert stragglers(j, S) == ()
-    j = order_job(4, {5: 40, 6: 40, 7: 40})
+    j = order_job(4, LATE, **SLOW)
     j[0][7] = replace(j[0][7], waits=(-1.0,) * 10 + j[0][7].waits[10:])
     (s,) = stragglers(j, S)
     assert (s.last_in, s.of_steps) == (30, 40)
 
 
 def test_rank_order_without_waits_does_nothing():
-    j = order_job(4, {5: 40, 6: 40, 7: 40})
+    j = order_job(4, LATE, **SLOW)
     j = {r: [replace(w, waits=None) for w in ws] for r, ws in j.items()}
     assert stragglers(j, S) == ()
 
@@ -228,7 +261,8 @@ def test_summarize_takes_the_latest_sample_of_a_repeated_step():
     ss = samples(range(60)) + [StepSample(step=i, step_s=1.0, wait_s=0.0) for i in range(10, 40)]
     (w,) = summarize(0, ss, S)
     assert w.steps == 50
-    assert w.compute_s == 1.0  # 30 replayed steps of the 50 now take 1 s
+    # 30 replayed steps of the 50 now take 1 s: the middle three fifths are 10 steps of 0.1 s and 20 of 1 s
+    assert w.compute_s == pytest.approx(0.7)
     # out of order: the same windows
     shuffled = samples(range(120))
     random.Random(1).shuffle(shuffled)
