@@ -33,6 +33,7 @@ TIME_KEYS = ("job_start_time", "job_end_time", "step_start_time", "custom_badput
 
 UNORDERED = ("ledger", "controller")
 """Sources whose lines are not in a node's file order: they belong to a run by their time (or `run`)."""
+UNORDERED_ROLES = ("interrupt", "evidence", "detected", "decided", "false_positive", "straggler")
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def cats(acc) -> dict[str, float]:
 
 
 def assert_same(a, b, *, queued: bool = True, what: str = "") -> None:
-    """The same categories, held time, goodput (and queued time, work at risk)."""
+    """The same categories, held time, goodput, work at risk, incidents (and queued time)."""
     t = tol(a, b)
     assert a.held_gpu_s == pytest.approx(b.held_gpu_s, abs=t), what
     diff = {c: (a.gpu_s[c], b.gpu_s[c]) for c in CATEGORIES if abs(a.gpu_s[c] - b.gpu_s[c]) > t}
@@ -57,7 +57,17 @@ def assert_same(a, b, *, queued: bool = True, what: str = "") -> None:
     if queued:
         assert a.queued_s == pytest.approx(b.queued_s, abs=1e-4), what
     assert (a.runs, a.interruptions) == (b.runs, b.interruptions), what
+    assert same_incidents(a, b, t), (what, a.incidents, b.incidents)
     assert bool(a.problems) == bool(b.problems), (what, a.problems, b.problems)
+
+
+def same_incidents(a, b, t: float) -> bool:
+    """The same incidents, each with the same cause and cost by category."""
+    x, y = ({i.incident: i for i in acc.incidents} for acc in (a, b))
+    return x.keys() == y.keys() and all(
+        (x[k].cause, x[k].false_positive) == (y[k].cause, y[k].false_positive)
+        and all(abs(x[k].gpu_s.get(c, 0.0) - y[k].gpu_s.get(c, 0.0)) <= t for c in {*x[k].gpu_s, *y[k].gpu_s})
+        for k in x)
 
 
 def no_repeats(lines: list[str]) -> bool:
@@ -209,12 +219,44 @@ def test_a_clock_stepped_back_between_runs_changes_no_category(job, data):
     d = data.draw(st.integers(1, 3 * 3600) if job.integer else st.floats(0.001, 3 * 3600), label="d")
     keys = data.draw(st.sampled_from([True, "unordered", False]), label="run keys")
     if keys is False:
-        job = loggen.without(job, "straggler", "interrupt", "evidence", "detected", "decided", "false_positive")
+        job = loggen.without(job, *loggen.UNORDERED_ROLES)
     stepped = loggen.shifted(job, -d, from_run=k)
     assume(no_repeats(text(stepped, run_keys=keys).splitlines()))
     before, after = acct(job, run_keys=keys), acct(stepped, run_keys=keys)
     assert not after.problems, after.problems
     assert_same(before, after, queued=False, what=f"run {k} on: {d} s back")
+
+
+@SETTINGS
+@given(loggen.jobs(), RUN_KEYS, st.data())
+def test_a_clock_stepped_back_inside_a_run_is_taken_as_no_time(job, run_keys, data):
+    """The node's clock steps back d between two step marks a and b of a run (b and everything of the
+    run after it d earlier, d more than the time between them): the run's time runs on from a, as if
+    the steps between the marks took no time. The same answer as that log, not PARTIAL; other runs
+    untouched. The ledger's and the controller's lines of that run are left out (the head node's clock
+    did not step, so they no longer line up with the node's)."""
+    candidates = []
+    for r in range(len(job.runs)):
+        own = [i for i, ln in enumerate(job.lines) if ln.run == r and ln.source == "node"]
+        candidates += [(r, i, j) for i, j in pairwise(own) if job.lines[i].role == job.lines[j].role == "step"]
+    assume(candidates)
+    r, i, j = data.draw(st.sampled_from(candidates), label="run, marks")
+    marks = job.lines[i], job.lines[j]
+    job = loggen.without(job, *loggen.UNORDERED_ROLES, run=r)  # the head node's clock did not step
+    i, j = (next(k for k, ln in enumerate(job.lines) if ln is x) for x in marks)
+    between = loggen.time_of(job.lines[j]) - loggen.time_of(job.lines[i])
+    d = between + data.draw(st.integers(1, 3 * 3600) if job.integer else st.floats(0.001, 3 * 3600), label="d")
+
+    def back(by: float) -> Job:
+        lines = tuple(replace(ln, entry=loggen.entry_times(ln.entry, lambda v: v - by)) if k >= j and ln.run == r
+                      else ln for k, ln in enumerate(job.lines))
+        return replace(job, lines=lines)  # `now` is the accounting host's clock, which did not step
+
+    stepped, collapsed = back(d), back(between)
+    a, b = acct(stepped, run_keys=run_keys), acct(collapsed, run_keys=run_keys)
+    assert not a.problems, a.problems
+    assert a.notes, "the clock step is noted"
+    assert_same(a, b, queued=False, what=f"run {r}: {d} s back between marks")
 
 
 @SETTINGS
@@ -348,3 +390,61 @@ def test_runs_of_tells_a_same_second_requeue_apart():
     assert [(r.start, r.end) for r in runs] == [(100, 200), (200, 300)]
     assert [len([e for e in r.events if e.kind == "step"]) for r in runs] == [1, 1]
     assert not problems
+
+
+# --------------------------------------------------------------------------- accounted again
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(loggen.jobs(), st.lists(st.tuples(st.integers(1, 4), st.sampled_from(["gpu", "gpu-big"])),
+                                                  min_size=1, max_size=4)), min_size=1, max_size=3))
+def test_accounting_a_job_again_never_double_counts(history):
+    """Each job accounted several times, as its log grew run by run (after a requeue) or unchanged, in
+    a partition that may change: every counter only grows, and total - retracted is the sum over the
+    jobs' latest accounts, by partition and category, cause and jobs."""
+    import tempfile
+
+    from healthd.controller.goodput_jobs import AccountedJobs, GoodputSettings, label
+
+    latest: dict[str, tuple[str, object]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        store = AccountedJobs(f"{d}/accounted.sqlite")
+        try:
+            before = None
+            at = 1_800_000_000.0
+            for n, (job, passes) in enumerate(history):
+                name = f"{n}"
+                for upto, partition in passes:
+                    part = [ln for ln in job.lines if ln.run < upto]
+                    acc = account(parse_log(text(job, part)), now=job.now)
+                    at += 60
+                    store.accounted(name, partition, "acct", at, at, acc)
+                    latest[name] = (partition, acc)
+                    figs = store.figures(GoodputSettings(), at)
+                    if before is not None:
+                        for field in ("gpu_s", "gpu_s_retracted", "cost", "cost_retracted", "jobs", "jobs_retracted"):
+                            old, new = getattr(before, field), getattr(figs, field)
+                            assert all(new.get(k, 0) >= v - 1e-6 for k, v in old.items()), field
+                    before = figs
+        finally:
+            store.close()
+    assert before is not None
+    want_gpu: dict[tuple[str, str], float] = {}
+    want_cost: dict[tuple[str, str], float] = {}
+    want_jobs: dict[str, int] = {}
+    for partition, acc in latest.values():
+        p = label(partition)
+        want_jobs[p] = want_jobs.get(p, 0) + 1
+        for c, v in acc.gpu_s.items():
+            want_gpu[(p, c)] = want_gpu.get((p, c), 0.0) + v
+        for inc in acc.incidents:
+            k = (p, label(inc.cause))
+            want_cost[k] = want_cost.get(k, 0.0) + inc.cost_gpu_s
+    net_gpu = {k: v - before.gpu_s_retracted.get(k, 0.0) for k, v in before.gpu_s.items()}
+    for k in set(net_gpu) | set(want_gpu):
+        assert net_gpu.get(k, 0.0) == pytest.approx(want_gpu.get(k, 0.0), abs=1e-3), k
+    net_cost = {k: v - before.cost_retracted.get(k, 0.0) for k, v in before.cost.items()}
+    for k in set(net_cost) | set(want_cost):
+        assert net_cost.get(k, 0.0) == pytest.approx(want_cost.get(k, 0.0), abs=1e-3), k
+    net_jobs = {p: v - before.jobs_retracted.get(p, 0) for p, v in before.jobs.items()}
+    assert {p: v for p, v in net_jobs.items() if v} == want_jobs
