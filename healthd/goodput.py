@@ -15,6 +15,7 @@ truncated line, events out of order, a run without an end, a clock step) gives a
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import math
 import statistics
@@ -359,6 +360,25 @@ def _written_order(events: list[Event], part: str, problems: list[str]) -> list[
     return events
 
 
+def _run_order(starts: Mapping[tuple, Event]) -> list[tuple]:
+    """The runs in order: by their `run` keys; else each file's runs in the order it has them, the
+    files' interleaved by the runs' start times (rank 0 moved to another node after a requeue)."""
+    sequences: dict[str, list[tuple]] = {}
+    for key in sorted(starts, key=lambda k: (k[1] if k[0] == "run" else k[2])):
+        sequences.setdefault("\0named" if key[0] == "run" else key[1], []).append(key)
+    if len(sequences) == 1:
+        return next(iter(sequences.values()))
+    heads = [(starts[seq[0]].time, name, 0) for name, seq in sequences.items()]
+    heapq.heapify(heads)
+    order = []
+    while heads:
+        _, name, i = heapq.heappop(heads)
+        order.append(sequences[name][i])
+        if i + 1 < len(sequences[name]):
+            heapq.heappush(heads, (starts[sequences[name][i + 1]].time, name, i + 1))
+    return order
+
+
 def _runs(log: Log, now: float | None) -> tuple[list[Run], list[str], list[str]]:
     problems: list[str] = []
     notes: list[str] = []
@@ -391,8 +411,7 @@ def _runs(log: Log, now: float | None) -> tuple[list[Run], list[str], list[str]]
         loose += groups.pop(key)
     if not starts:
         return [], ["no job_start_time entry: no run to account"], notes
-    by_name = all(k[0] == "run" for k in starts)
-    order = sorted(starts, key=lambda k: (k[1], 0.0) if by_name else (starts[k].time, 0 if k[0] == "run" else 1))
+    order = _run_order(starts)
     runs: list[Run] = []
     for n, key in enumerate(order):
         start = starts[key]
@@ -431,6 +450,8 @@ def _runs(log: Log, now: float | None) -> tuple[list[Run], list[str], list[str]]
                 else:
                     problems.append(f"line {e.line}: allocation without a valid gpus count")
                 break
+        # a job_end_time a run_end supersedes says nothing more wherever it falls
+        evs = [e for e in evs if not (e.kind == "job_end" and ending and ending[0].kind == "run_end")]
         inside = tuple(e for e in evs if start.time <= e.time <= end)
         if len(inside) < len(evs):
             problems.append(f"run {n}: {len(evs) - len(inside)} event(s) outside the run's time; ignored")
@@ -704,11 +725,6 @@ def account(log: Log, now: float | None = None) -> Account:
             # mark per window leaves up to a window of them there)
             done = last_mark is not None and saved == math.inf
             _label(run_pieces, tail_start, run.end, "productive" if done else "other", run.gpus)
-            if run.state == "RUNNING" and done:
-                # the same steps as they stand should the run fail now: after the last durable save, lost
-                risky, _, _ = _steps(run, float(max(durable)) if durable else -1.0, [])
-                at_risk += sum((p.end - p.start) * p.gpus for p in risky if p.category == "lost")
-                at_risk += (run.end - tail_start) * run.gpus
         if i > 0:
             prior = next((k for k, v in incidents.items() if v.get("run") == i - 1), None)
             for p in run_pieces:
@@ -719,7 +735,10 @@ def account(log: Log, now: float | None = None) -> Account:
         saves += [(i, a, b) for a, b, ended in run_saves if ended]
         run_pieces = _overlay(run_pieces, [(a, b) for a, b, _ in custom], "other")
         run_pieces = _overlay(run_pieces, [(a, b) for a, b, _ in run_saves], "checkpoint")
-        pieces.append(_straggle(run_pieces, run, problems))
+        run_pieces = _straggle(run_pieces, run, problems)
+        if run.state == "RUNNING" and nxt is None and last_mark is not None:
+            at_risk = _at_risk(run, run_pieces, run_saves, last_mark)
+        pieces.append(run_pieces)
     totals = {c: 0.0 for c in CATEGORIES}
     per_incident: dict[str, dict[str, float]] = {k: {} for k in incidents}
     timeline: list[tuple[float, float, str]] = []
@@ -744,6 +763,24 @@ def account(log: Log, now: float | None = None) -> Account:
     return Account(log.job, held, totals, tuple(ranked), len(runs), interruptions,
                    sum(r.end - r.start for r in runs), tuple(problems), tuple(timeline), queued,
                    min(at_risk, totals["productive"]), tuple(notes), tuple(saves))
+
+
+def _at_risk(run: Run, pieces: list[_Piece], saves: list[tuple[float, float, bool]], last_mark: float) -> float:
+    """Of a run still going, the productive GPU-seconds after its last durable checkpoint: from where
+    the marks put the first step past it, or, when no mark is past it, from the end of the save that
+    wrote it (the steps before that save are in it)."""
+    durable = [(e.time, s) for e in run.events if e.kind == "durable" and (s := _int_step(e.data.get("step"))) is not None]
+    if not durable:
+        since = run.start
+    else:
+        at, step = max(durable, key=lambda d: d[1])
+        past = [p.start for p in _steps(run, float(step), [])[0] if p.category == "lost"]
+        if past:
+            since = past[0]
+        else:
+            ends = [b for a, b, _ in saves if a <= at]
+            since = max(max(ends) if ends else at, last_mark) if ends else at
+    return sum((p.end - max(p.start, since)) * p.gpus for p in pieces if p.category == "productive" and p.end > since)
 
 
 def _straggle(pieces: list[_Piece], run: Run, problems: list[str]) -> list[_Piece]:

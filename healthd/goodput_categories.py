@@ -31,14 +31,15 @@ TABLE: tuple[Category, ...] = (
              "that completed or still runs, every step, up to the job's end (the steps after the last mark "
              "ran too)"),
     Category("checkpoint", "#1565c0", "the blocking part of saves", "the blocking part of every save"),
-    Category("lost", "#c62828", "work redone after an interruption",
+    Category("lost", "#c62828", "lost work: redone after an interruption",
              "steps done after what the next run restored (all of them when it restored nothing), and the "
              "time from the last step mark to the interruption's first evidence", incident=True),
     Category("detection", "#ef6c00", "first evidence to detection", "first evidence to detection", incident=True),
     Category("decision", "#f9a825", "detection to the action applied",
              "detection to the action applied, waits for approval included", incident=True),
-    Category("waiting", "#6d4c41", "the action to the next run's start",
-             "the action applied to the run's end, and the gap until the next run starts", incident=True),
+    Category("waiting", "#6d4c41", "the action to the run's end",
+             "the action applied to the run's end (the time until the next run starts is queued, not held)",
+             incident=True),
     Category("restart", "#8e24aa", "a later run's start to its first step",
              "a later run's start to its first step", incident=True),
     Category("straggler", "#00838f", "what a slow rank cost the job",
@@ -47,8 +48,9 @@ TABLE: tuple[Category, ...] = (
     Category("false_positive", "#ad1457", "the whole cost of a wrong action",
              "an incident whose action was wrong: its lost, detection, decision, waiting and restart time, "
              "all of it"),
-    Category("other", "#9e9e9e", "setup, runs with no step mark",
-             "the rest: a first start's setup, a run with no step mark"),
+    Category("other", "#9e9e9e", "setup, runs with no step mark, custom events",
+             "the rest: a first start's setup, a run with no step mark, and custom events other than saves "
+             "(an evaluation, data loading)"),
 )
 
 CATEGORIES: tuple[str, ...] = tuple(c.name for c in TABLE)
