@@ -387,8 +387,10 @@ def _runs(log: Log, now: float | None) -> tuple[list[Run], list[str], list[str]]
     loose: list[Event] = []
     by_part: dict[str, list[Event]] = {}
     for e in log.events:
-        if e.kind in PLACED_BY_TIME or (not e.line and e.run is None):
+        if e.run is None and (e.kind in PLACED_BY_TIME or not e.line):
             loose.append(e)
+        elif e.kind in PLACED_BY_TIME or not e.line:
+            groups.setdefault(("run", e.run), []).append(e)
         else:
             by_part.setdefault(e.part, []).append(e)
     for part, events in by_part.items():
@@ -405,13 +407,17 @@ def _runs(log: Log, now: float | None) -> tuple[list[Run], list[str], list[str]]
                 continue
             key = ("run", e.run) if e.run is not None else current
             (groups.setdefault(key, []) if key is not None else loose).append(e)
-    for key in [k for k in groups if k not in starts]:
-        if groups[key]:
-            problems.append(f"{len(groups[key])} event(s) of run {key[1]}, which has no job_start_time; placed by their time")
-        loose += groups.pop(key)
+    orphans = {k: groups.pop(k) for k in [k for k in groups if k not in starts]}
     if not starts:
         return [], ["no job_start_time entry: no run to account"], notes
     order = _run_order(starts)
+    for (_, number), events in orphans.items():
+        # lines that name their run where the node's lines do not: the run-th run in order
+        if isinstance(number, int) and number < len(order):
+            groups[order[number]] += events
+        else:
+            problems.append(f"{len(events)} event(s) of run {number}, which has no job_start_time; placed by their time")
+            loose += events
     runs: list[Run] = []
     for n, key in enumerate(order):
         start = starts[key]
@@ -452,7 +458,7 @@ def _runs(log: Log, now: float | None) -> tuple[list[Run], list[str], list[str]]
                 break
         # a job_end_time a run_end supersedes says nothing more wherever it falls
         evs = [e for e in evs if not (e.kind == "job_end" and ending and ending[0].kind == "run_end")]
-        inside = tuple(e for e in evs if start.time <= e.time <= end)
+        inside = tuple(e for e in evs if start.time <= e.time <= end or e.kind in PLACED_BY_TIME)
         if len(inside) < len(evs):
             problems.append(f"run {n}: {len(evs) - len(inside)} event(s) outside the run's time; ignored")
         runs.append(Run(n, start.time, end, recorded or 0, state, inside, key[1] if key[0] == "run" else None,
