@@ -30,7 +30,10 @@ TABLE: tuple[Category, ...] = (
              "steps whose work survived: up to the step the next run restored, or, in the last run of a job "
              "that completed or still runs, every step, up to the job's end (the steps after the last mark "
              "ran too)"),
-    Category("checkpoint", "#1565c0", "the blocking part of saves", "the blocking part of every save"),
+    Category("checkpoint", "#1565c0", "the blocking part of saves",
+             "the blocking part of every save; a save the run stopped inside ends where its evidence ends: at the "
+             "interruption's first evidence (or the run's end, without an incident), so detection, decision and "
+             "waiting keep their own time"),
     Category("lost", "#c62828", "lost work: redone after an interruption",
              "steps done after what the next run restored (all of them when it restored nothing), and the "
              "time from the last step mark to the interruption's first evidence", incident=True),
