@@ -160,7 +160,7 @@ def _check_goodput(file: str, g: GoodputSettings) -> None:
     for key, value in (("goodput.objective", g.objective), *((f"goodput.objectives.{p}", v) for p, v in g.objectives.items())):
         if not 0 < value < 1:
             raise ConfigError(file, key, "a share between 0 and 1 (0.9: 90% of the GPU time productive)", value)
-    for key in ("interval_s", "keep_days"):
+    for key in ("interval_s", "keep_days", "ettr_window_s"):
         if not 0 < getattr(g, key) < float("inf"):
             raise ConfigError(file, f"goodput.{key}", "a positive number", getattr(g, key))
     if not 0 <= g.settle_s < float("inf"):

@@ -9,10 +9,13 @@ knows it) its log is joined with the ledger's requeues and incidents and account
 again later (a requeue after its end) is accounted again and its row replaced.
 
 The metrics are the sums of those rows (`GoodputFigures`): GPU-seconds by partition and category,
-lost GPU-seconds by partition and cause, jobs by partition, and each partition's objective. They are
-counters that only grow while rows are added, so Prometheus's `rate` over them is the share of the
-GPU time of the jobs that ended in a window; prometheus/healthd-alerts.yml turns that into the
-error budget's burn rate.
+the interruption cost by partition and cause, jobs by partition, and each partition's objective. They
+are counters, which only grow: a job accounted again adds what grew, and what shrank (all of its old
+account when its partition changed) is added to a `*_retracted` counter instead, so total - retracted
+is always the sum over the jobs' latest accounts. Prometheus's `rate` of that difference is the GPU
+time of the jobs that ended in a window; prometheus/healthd-alerts.yml turns it into the error
+budget's burn rate and the ETTR. Two gauges, the worst sliding-window ETTR and the longest
+unproductive stretch of the jobs accounted in the last 30 days, are read from the rows themselves.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from healthd import goodput
 from healthd.controller import goodput_ledger
 from healthd.controller.goodput_gather import job_parts, read_parts
-from healthd.controller.ledger.accounted import ACCOUNTED_NAME, AccountedStore
+from healthd.controller.ledger.accounted import ACCOUNTED_NAME, RETRACTED, AccountedStore
 from healthd.controller.metrics import GoodputFigures
 from healthd.goodput_categories import CATEGORIES
 from healthd.slurm.backend import JobInfo, JobRun, SlurmBackend, SlurmError
@@ -47,6 +50,9 @@ MAX_CAUSES = 64
 MAX_LOG_BYTES = 64 * 1024 * 1024
 GATHERED_NAME = "goodput-gathered"
 """The default directory of the gathered logs, beside the ledger."""
+ETTR_RECENT_S = 30 * 86400.0
+"""The jobs whose worst window and longest unproductive stretch the gauges take: those accounted this
+recently (an SLO period)."""
 FORGOTTEN_S = 86400.0
 """A job neither Slurm's accounting nor slurmctld knows is accounted from its log alone once its log
 has not grown for this long."""
@@ -77,6 +83,9 @@ class GoodputSettings:
     """partition -> its own objective."""
     keep_days: float = 90.0
     """A job's gathered log and its row are deleted this long after it was accounted."""
+    ettr_window_s: float = goodput.ETTR_WINDOW_S
+    """The sliding window of the effective training time ratio, in held wall time: each job's lowest
+    ETTR over any window this long is kept with its account (the whole job when it held less)."""
     sacct: bool = True
     """Read each job's runs from Slurm's accounting (`sacct --duplicates`) where the site runs
     slurmdbd: their starts, ends, end states, GPUs, partition and account replace the log's own. Where
@@ -107,52 +116,80 @@ class AccountedJobs(AccountedStore):
     account once it ended) and the running totals the metrics export. Used by one thread."""
 
     def accounted(self, job: str, partition: str, account: str, at: float, last_write: float,
-                  acc: goodput.Account) -> None:
-        """Record the job's account and add what it adds to the totals: all of it the first time; when
-        it is accounted again, what grew (a category that shrank keeps its total)."""
-        lost: dict[str, float] = {}
+                  acc: goodput.Account, window_s: float = goodput.ETTR_WINDOW_S) -> None:
+        """Record the job's account and change the totals by what changed: the first time, all of it;
+        when it is accounted again in the same partition, what grew is added and what shrank is
+        retracted; in another partition, all of the old account is retracted from its partition (its
+        job too) and all of the new one added to the new partition."""
+        cost: dict[str, float] = {}
         for inc in acc.incidents:
-            lost[inc.cause] = lost.get(inc.cause, 0.0) + inc.total_gpu_s
+            cost[inc.cause] = cost.get(inc.cause, 0.0) + inc.cost_gpu_s
         before = self.last_account(job)
-        old_part = label(before[0]) if before else None
-        old_cats, old_lost = (before[1], before[2]) if before else ({}, {})
+        new = {"jobs": {"": 1.0}, "gpu_s": dict(acc.gpu_s), "cost": cost}
         part = label(partition)
-        same = old_part == part
         adds: list[tuple[str, str, str, float]] = []
-        if not before or not same:
-            adds.append((part, "jobs", "", 1.0))
-        for c, v in acc.gpu_s.items():
-            adds.append((part, "gpu_s", c, v - (old_cats.get(c, 0.0) if same else 0.0)))
-        for cause, v in lost.items():
-            adds.append((part, "lost", cause, v - (old_lost.get(cause, 0.0) if same else 0.0)))
-        self.record_account(job, partition, account, at, last_write, acc.held_gpu_s, acc.gpu_s, lost, acc.problems,
-                            adds)
+        if before is not None and label(before[0]) != part:
+            old_part, old = label(before[0]), {"jobs": {"": 1.0}, "gpu_s": before[1], "cost": before[2]}
+            adds += [(old_part, kind + RETRACTED, key, v) for kind, values in old.items() for key, v in values.items()]
+            before = None
+        old = {"jobs": {"": 1.0}, "gpu_s": before[1], "cost": before[2]} if before is not None else {}
+        for kind, values in new.items():
+            was = old.get(kind, {})
+            for key in sorted(set(values) | set(was)):
+                d = values.get(key, 0.0) - was.get(key, 0.0)
+                adds.append((part, kind, key, d) if d > 0 else (part, kind + RETRACTED, key, -d))
+        e = goodput.ettr(acc, window_s)
+        self.record_account(job, partition, account, at, last_write, acc.held_gpu_s, acc.gpu_s, cost, acc.problems,
+                            adds, e.window_min, e.longest_unproductive_s)
 
-    def figures(self, settings: GoodputSettings) -> GoodputFigures:
-        gpu_s: dict[tuple[str, str], float] = {}
-        lost_raw: dict[tuple[str, str], float] = {}
-        jobs: dict[str, int] = {}
+    def figures(self, settings: GoodputSettings, now: float | None = None) -> GoodputFigures:
+        """The totals as the metrics export them, and the gauges over the jobs accounted since
+        `now - ETTR_RECENT_S` (`now`: the clock's time when not given)."""
+        now = time.time() if now is None else now
+        sums: dict[str, dict[tuple[str, str], float]] = {}
         for partition, kind, key, value in self.totals():
-            if kind == "jobs":
-                jobs[partition] = int(value)
-            elif kind == "gpu_s" and key in CATEGORIES:
-                gpu_s[(partition, key)] = value
-            elif kind == "lost":
-                cause = label(key)
-                lost_raw[(partition, cause)] = lost_raw.get((partition, cause), 0.0) + value
+            if kind in ("gpu_s", "gpu_s" + RETRACTED) and key not in CATEGORIES:
+                continue
+            if kind in ("cost", "cost" + RETRACTED):
+                key = label(key)
+            into = sums.setdefault(kind, {})
+            into[(partition, key)] = into.get((partition, key), 0.0) + value
+        jobs = {p: int(v) for (p, _), v in sums.get("jobs", {}).items()}
+        jobs_back = {p: int(v) for (p, _), v in sums.get("jobs" + RETRACTED, {}).items()}
+        # every series from its partition's first job on, at 0 until it moves: a counter that first
+        # appears at a value hides that first increase from rate()
+        gpu_s, gpu_back = sums.get("gpu_s", {}), sums.get("gpu_s" + RETRACTED, {})
         for part in jobs:
+            jobs_back.setdefault(part, 0)
             for c in CATEGORIES:
                 gpu_s.setdefault((part, c), 0.0)
+                gpu_back.setdefault((part, c), 0.0)
         weight: dict[str, float] = {}
-        for (_, cause), v in lost_raw.items():
+        for (_, cause), v in sums.get("cost", {}).items():
             weight[cause] = weight.get(cause, 0.0) + v
         kept = set(sorted(weight, key=lambda c: (-weight[c], c))[:MAX_CAUSES])
-        lost: dict[tuple[str, str], float] = {}
-        for (part, cause), v in lost_raw.items():
-            key = (part, cause if cause in kept else "other")
-            lost[key] = lost.get(key, 0.0) + v
+
+        def bounded(values: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+            out: dict[tuple[str, str], float] = {}
+            for (part, cause), v in values.items():
+                k = (part, cause if cause in kept else "other")
+                out[k] = out.get(k, 0.0) + v
+            return out
+
+        cost, cost_back = bounded(sums.get("cost", {})), bounded(sums.get("cost" + RETRACTED, {}))
+        for k in cost:
+            cost_back.setdefault(k, 0.0)
+        worst: dict[str, float] = {}
+        longest: dict[str, float] = {}
+        for row in self.accounted_since(now - ETTR_RECENT_S):
+            part = label(row.partition)
+            if row.window_min is not None:
+                worst[part] = min(worst.get(part, 1.0), row.window_min)
+            if row.longest_unproductive_s is not None:
+                longest[part] = max(longest.get(part, 0.0), row.longest_unproductive_s)
         partitions = set(jobs) | {label(p) for p in settings.objectives}
-        return GoodputFigures(gpu_s, lost, jobs, {p: settings.objective_of(p) for p in sorted(partitions)})
+        return GoodputFigures(gpu_s, cost, jobs, {p: settings.objective_of(p) for p in sorted(partitions)},
+                              gpu_back, cost_back, jobs_back, worst, longest)
 
 
 def _newest_write(directory: str) -> float:
@@ -161,7 +198,7 @@ def _newest_write(directory: str) -> float:
 
 class GoodputAccountant:
     """Accounts the ended jobs under `settings.directory` (module doc). `publish` receives the
-    figures after each pass that changed them (and after the first)."""
+    figures after each pass."""
 
     def __init__(self, settings: GoodputSettings, backend: SlurmBackend, ledger_path: str,
                  publish: Callable[[GoodputFigures], None], clock: Callable[[], float] = time.time):
@@ -176,7 +213,6 @@ class GoodputAccountant:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._no_accounting = False
-        self._published = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="healthd-goodput", daemon=True)
@@ -254,16 +290,15 @@ class GoodputAccountant:
                 log = goodput.with_runs(log, [goodput.SlurmRun(r.start, r.end, _state(r.state), r.gpus)
                                               for r in runs if r.start is not None])
             acc = goodput.account(log)
-            self.jobs.accounted(name, partition, account, now, last_write, acc)
+            self.jobs.accounted(name, partition, account, now, last_write, acc, self.settings.ettr_window_s)
             done.append(name)
             if runs and self.settings.admin_comment:
                 self._comment(name, runs[-1], acc)
             _log.info("goodput: job %s (partition %s) accounted: %s of %.2f GPU-h%s", name, partition,
                       "-" if acc.goodput is None else f"{acc.goodput:.1%}", acc.held_gpu_s / 3600,
                       " (partial)" if acc.partial else "")
-        if done or not self._published:
-            self.publish(self.jobs.figures(self.settings))
-            self._published = True
+        # every pass, not only one that accounted a job: the gauges drop the jobs accounted too long ago
+        self.publish(self.jobs.figures(self.settings, now))
         return done
 
     def _runs(self, job: str) -> list[JobRun] | None:
@@ -315,7 +350,8 @@ ADMIN_COMMENT_PREFIX = "healthd:"
 
 
 def admin_comment(acc: goodput.Account) -> str:
-    """The job's one line for `sacct -o AdminComment` (pure)."""
+    """The job's one line for `sacct -o AdminComment` (pure): its goodput of the GPU time its runs
+    held (allocated; the time it waited in the queue between runs is not held)."""
     share = "-" if acc.goodput is None else f"{acc.goodput:.1%}"
-    return (f"{ADMIN_COMMENT_PREFIX} goodput={share} of {acc.held_gpu_s / 3600:.2f} GPU-h, {acc.runs} run(s), "
+    return (f"{ADMIN_COMMENT_PREFIX} goodput={share} of {acc.held_gpu_s / 3600:.2f} GPU-h held, {acc.runs} run(s), "
             f"{acc.interruptions} interruption(s)" + (" (partial)" if acc.partial else ""))

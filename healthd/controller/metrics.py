@@ -87,17 +87,29 @@ class RoundFigures:
 
 @dataclass(frozen=True)
 class GoodputFigures:
-    """What the goodput metrics export: the totals over the accounted jobs (healthd.controller.goodput_jobs)."""
+    """What the goodput metrics export: the totals over the accounted jobs (healthd.controller.goodput_jobs).
+    Each total only grows; what accounting a job again took back from it is counted in its
+    `*_retracted` twin, so total - retracted is the sum over the jobs' latest accounts."""
 
     gpu_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
     """(partition, category) -> GPU-seconds."""
-    lost: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    """(partition, cause) -> GPU-seconds an interruption cost (lost work, detection, decision,
+    cost: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(partition, cause) -> the interruption cost in GPU-seconds (lost work, detection, decision,
     waiting and restart), charged to its cause."""
     jobs: Mapping[str, int] = field(default_factory=dict)
     """partition -> jobs accounted."""
     objective: Mapping[str, float] = field(default_factory=dict)
     """partition -> its goodput objective."""
+    gpu_s_retracted: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(partition, category) -> GPU-seconds taken back from `gpu_s` by accounting a job again."""
+    cost_retracted: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(partition, cause) -> interruption cost taken back from `cost`."""
+    jobs_retracted: Mapping[str, int] = field(default_factory=dict)
+    """partition -> jobs taken back from `jobs` (accounted again in another partition)."""
+    worst_window_ettr: Mapping[str, float] = field(default_factory=dict)
+    """partition -> the lowest sliding-window ETTR of the jobs accounted in the last 30 days."""
+    longest_unproductive_s: Mapping[str, float] = field(default_factory=dict)
+    """partition -> the longest unproductive stretch (wall seconds) of the jobs accounted in the last 30 days."""
 
 
 ROUND_GAUGES: tuple[Family, ...] = (
@@ -175,24 +187,40 @@ class GoodputCollector:
         held = CounterMetricFamily(
             "healthd_goodput_gpu_seconds", "GPU-seconds held by the jobs that ended, by partition and category "
             f"({', '.join(CATEGORIES)})", labels=("partition", "category"))
-        lost = CounterMetricFamily(
-            "healthd_goodput_lost_gpu_seconds", "GPU-seconds interruptions cost the jobs that ended (lost work, "
-            "detection, decision, waiting, restart), by partition and cause", labels=("partition", "cause"))
+        held_back = CounterMetricFamily(
+            "healthd_goodput_gpu_seconds_retracted", "GPU-seconds taken back from healthd_goodput_gpu_seconds_total "
+            "when a job was accounted again (a category that shrank, or all of a job that moved to another "
+            "partition); subtract it for the exact totals", labels=("partition", "category"))
+        cost = CounterMetricFamily(
+            "healthd_goodput_interruption_cost_gpu_seconds", "The interruption cost of the jobs that ended: GPU-seconds "
+            "of lost work, detection, decision, waiting and restart, by partition and cause", labels=("partition", "cause"))
+        cost_back = CounterMetricFamily(
+            "healthd_goodput_interruption_cost_gpu_seconds_retracted", "Interruption cost taken back from "
+            "healthd_goodput_interruption_cost_gpu_seconds_total when a job was accounted again",
+            labels=("partition", "cause"))
         jobs = CounterMetricFamily("healthd_goodput_jobs", "Jobs accounted after they ended, by partition",
                                    labels=("partition",))
+        jobs_back = CounterMetricFamily("healthd_goodput_jobs_retracted", "Jobs taken back from healthd_goodput_jobs_total "
+                                        "when accounted again in another partition", labels=("partition",))
         objective = GaugeMetricFamily("healthd_goodput_objective",
                                       "The goodput objective: the share of held GPU time meant to be productive",
                                       labels=("partition",))
+        worst = GaugeMetricFamily("healthd_goodput_worst_window_ettr_ratio",
+                                  "The lowest sliding-window effective training time ratio (productive + straggler "
+                                  "over held) of any job accounted in the last 30 days", labels=("partition",))
+        longest = GaugeMetricFamily("healthd_goodput_longest_unproductive_seconds",
+                                    "The longest stretch of held wall time without training of any job accounted "
+                                    "in the last 30 days", labels=("partition",))
         if f is not None:
-            for (partition, category), v in sorted(f.gpu_s.items()):
-                held.add_metric((partition, category), v)
-            for (partition, cause), v in sorted(f.lost.items()):
-                lost.add_metric((partition, cause), v)
-            for partition, n in sorted(f.jobs.items()):
-                jobs.add_metric((partition,), float(n))
-            for partition, v in sorted(f.objective.items()):
-                objective.add_metric((partition,), v)
-        return [held, lost, jobs, objective]
+            for family, values in ((held, f.gpu_s), (held_back, f.gpu_s_retracted), (cost, f.cost),
+                                   (cost_back, f.cost_retracted)):
+                for labels, v in sorted(values.items()):
+                    family.add_metric(labels, v)
+            for family, by_partition in ((jobs, f.jobs), (jobs_back, f.jobs_retracted), (objective, f.objective),
+                                         (worst, f.worst_window_ettr), (longest, f.longest_unproductive_s)):
+                for partition, v in sorted(by_partition.items()):
+                    family.add_metric((partition,), float(v))
+        return [held, held_back, cost, cost_back, jobs, jobs_back, objective, worst, longest]
 
 
 class ControllerMetrics:
