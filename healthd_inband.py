@@ -57,6 +57,11 @@ PHASE = struct.Struct("<IIQ")
 (they are inside a collective, it is not). Written on entering and leaving a block, never read back."""
 HEAD_OFFSET = 120
 HEAD = struct.Struct("<Q")
+STEP_ID_OFFSET = 104
+STEP_ID = struct.Struct("<I")
+"""The first 4 of the header's 16 reserved bytes: the Slurm job step the ring belongs to, stored as
+SLURM_STEP_ID + 1 (0: not known, as in a ring written before this field, or outside a step), so a
+reader tells an earlier `srun` step's rings from the current one's. Written once at set-up."""
 RECORD_SIZE = 64
 """One record per 64-byte cache line."""
 SEQ = struct.Struct("<Q")
@@ -99,6 +104,7 @@ def ring_name(rank: int) -> str:
 assert HEADER.size == 128 and BODY_OFFSET + BODY.size == TAIL_OFFSET and TAIL_OFFSET + SEQ.size == RECORD_SIZE
 assert RECORD.size == RECORD_SIZE
 assert (HEADER.size, RECORD_SIZE, HEAD_OFFSET, PHASE_OFFSET) == (16 * WORD, 8 * WORD, 15 * WORD, 11 * WORD)
+assert HEADER.format.endswith("Q16xQ") and STEP_ID_OFFSET == 13 * WORD and STEP_ID.size <= 16
 
 
 # --------------------------------------------------------------------------- the disabled path
@@ -153,6 +159,12 @@ def _env_int(env: dict[str, str], *names: str, default: int = -1) -> int:
     return default
 
 
+def _step_id(env: dict[str, str]) -> int:
+    """SLURM_STEP_ID (else SLURM_STEPID) + 1 as the header stores it; 0 when unknown."""
+    step = _env_int(env, "SLURM_STEP_ID", "SLURM_STEPID")
+    return step + 1 if step >= 0 else 0
+
+
 def _device(env: dict[str, str], local_rank: int) -> int:
     """The GPU index this rank most likely uses: its entry of CUDA_VISIBLE_DEVICES (one visible device,
     or the local rank's), -1 when unknown (a UUID, nothing visible)."""
@@ -205,6 +217,7 @@ class _Ring:
             HEADER.pack_into(self.mm, 0, MAGIC, VERSION, HEADER.size, RECORD_SIZE, 0, self.capacity, os.getpid(),
                              self.rank, self.local_rank, self.world_size, self.device, self.start_wall_ns,
                              self.start_mono_ns, job, PHASE_COMPUTE, 0, self.start_mono_ns, 0)
+            STEP_ID.pack_into(self.mm, STEP_ID_OFFSET, _step_id(env))
             # A new process of the same rank replaces the ring in one rename: a reader sees the old
             # ring or the new one, never a half-written header.
             os.rename(tmp, self.path)

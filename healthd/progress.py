@@ -28,9 +28,11 @@ job's ranks across nodes), like classify: no I/O, no clock (times are passed in)
   rank last in L of W steps with a binomial tail below `rank_order_p`, over `rank_order_consecutive`
   windows in a row, each with an effect of at least `min_effect`, is flagged. So no test flags a rank
   less than `min_effect` slower, whatever the job's size.
-- **Hang:** the job's highest committed step has not advanced for
-  `max(hang_factor x median step time, hang_min_s)` (a save in progress gets `phase_factor` x the
-  longest save seen instead, when that is longer, and the first save at least `first_save_s`). The ranks behind, and their phase, are named.
+- **Hang:** the job's committed progress (the upper median of its ranks' last-step ages, so that one
+  rank's ring cannot hide a stall) has not advanced for `max(hang_factor x median step time,
+  hang_min_s)` (a save in progress gets `phase_factor` x the longest save seen instead, when that is
+  longer, and the first save at least `first_save_s`; ranks that all wait on ranks elsewhere get the
+  save bound). The ranks behind, and their phase, are named.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class RankProgress:
     """The rank's median step time over its recent steps (None: too few steps)."""
     longest_save_s: float = 0.0
     """The longest blocking save this rank has recorded."""
+    longest_step_s: float = 0.0
+    """The longest step this rank has recorded: a rank that waited out another rank's save (a
+    rank-0-only save, logging, an evaluation) records a step as long as that save."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,9 @@ class Hang:
     rank behind is not among them), every rank when none does."""
     phases: Mapping[int, Phase]
     """rank -> phase, for every rank considered."""
+    elsewhere: bool = False
+    """Judged on ranks that all wait on ranks not among them (one node's view of a job whose rank 0
+    runs elsewhere), against the save bound."""
 
 
 # --------------------------------------------------------------------------- the functions
@@ -492,30 +500,91 @@ def _rank_order(windows: Mapping[int, Sequence[RankWindow]], effects: Mapping[in
     return out
 
 
-def hang(ranks: Sequence[RankProgress], settings: DetectorSettings) -> Hang | None:
-    """A hang when the job's highest committed step has not advanced for longer than its bound (see
-    the module docstring); None while it advances, or before any rank has a median step time."""
-    valid: dict[int, RankProgress] = {}
+def _age(p: object) -> float | None:
+    """A rank's last-step age when it is a number a clock could have made (finite, not negative):
+    a stamp from the future is no evidence of progress."""
+    return _num(getattr(p, "last_step_age_s", None))
+
+
+def _rank0_alone(ranks: Sequence[RankProgress]) -> bool:
+    """Rank 0 is the one rank not waiting, every other rank waits at its step: what a rank-0-only
+    phase (a save, logging, an evaluation, the others in a barrier) looks like."""
+    if len(ranks) < 2 or len({p.last_step for p in ranks}) != 1:
+        return False
+    return all((p.phase == "wait") == (p.rank != 0) for p in ranks)
+
+
+def waits_elsewhere(ranks: Sequence[RankProgress]) -> bool:
+    """The ranks given (one node's) may all be waiting on ranks that are not among them: rank 0 is not
+    one of them, they stand at one step, and they are all in the same kind of phase (all waiting in
+    a collective, or none, as in a barrier the job does not wrap in `wait()`). A rank behind the
+    others here, or one computing while the others wait, is this node's own to judge."""
+    valid = [p for p in ranks if _int(getattr(p, "rank", None)) is not None]
+    if not valid or any(p.rank == 0 for p in valid) or len({p.last_step for p in valid}) != 1:
+        return False
+    return len({p.phase == "wait" for p in valid}) == 1
+
+
+def stall(ranks: Sequence[RankProgress], settings: DetectorSettings, *,
+          elsewhere: bool = False) -> tuple[float, float] | None:
+    """(stalled_s, bound_s): how long the job's committed progress has stood still, and how long it
+    may (see the module docstring); None before any rank has a median step time.
+
+    The stall is the upper median of the ages of the ranks that committed a step: in synchronous
+    training every rank commits each step, so one rank's ring cannot hide a stall that the others
+    show (a ring stamped in the future, a rank that claims a fresh step), and of two ranks the older
+    age counts. `elsewhere`: the ranks given all wait on ranks that are not among them (one node's
+    view of a job whose rank 0 runs on another node, `waits_elsewhere`): then a rank-0-only phase
+    there (a save, logging, an evaluation) is indistinguishable from a hang. Then, and when rank 0
+    is the one rank not waiting (`_rank0_alone`), the bound is the save bound: `phase_factor` x the
+    longest step or save these ranks have seen (a rank that waited out a save records a step as long
+    as it), at least `first_save_s`."""
+    valid: list[RankProgress] = []
     for p in ranks:
-        rank, age = _int(getattr(p, "rank", None)), _num(getattr(p, "last_step_age_s", None))
+        rank, age = _int(getattr(p, "rank", None)), _age(p)
         step = getattr(p, "last_step", None)
         if rank is None or age is None or isinstance(step, bool) or not isinstance(step, int) or step < -1:
             continue
-        valid[rank] = p
-    medians = [m for p in valid.values() if (m := _num(p.step_median_s)) and m > 0.0]
+        valid.append(p)
+    medians = [m for p in valid if (m := _num(p.step_median_s)) and m > 0.0]
     if not medians:
         return None
     bound = max((_num(settings.hang_factor) or 0.0) * statistics.median(medians), _num(settings.hang_min_s) or 0.0)
-    phases: dict[int, Phase] = {r: (p.phase if p.phase in _PHASES else "unknown") for r, p in sorted(valid.items())}
-    if "checkpoint" in phases.values():
-        saves = [s for p in valid.values() if (s := _num(p.longest_save_s))]
+    factor = _num(settings.phase_factor) or 0.0
+    first = _num(settings.first_save_s) or 0.0
+    if any(p.phase == "checkpoint" for p in valid):
+        saves = [s for p in valid if (s := _num(p.longest_save_s))]
         if saves:  # a save blocks every rank; only a save far longer than any seen is a hang
-            bound = max(bound, (_num(settings.phase_factor) or 0.0) * max(saves))
-        else:  # the first save: nothing learned yet, and a large model's save takes minutes
-            bound = max(bound, _num(settings.first_save_s) or 0.0)
-    stalled = min(float(p.last_step_age_s) for p in valid.values())
-    if stalled <= bound:
+            bound = max(bound, factor * max(saves))
+        else:  # the first save: nothing learned yet
+            bound = max(bound, first)
+    if elsewhere or _rank0_alone(valid):
+        seen = [s for p in valid for s in (_num(p.longest_save_s), _num(getattr(p, "longest_step_s", 0.0))) if s]
+        bound = max(bound, first, factor * max(seen, default=0.0))
+    committed = [float(p.last_step_age_s) for p in valid if p.last_step >= 0] or \
+        [float(p.last_step_age_s) for p in valid]
+    return statistics.median_high(committed), bound
+
+
+def hang(ranks: Sequence[RankProgress], settings: DetectorSettings, *, elsewhere: bool = False,
+         early_s: float = 0.0) -> Hang | None:
+    """A hang when the job's committed progress has stood still for longer than its bound (`stall`);
+    None while it advances, or before any rank has a median step time. `early_s`: how long until the
+    caller looks again (the agent's tick): a stall that will pass its bound before then is named now,
+    so that a hang is named within its bound, not up to one look after it. `elsewhere`: see `stall`."""
+    got = stall(ranks, settings, elsewhere=elsewhere)
+    if got is None:
         return None
+    stalled, bound = got
+    if stalled + (_num(early_s) or 0.0) <= bound:
+        return None
+    valid: dict[int, RankProgress] = {}
+    for p in ranks:
+        rank, step = _int(getattr(p, "rank", None)), getattr(p, "last_step", None)
+        if rank is None or _age(p) is None or isinstance(step, bool) or not isinstance(step, int) or step < -1:
+            continue
+        valid[rank] = p
+    phases: dict[int, Phase] = {r: (p.phase if p.phase in _PHASES else "unknown") for r, p in sorted(valid.items())}
     highest = max(p.last_step for p in valid.values())
     behind = [r for r, p in valid.items() if p.last_step < highest]
     if not behind:
@@ -523,4 +592,5 @@ def hang(ranks: Sequence[RankProgress], settings: DetectorSettings) -> Hang | No
         # when every rank given waits, the one they wait for is not among them (another node's)
         busy = [r for r in phases if phases[r] != "wait"]
         behind = busy if len(busy) < len(phases) else list(phases)
-    return Hang(step=highest, stalled_s=stalled, bound_s=bound, behind=tuple(sorted(behind)), phases=phases)
+    return Hang(step=highest, stalled_s=stalled, bound_s=bound, behind=tuple(sorted(behind)), phases=phases,
+                elsewhere=elsewhere)

@@ -293,8 +293,10 @@ class DetectorSettings:
     phase_factor: float = 5.0
     """During a save, the bound is this many times the longest save the job has made so far, when
     that is longer than the bound above."""
-    first_save_s: float = 1800.0
-    """During the job's first save (no save seen yet to learn from), the bound is at least this."""
+    first_save_s: float = 600.0
+    """During the job's first save (no save seen yet to learn from), and while ranks wait on rank 0
+    alone or on ranks on other nodes, the bound is at least this: PyTorch's default NCCL timeout,
+    after which ranks waiting in a collective for a save that long abort the job anyway."""
 
 
 GOODPUT_LOG_DIR = "goodput"

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 # the record kinds too: the agent's modules take them from its reader
 from healthd.inband_layout import (CKPT_BEGIN, CKPT_END, DURABLE, FLAG_ERROR, HEADER, KINDS,  # noqa: F401
-                                   MAGIC, MAX_CAPACITY, PHASES, RECORD, RESTORED, STEP, VERSION, WAIT)
+                                   MAGIC, MAX_CAPACITY, PHASES, RECORD, RESTORED, STEP, STEP_ID, STEP_ID_OFFSET,
+                                   VERSION, WAIT)
 from healthd.trusted import TooLarge, read_fd
 
 MAX_BYTES = HEADER.size + MAX_CAPACITY * RECORD.size
@@ -55,6 +56,9 @@ class RingHeader:
     head: int
     """The last sequence number the writer published when the header was copied (records copied
     after it may be newer)."""
+    step: int | None = None
+    """The Slurm job step the ring belongs to (SLURM_STEP_ID); None when the ring does not say (a
+    ring of an earlier client, or one started outside a step)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,10 @@ def parse_header(data: bytes, size: int | None = None) -> RingHeader | RingError
     expected = HEADER.size + capacity * RECORD.size
     if size != expected:
         return RingError(f"size {size} bytes, a ring of capacity {capacity} has {expected}")
-    return RingHeader(version, capacity, pid, rank, local_rank, world_size, device, _job(job), start_wall_ns, start_mono_ns, PHASES.get(phase, "unknown"), phase_mono_ns, head)
+    (step_id,) = STEP_ID.unpack_from(data, STEP_ID_OFFSET)
+    return RingHeader(version, capacity, pid, rank, local_rank, world_size, device, _job(job), start_wall_ns,
+                      start_mono_ns, PHASES.get(phase, "unknown"), phase_mono_ns, head,
+                      step_id - 1 if step_id else None)
 
 
 def parse_ring(data: bytes, after: int = 0, again: bytes | None = None) -> RingView | RingError:

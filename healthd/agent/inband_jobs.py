@@ -22,14 +22,15 @@ import stat
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from healthd.agent.goodput_log import GoodputLog
 from healthd.agent.inband import CKPT_BEGIN, CKPT_END, DURABLE, RESTORED, STEP, RingError, read_ring
 from healthd.inband_layout import DONE_DIR, INBAND_DIR, ring_rank, valid_job
 from healthd.lograte import WarnOnce
 from healthd.model import NODE, Component, Evidence, Finding, GpuSample, Snapshot
-from healthd.progress import Hang, RankProgress, RankWindow, StepSample, Straggler, hang, stragglers, summarize
+from healthd.progress import (Hang, RankProgress, RankWindow, StepSample, Straggler, hang, stall, stragglers, summarize,
+                              waits_elsewhere)
 from healthd.settings import InbandSettings
 from healthd.text import clean
 from healthd.trusted import TRUSTED_UID, TrustedDir
@@ -41,6 +42,17 @@ MAX_JOBS = 64
 MIN_STEPS_FOR_MEDIAN = 5
 MAX_WAITS = 256
 """Per-step waits are sent (small jobs' rank-order test) only for windows up to this many steps."""
+MAX_LOOK_S = 30.0
+"""The longest gap between two reads taken as the agent's tick: a longer one is a hiccup of the
+agent's own, and naming stalls that much early would name stalls that are not hangs."""
+START_SLACK_NS = 1_000_000_000
+"""A process counts as a ring's writer only if it started before the ring did, give or take this:
+/proc's start times are in clock ticks, and the two clocks are read at different moments."""
+LAUNCH_SPREAD_NS = 60_000_000_000
+"""The ranks of one launch on a node set their rings up within this of each other (they start
+together and import the client within seconds); a later step starts after the earlier one ran."""
+MAX_RETIRED = 64
+"""Retired rings listed per job in the state document."""
 
 # NVML clock event (throttle) reasons that slow a GPU down for a reason of its own: hardware
 # slowdown, software and hardware thermal slowdown, power brake. Idle, application clocks, the
@@ -62,6 +74,15 @@ class _Rank:
     longest_save_s: float = 0.0
     restored: int | None = None
     durable: int | None = None
+    longest_step_s: float = 0.0
+    last_mono: int = 0
+    """The writer's newest record, of any kind (CLOCK_MONOTONIC ns, as the ring says)."""
+    seen_mono: int = 0
+    """When this agent first saw the rank's current last step (its own clock, ns)."""
+    floor_mono: int = 0
+    """When this agent last read the ring before that, the step not yet there: the step was committed
+    between the two, whatever the ring's stamp says."""
+    read_mono: int = 0
     lost: int = 0
     torn: int = 0
     header: Any = None
@@ -109,6 +130,13 @@ class JobView:
     """Flagged among this node's ranks; only when all the job's ranks are here."""
     hang: Hang | None = None
     errors: tuple[str, ...] = ()
+    retired: tuple[tuple[str, str], ...] = ()
+    """(ring file, why) of each ring no live step of the job owns: left out of everything above."""
+    stall: tuple[float, float] | None = None
+    """(stalled_s, bound_s) of the job's committed progress here, hang or not (progress.stall)."""
+    waits_elsewhere: bool = False
+    """Every rank here waits on ranks of other nodes (rank 0 is not here): the controller, which sees
+    them, judges the stall; here the bound is the save bound."""
 
     @property
     def complete(self) -> bool:
@@ -133,6 +161,16 @@ class InbandJobs:
     _rails: tuple[tuple, dict[int, str]] = ((), {})
     rail: dict[int, str] = field(default_factory=dict)
     """GPU index -> rail, as worked out for the latest read."""
+    _gone: set[tuple[str, str, int, int]] = field(default_factory=set)
+    """(job, ring, pid, start) of writers found gone: a process that is gone never comes back."""
+    _procs: dict[int, dict[int, list[int]]] | None = None
+    """uid -> innermost PID -> its processes' start times (monotonic ns), from one scan of /proc per
+    read, made only when a ring's writer is looked for there."""
+    _logged: set[tuple[str, str, int, int]] = field(default_factory=set)
+    """Retired rings already named in the log (once each)."""
+    _last_read: int = 0
+    look_s: float = 0.0
+    """The time between the latest two reads: the agent's tick, by which a hang is named early."""
     _flags: dict[str, tuple[tuple, tuple[Straggler, ...]]] = field(default_factory=dict)
     """job -> (each rank's newest window, the stragglers found then): the detector runs when a
     window completes, not every tick."""
@@ -159,6 +197,10 @@ class InbandJobs:
             return ()
         self.rail = self.rails_of(gpus or {})
         self.pid_gpus = pid_gpus(processes or {}, self.proc_root)
+        self._procs = None
+        if self._last_read:
+            self.look_s = min(MAX_LOOK_S, max(0.0, (now_mono_ns - self._last_read) / 1e9))
+        self._last_read = now_mono_ns
         base = os.path.join(run_dir, INBAND_DIR)
         try:
             with TrustedDir(run_dir, INBAND_DIR, trusted_uid=self.trusted_uid) as d:
@@ -189,6 +231,8 @@ class InbandJobs:
             views.append(self._read_job(os.path.join(base, job), job, uid, now_mono_ns, seen))
         for key in [k for k in self._ranks if k not in seen]:
             del self._ranks[key]
+        self._gone = {g for g in self._gone if g[:2] in seen}
+        self._logged = {g for g in self._logged if g[:2] in seen}
         for job in [j for j in self._flags if j not in owners]:
             del self._flags[job]
         if self.goodput is not None:
@@ -208,6 +252,7 @@ class InbandJobs:
             errors.append(f"{len(ranked)} rings, read the first {s.max_ranks} (inband.max_ranks)")
         ranks: list[RankView] = []
         worlds = []
+        held: list[tuple[str, _Rank]] = []
         for named_rank, name in ranked[:s.max_ranks]:
             key = (job, name)
             state = self._ranks.get(key)
@@ -224,15 +269,29 @@ class InbandJobs:
                 state = _Rank(_identity(h), deque(maxlen=(s.detector.history_windows + 2) * s.detector.window_steps))
                 self._ranks[key] = state
             seen.add(key)
-            self._take(state, view)
+            self._take(state, view, now)
             state.header = h
             if h.rank != named_rank:
                 errors.append(f"{name}: header says rank {h.rank}")
                 continue
-            worlds.append(h.world_size)
-            ranks.append(self._rank_view(state, now))
+            held.append((name, state))
             if h.rank == 0 and self.goodput is not None:
                 self.goodput.take(job, h, view.records)
+        infos = {name: RingInfo(name, st.header.step, st.header.world_size, st.header.start_mono_ns,
+                                max(st.header.start_mono_ns, st.last_mono, st.header.phase_mono_ns))
+                 for name, st in held}
+        by_name = dict(held)
+        gone = retired(tuple(infos.values()), lambda r: self._writer_gone(job, r.name, by_name[r.name].header, uid))
+        for name, why in gone.items():
+            h = by_name[name].header
+            mark = (job, name, h.pid, h.start_mono_ns)
+            if mark not in self._logged:
+                self._logged.add(mark)
+                log.info("in-band job %s: %s retired: %s", job, name, why)
+        for name, state in held:
+            if name not in gone:
+                worlds.append(state.header.world_size)
+                ranks.append(self._rank_view(state, now))
         world = max(set(worlds), key=worlds.count) if worlds else -1
         by_rank = {r.rank: r.windows for r in ranks}
         flagged: tuple[Straggler, ...] = ()
@@ -244,18 +303,48 @@ class InbandJobs:
             else:
                 flagged = tuple(stragglers(by_rank, s.detector))
                 self._flags[job] = (key, flagged)
-        stalled = hang([r.progress for r in ranks], s.detector) if ranks else None
-        return JobView(job, uid, world, tuple(ranks), tuple(flagged), stalled, tuple(errors))
+        progress = [r.progress for r in ranks]
+        elsewhere = waits_elsewhere(progress)
+        stalled = hang(progress, s.detector, elsewhere=elsewhere, early_s=self.look_s) if ranks else None
+        return JobView(job, uid, world, tuple(ranks), tuple(flagged), stalled, tuple(errors),
+                       retired=tuple(sorted(gone.items(), key=lambda kv: ring_rank(kv[0]) or 0)),
+                       stall=stall(progress, s.detector, elsewhere=elsewhere) if ranks else None,
+                       waits_elsewhere=elsewhere and bool(ranks))
 
-    def _take(self, state: _Rank, view: Any) -> None:
+    def _writer_gone(self, job: str, name: str, header: Any, uid: int) -> bool:
+        """No process of the job's user that could have written the ring is running: none with the
+        ring's PID (the one the writer saw, its innermost PID in a container) that started before it."""
+        mark = (job, name, header.pid, header.start_mono_ns)
+        if mark in self._gone:
+            return True
+        if header.pid <= 0:
+            return False  # no PID to look for: never taken for gone
+        offset = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.monotonic_ns()
+        latest = header.start_mono_ns + START_SLACK_NS
+        own = _process(self.proc_root, header.pid, offset)
+        if own is not None and own[0] == uid and own[1] == header.pid and own[2] <= latest:
+            return False
+        if self._procs is None:
+            self._procs = {}
+        if uid not in self._procs:
+            self._procs[uid] = _processes(self.proc_root, uid, offset)
+        if any(start <= latest for start in self._procs[uid].get(header.pid, ())):
+            return False
+        self._gone.add(mark)
+        return True
+
+    def _take(self, state: _Rank, view: Any, now: int) -> None:
         if view.records:
             state.summary = ()
+        before = state.last_step
         state.after = max(state.after, view.last_seq)
         state.lost += view.lost
         state.torn += view.torn
         for r in view.records:
+            state.last_mono = max(state.last_mono, r.mono_ns)
             if r.kind == STEP:
                 state.samples.append(StepSample(r.step, r.dur_ns / 1e9, r.wait_ns / 1e9, state.save_since_step))
+                state.longest_step_s = max(state.longest_step_s, r.dur_ns / 1e9)
                 state.save_since_step = False
                 state.last_step = r.step
                 state.last_step_mono = r.mono_ns
@@ -269,6 +358,9 @@ class InbandJobs:
                 state.restored = r.step
                 state.last_step = r.step
                 state.last_step_mono = r.mono_ns
+        if view.records and (state.last_step != before or not state.seen_mono):
+            state.seen_mono, state.floor_mono = now, state.read_mono
+        state.read_mono = now
 
     def _rank_view(self, state: _Rank, now: int) -> RankView:
         h = state.header
@@ -281,6 +373,10 @@ class InbandJobs:
             state.summary = (summarize(h.rank, samples, d, with_waits=small), median)
         windows, median = state.summary
         since = state.last_step_mono or h.start_mono_ns
+        if state.seen_mono:
+            # the step was committed after the read that did not have it and by the read that did:
+            # a stamp outside that (a clock ahead, a ring stamped in the future) is not believed
+            since = max(min(since, state.seen_mono), state.floor_mono)
         progress = RankProgress(
             rank=h.rank,
             last_step=state.last_step,
@@ -289,10 +385,100 @@ class InbandJobs:
             phase_age_s=max(0.0, (now - h.phase_mono_ns) / 1e9) if h.phase_mono_ns else 0.0,
             step_median_s=median,
             longest_save_s=state.longest_save_s,
+            longest_step_s=state.longest_step_s,
         )
         gpu, gpu_from = rank_gpu(h.device, self.pid_gpus.get(h.pid, frozenset()))
         return RankView(h.rank, h.local_rank, gpu, h.pid, progress, windows, state.lost, state.torn,
                         state.restored, state.durable, self.rail.get(gpu), gpu_from)
+
+
+# --------------------------------------------------------------------------- the job's steps
+
+
+@dataclass(frozen=True)
+class RingInfo:
+    """What tells the launch a ring belongs to from another (the pure input of `retired`)."""
+
+    name: str
+    step: int | None
+    """The Slurm job step the header names (None: not said)."""
+    world_size: int
+    start_mono_ns: int
+    last_mono_ns: int
+    """The writer's latest sign of life in the ring: its newest record or phase change, else its start."""
+
+
+def superseded_by(ring: RingInfo, rings: Iterable[RingInfo]) -> RingInfo | None:
+    """A ring of a later launch than `ring`'s, if there is one. Rings of one launch share a step and a
+    world size: a ring that differs in either (its step known to both) and started after `ring` is of
+    a later launch. Without step ids, of the same world size, a ring is of a later launch only when it
+    started after `ring`'s writer last wrote and more than LAUNCH_SPREAD_NS after `ring` started: a
+    rank that died inside the job's current step (the evidence of a hang) is never superseded by its
+    peers."""
+    for other in rings:
+        if other.name == ring.name:
+            continue
+        known = ring.step is not None and other.step is not None
+        another = ring.world_size != other.world_size or (known and ring.step != other.step)
+        if known and not another:
+            continue  # one step, one world size: one launch
+        if another:
+            if other.start_mono_ns > ring.start_mono_ns:
+                return other
+        elif other.start_mono_ns > max(ring.last_mono_ns, ring.start_mono_ns + LAUNCH_SPREAD_NS):
+            return other
+    return None
+
+
+def retired(rings: Sequence[RingInfo], gone: Callable[[RingInfo], bool]) -> dict[str, str]:
+    """ring name -> why, for the rings no live step owns: a later launch's ring is in the job's
+    directory (`superseded_by`) and the ring's own writer is gone (`gone`, asked only then). A ring of
+    an earlier step whose writer still runs (steps running side by side) is kept."""
+    out = {}
+    for ring in rings:
+        later = superseded_by(ring, rings)
+        if later is not None and gone(ring):
+            step = f"step {ring.step}" if ring.step is not None else "an earlier step"
+            out[ring.name] = (f"its writer is gone and {later.name} "
+                              f"({'step ' + str(later.step) if later.step is not None else 'a later start'}, "
+                              f"world size {later.world_size}) started after it; {step}, world size "
+                              f"{ring.world_size}")
+    return out
+
+
+def _process(proc_root: str, pid: int, boot_minus_mono_ns: int) -> tuple[int, int, int] | None:
+    """(owner uid, innermost PID, start as CLOCK_MONOTONIC ns) of process `pid` under `proc_root`;
+    None when it is not there or not readable."""
+    base = os.path.join(proc_root, str(pid))
+    try:
+        uid = os.stat(base).st_uid
+        with open(os.path.join(base, "stat"), "rb") as f:
+            fields = f.read(4096).rpartition(b")")[2].split()
+        start_ns = int(fields[19]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK") - boot_minus_mono_ns
+    except (OSError, ValueError, IndexError):
+        return None
+    inner = _innermost_pid(proc_root, pid)
+    return uid, inner if inner is not None else pid, start_ns
+
+
+def _processes(proc_root: str, uid: int, boot_minus_mono_ns: int) -> dict[int, list[int]]:
+    """Innermost PID -> the start times of the processes of `uid` that have it (a writer in a container
+    wrote the PID it sees)."""
+    out: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.scandir(proc_root) if e.name.isdigit()]
+    except OSError:
+        return out
+    for e in entries:
+        try:
+            if e.stat(follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        got = _process(proc_root, int(e.name), boot_minus_mono_ns)
+        if got is not None and got[0] == uid:
+            out.setdefault(got[1], []).append(got[2])
+    return out
 
 
 # --------------------------------------------------------------------------- the rank's GPU
@@ -545,6 +731,8 @@ def findings(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Findi
             fid = f"inband.hang:{job.job}"
             behind = ", ".join(f"rank {r} ({h.phases.get(r, 'unknown')}, gpu {by_rank[r].gpu})"
                                for r in h.behind[:8] if r in by_rank)
+            if h.elsewhere:
+                behind = f"not here (every rank here waits on ranks of other nodes past the save bound; {behind})"
             out.append(Finding(
                 id=fid, component=NODE, source="inband", attribution="unknown", tier=3, action="none",
                 summary=clean(f"hang: job {job.job} at step {h.step} for {h.stalled_s:.0f} s "
@@ -584,7 +772,8 @@ def to_json(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Findin
                 "pid": r.pid if r.pid > 0 else None,
                 "last_step": p.last_step, "last_step_age_s": _r(p.last_step_age_s, 3),
                 "phase": p.phase, "phase_age_s": _r(p.phase_age_s, 3), "step_median_s": _r(p.step_median_s),
-                "longest_save_s": _r(p.longest_save_s), "lost": r.lost, "torn": r.torn,
+                "longest_save_s": _r(p.longest_save_s), "longest_step_s": _r(p.longest_step_s),
+                "lost": r.lost, "torn": r.torn,
                 "restored": r.restored, "durable": r.durable, "rail": r.rail,
                 "corroboration": (on_gpu + rail)[:8],
                 "windows": [{"window": w.window, "steps": w.steps, "compute_s": _r(w.compute_s),
@@ -602,7 +791,11 @@ def to_json(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Findin
                             "p_value": f.p_value} for f in job.stragglers],
             "hang": None if h is None else {"step": h.step, "stalled_s": _r(h.stalled_s, 1),
                                             "bound_s": _r(h.bound_s, 1), "behind": list(h.behind),
-                                            "phases": {str(k): v for k, v in h.phases.items()}},
+                                            "phases": {str(k): v for k, v in h.phases.items()},
+                                            "elsewhere": h.elsewhere},
+            "stall": None if job.stall is None else {"stalled_s": _r(job.stall[0], 1), "bound_s": _r(job.stall[1], 1),
+                                                     "waits_elsewhere": job.waits_elsewhere},
+            "retired": [{"ring": name, "why": why} for name, why in job.retired[:MAX_RETIRED]],
             "errors": list(job.errors[:16]),
         })
     return {"jobs": out}

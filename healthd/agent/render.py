@@ -94,6 +94,11 @@ def _inband(section: dict[str, Any]) -> list[str]:
         if job["hang"]:
             h = job["hang"]
             out.append(f"  HANG: no step after {h['step']} for {h['stalled_s']:.0f} s (bound {h['bound_s']:.0f} s)")
+        elif (stall := job.get("stall")) and stall["waits_elsewhere"] and stall["stalled_s"] > 1:
+            out.append(f"  waiting on ranks of other nodes for {stall['stalled_s']:.0f} s (the controller judges it; "
+                       f"the bound here is {stall['bound_s']:.0f} s)")
+        for r in job.get("retired") or ():
+            out.append(f"  retired: {r['ring']}: {r['why']}")
         for e in job["errors"]:
             out.append(f"  unreadable: {e}")
         out.append("")

@@ -115,7 +115,8 @@ def _rank(doc: Mapping[str, Any]) -> RankState:
         progress=RankProgress(rank=rank, last_step=doc["last_step"], last_step_age_s=float(doc["last_step_age_s"]),
                               phase=doc["phase"], phase_age_s=float(doc.get("phase_age_s") or 0.0),
                               step_median_s=float(median) if median is not None else None,
-                              longest_save_s=float(doc.get("longest_save_s") or 0.0)),
+                              longest_save_s=float(doc.get("longest_save_s") or 0.0),
+                              longest_step_s=_seconds(doc.get("longest_step_s"))),
         windows=tuple(sorted((_window(w, rank) for w in doc.get("windows") or ()), key=lambda w: w.window)),
         local_rank=doc.get("local_rank"),
         gpu=gpu if gpu is not None and gpu >= 0 else None,
@@ -125,6 +126,14 @@ def _rank(doc: Mapping[str, Any]) -> RankState:
         lost=doc.get("lost") or 0,
         torn=doc.get("torn") or 0,
     )
+
+
+def _seconds(v: Any) -> float:
+    """An optional duration a newer agent sends beside the checked fields: a finite number of seconds,
+    else 0 (an older agent's report has none)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        return 0.0
+    return float(v)
 
 
 def _straggler(doc: Mapping[str, Any]) -> Straggler:
@@ -488,7 +497,7 @@ def _aged(placed: PlacedRank, now: float) -> RankProgress:
     late = max(0.0, now - placed.received_at)
     return RankProgress(rank=p.rank, last_step=p.last_step, last_step_age_s=p.last_step_age_s + late,
                         phase=p.phase, phase_age_s=p.phase_age_s + late, step_median_s=p.step_median_s,
-                        longest_save_s=p.longest_save_s)
+                        longest_save_s=p.longest_save_s, longest_step_s=p.longest_step_s)
 
 
 @dataclass(frozen=True)
@@ -526,13 +535,16 @@ class HangCase:
                 "behind": [{"rank": r, "node": n, "phase": p} for r, n, p in self.behind[:64]]}
 
 
-def hangs(views: Mapping[str, JobView], settings: DetectorSettings, now: float) -> tuple[HangCase, ...]:
-    """The hung jobs, by job id: healthd.progress.hang over each job's ranks from every node."""
+def hangs(views: Mapping[str, JobView], settings: DetectorSettings, now: float,
+          early_s: float = 0.0) -> tuple[HangCase, ...]:
+    """The hung jobs, by job id: healthd.progress.hang over each job's ranks from every node (rank 0
+    among them: a rank-0-only phase is told apart here, where rank 0's phase is seen). `early_s`: the
+    time to the next look (progress.hang)."""
     out = []
     for job, view in sorted(views.items()):
         if not view.ranks:
             continue
-        h = progress.hang([_aged(p, now) for p in view.ranks.values()], settings)
+        h = progress.hang([_aged(p, now) for p in view.ranks.values()], settings, early_s=early_s)
         if h is None:
             continue
         behind = tuple((r, view.ranks[r].node, str(h.phases.get(r, view.ranks[r].state.progress.phase)))

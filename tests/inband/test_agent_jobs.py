@@ -98,7 +98,8 @@ def test_a_slow_rank_is_a_tier_3_straggler_on_its_gpu_and_never_an_action(tmp_pa
 def test_out_of_band_evidence_on_the_same_gpu_makes_it_tier_2(tmp_path):
     run_dir = tmp_path / "run"
     rings = [ring(job_dir(run_dir), r, 4) for r in range(4)]
-    run_steps(rings, 6 * W, slow={1: 0.10})
+    run_steps(rings, 3 * W)  # the job's first windows: each rank's own baseline
+    run_steps(rings, 4 * W, slow={1: 0.10}, start_step=3 * W, seed=2)
     gpus = [gpu(i, clock_event_reasons=0x40 if i == 1 else 0x4) for i in range(4)]
     res = make_agent(run_dir, gpus).tick()
     (f,) = [f for f in res.findings if f.source == "inband"]
@@ -233,7 +234,8 @@ def test_metrics_show_the_jobs_ranks_and_stragglers(tmp_path):
 
     run_dir = tmp_path / "run"
     rings = [ring(job_dir(run_dir), r, 4) for r in range(4)]
-    run_steps(rings, 6 * W, slow={3: 0.1})
+    run_steps(rings, 3 * W)  # the job's first windows: each rank's own baseline
+    run_steps(rings, 4 * W, slow={3: 0.1}, start_step=3 * W, seed=2)
     agent = make_agent(run_dir)
     res = agent.tick()
     m = Metrics(MetricsSettings(), CollectorRegistry())
@@ -309,7 +311,8 @@ def test_nvml_process_lists_place_each_rank_on_its_gpu(tmp_path):
     rings = [ring(job_dir(run_dir), r, 4) for r in range(4)]
     for r, rg in enumerate(rings):
         set_header_pid(rg, 7001 + r)
-    run_steps(rings, 6 * W, slow={2: 0.10})
+    run_steps(rings, 3 * W)  # the job's first windows: each rank's own baseline
+    run_steps(rings, 4 * W, slow={2: 0.10}, start_step=3 * W, seed=2)
     pids = {0: (7001,), 1: (7003,), 2: (7002,), 3: (7001,)}  # rank 0 also on GPU 3; rank 3 nowhere
     gpus = [gpu(i, compute_pids=pids[i]) for i in range(4)]
     agent = make_agent(run_dir, gpus)

@@ -328,11 +328,16 @@ def test_hang_bound_is_a_multiple_of_the_median_step_time_and_at_least_the_floor
     assert h.bound_s == 100.0
 
 
-def test_stalled_is_the_time_since_any_rank_committed():
-    ranks = [prog(0, age=500.0), prog(1, age=500.0), prog(2, last_step=101, age=30.0)]
-    assert hang(ranks, S) is None
-    h = hang([prog(0, age=500.0), prog(1, age=500.0), prog(2, last_step=101, age=90.0)], S)
-    assert h.stalled_s == 90.0 and h.step == 101
+def test_stalled_is_the_job_s_committed_progress_not_its_freshest_ring():
+    # one rank claiming a fresh step (its clock ahead, or a ring stamped in the future) does not hide
+    # the stall the others show: in synchronous training no rank commits a step the others do not
+    h = hang([prog(0, age=500.0), prog(1, age=500.0), prog(2, last_step=101, age=0.0)], S)
+    assert h is not None and h.stalled_s == 500.0 and h.step == 101 and h.behind == (0, 1)
+    # of two ranks the older age counts; most ranks fresh: no hang
+    assert hang([prog(0, age=0.0), prog(1, age=90.0)], S).stalled_s == 90.0
+    assert hang([prog(0, age=500.0), prog(1, age=2.0), prog(2, age=2.0)], S) is None
+    # ranks that never committed a step do not count while others did
+    assert hang([prog(0, age=2.0), prog(1, last_step=-1, age=900.0), prog(2, age=2.0)], S) is None
 
 
 def test_no_median_step_time_means_no_verdict():
