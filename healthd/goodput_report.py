@@ -19,6 +19,7 @@ import html
 import math
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from itertools import pairwise
 
 from healthd.goodput import Account, IntervalAdvice, Log, efficiency, number, runs_of
 from healthd.goodput_categories import TABLE
@@ -251,7 +252,8 @@ def timeline_chart(acc: Account, log: Log) -> str:
     if not acc.timeline:
         return _svg("timeline", 30, [_text(0, 20, "no run in the log")], "the job's timeline")
     runs, _ = runs_of(log)
-    t0, t1 = acc.timeline[0][0], acc.timeline[-1][1]
+    # the timeline is run after run; a clock stepped back between runs need not leave it in time order
+    t0, t1 = min(a for a, _, _ in acc.timeline), max(b for _, b, _ in acc.timeline)
     span = max(t1 - t0, 1e-9)
 
     def x(t: float) -> float:
@@ -259,6 +261,13 @@ def timeline_chart(acc: Account, log: Log) -> str:
 
     body = [_rect(x(a), 22, max(x(b) - x(a), 0.6), 26, COLOURS.get(c, "#9e9e9e"), f"{c}: {b - a:.0f} s")
             for a, b, c in acc.timeline]
+    for a, b in pairwise(runs):
+        if b.start > a.end:  # in the queue between runs: no GPU held, so no category
+            body.append(f'<rect x="{x(a.end):.1f}" y="22" width="{x(b.start) - x(a.end):.1f}" height="26" '
+                        f'fill="none" stroke="#999" stroke-dasharray="3 3"><title>queued {b.start - a.end:.0f} s, '
+                        "no GPU held</title></rect>")
+            if x(b.start) - x(a.end) > 50:
+                body.append(_text((x(a.end) + x(b.start)) / 2, 39, "queued", size=10, anchor="middle", fill="#666"))
     for r in runs:
         body.append(_line(x(r.start), 8, x(r.start), 50))
         near_end = x(r.start) > TIMELINE_RIGHT - 160  # written leftwards, so it stays on the chart

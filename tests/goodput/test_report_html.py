@@ -251,6 +251,8 @@ def check_page(page: Page, log: goodput.Log, acc: goodput.Account, first: float,
     xs = [float(a["x"]) for a, _ in ticks]
     scale = (xs[-1] - xs[0]) / (seconds[-1] - seconds[0])
     assert all(abs(x - (xs[0] + scale * (s - seconds[0]))) < 0.2 for x, s in zip(xs, seconds, strict=True))
+    queued = ["".join(t) for tag, _, t in page.charts["timeline"] if tag == "title" and "".join(t).startswith("queued")]
+    assert sum(float(t.split()[1]) for t in queued) == pytest.approx(acc.queued_s, abs=len(queued))
     dates = {t.date() for t in times}
     assert sum(bool(re.match(r"\d{4}-", t)) for _, t in ticks) == len({*dates}), "one dated label per date"
     # the total: once on the page, the sum of the incidents' costs, and the table's column adds up to it
