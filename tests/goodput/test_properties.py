@@ -14,6 +14,7 @@ near 1.7e9 are floats with a resolution of 2.4e-7 s.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import replace
 from itertools import pairwise
 
@@ -429,17 +430,13 @@ def test_accounting_a_job_again_never_double_counts(history):
         finally:
             store.close()
     assert before is not None
-    want_gpu: dict[tuple[str, str], float] = {}
-    want_cost: dict[tuple[str, str], float] = {}
-    want_jobs: dict[str, int] = {}
+    want_gpu: Counter = Counter()
+    want_cost: Counter = Counter()
+    want_jobs = Counter(label(partition) for partition, _ in latest.values())
     for partition, acc in latest.values():
-        p = label(partition)
-        want_jobs[p] = want_jobs.get(p, 0) + 1
-        for c, v in acc.gpu_s.items():
-            want_gpu[(p, c)] = want_gpu.get((p, c), 0.0) + v
-        for inc in acc.incidents:
-            k = (p, label(inc.cause))
-            want_cost[k] = want_cost.get(k, 0.0) + inc.cost_gpu_s
+        want_gpu.update({(label(partition), c): v for c, v in acc.gpu_s.items()})
+        for i in acc.incidents:
+            want_cost[(label(partition), label(i.cause))] += i.cost_gpu_s
     net_gpu = {k: v - before.gpu_s_retracted.get(k, 0.0) for k, v in before.gpu_s.items()}
     for k in set(net_gpu) | set(want_gpu):
         assert net_gpu.get(k, 0.0) == pytest.approx(want_gpu.get(k, 0.0), abs=1e-3), k
@@ -447,4 +444,4 @@ def test_accounting_a_job_again_never_double_counts(history):
     for k in set(net_cost) | set(want_cost):
         assert net_cost.get(k, 0.0) == pytest.approx(want_cost.get(k, 0.0), abs=1e-3), k
     net_jobs = {p: v - before.jobs_retracted.get(p, 0) for p, v in before.jobs.items()}
-    assert {p: v for p, v in net_jobs.items() if v} == want_jobs
+    assert {p: v for p, v in net_jobs.items() if v} == dict(want_jobs)
