@@ -85,10 +85,20 @@ def _canonical(v: Any) -> Any:
     return v
 
 
+def _flat(v: Any) -> Any:
+    if isinstance(v, bool) or v is None:
+        return ("const", v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        return v
+    return ("json", json.dumps(_canonical(v), sort_keys=True, separators=(",", ":")))
+
+
 def fingerprint(doc: Mapping[str, Any]) -> int:
     """The same number for two entries that are equal as JSON (a line re-serialized with another key
     order, spacing or number spelling, or shipped twice)."""
-    return hash(json.dumps(_canonical(doc), sort_keys=True, separators=(",", ":")))
+    return hash(tuple(sorted((str(k), _flat(v)) for k, v in doc.items())))
 
 
 _Issue = tuple[str, str]
@@ -608,9 +618,23 @@ and waiting stay where an incident put them."""
 def _overlay(base: list[_Piece], cover: list[tuple[float, float]], category: str) -> list[_Piece]:
     """`base` with every part of a relabelable piece inside one of `cover`'s intervals relabelled
     `category`."""
+    merged: list[list[float]] = []
+    for a, b in sorted(cover):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        elif b > a:
+            merged.append([a, b])
+    if not merged:
+        return base
+    starts = [a for a, _ in merged]
     out: list[_Piece] = []
     for p in base:
-        cuts = sorted((max(a, p.start), min(b, p.end)) for a, b in cover if a < p.end and b > p.start)
+        # the intervals are disjoint and in order: those that can touch p start before its end
+        k = max(bisect.bisect_left(starts, p.end) - 1, 0)
+        first = k
+        while first > 0 and merged[first - 1][1] > p.start:
+            first -= 1
+        cuts = [(max(a, p.start), min(b, p.end)) for a, b in merged[first:k + 1] if a < p.end and b > p.start]
         if not cuts or p.category not in _OVERLAID:
             out.append(p)
             continue
