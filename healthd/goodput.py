@@ -550,8 +550,6 @@ class Incident:
         """The interruption cost: all of its lost work, detection, decision, waiting and restart."""
         return sum(self.gpu_s.values())
 
-    total_gpu_s = cost_gpu_s
-
 
 @dataclass(frozen=True)
 class Account:

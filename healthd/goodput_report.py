@@ -21,7 +21,8 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from itertools import pairwise
 
-from healthd.goodput import Account, IntervalAdvice, Log, efficiency, number, runs_of
+from healthd.goodput import Account, Ettr, IntervalAdvice, Log, efficiency, number, runs_of
+from healthd.goodput import ettr as goodput_ettr
 from healthd.goodput_categories import TABLE
 
 COLOURS = {c.name: c.colour for c in TABLE}
@@ -177,7 +178,7 @@ def costs_by_cause(acc: Account) -> list[tuple[str, dict[str, float]]]:
 
 def total_cost(acc: Account) -> float:
     """The job's interruption cost: the sum of its incidents' costs (GPU-seconds)."""
-    return sum(inc.total_gpu_s for inc in acc.incidents)
+    return sum(inc.cost_gpu_s for inc in acc.incidents)
 
 
 def pareto_chart(acc: Account) -> str:
@@ -307,7 +308,7 @@ def offenders_chart(acc: Account) -> str:
         key = f"GPU {inc.gpu}" if inc.gpu else f"node {inc.node}" if inc.node else "unknown"
         got = rows.setdefault(key, [0, 0.0])
         got[0] += 1
-        got[1] += inc.total_gpu_s
+        got[1] += inc.cost_gpu_s
     ranked = sorted(rows.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:10]
     title = "GPU serials and nodes by interruptions and interruption cost"
     if not ranked:
@@ -441,21 +442,52 @@ def heatmap_chart(log: Log) -> str:
     return _svg("heatmap", int(y + 8), body, "step compute time by rank and window")
 
 
+def _span(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
+
+
+def ettr_table(acc: Account, e: Ettr) -> str:
+    """The effective training time as ByteRobust reports it, and the time the figures leave out."""
+    def share(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1%}"
+
+    since = "" if e.longest_unproductive_at is None else f" from {_utc(e.longest_unproductive_at)}"
+    rows = [("effective training time ratio", share(e.cumulative), "(productive + straggler) over held"),
+            (f"lowest over {_span(e.window_s)} of held time", share(e.window_min), "the sliding window's worst"),
+            ("longest unproductive stretch", _span(e.longest_unproductive_s) + since,
+             "held time without training, queued time left out"),
+            ("queued between runs", _span(acc.queued_s), "no GPU held: outside every figure"),
+            ("at risk", f"{acc.at_risk_gpu_s / 3600:.3f} GPU-h",
+             "productive work after the last durable checkpoint of a run still going")]
+    return ("<table><tr><th>figure</th><th>value</th><th>what</th></tr>"
+            + "".join(f"<tr><td>{_e(a)}</td><td>{_e(b)}</td><td>{_e(c)}</td></tr>" for a, b, c in rows) + "</table>")
+
+
+def _utc(t: float) -> str:
+    try:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):
+        return f"{t:.0f} s"
+
+
 def render(acc: Account, log: Log, advice: IntervalAdvice | None, slo: float = 0.9,
-           title: str | None = None) -> str:
+           title: str | None = None, ettr: Ettr | None = None) -> str:
     """The whole report, as one HTML document."""
     job = acc.job or "?"
+    ettr = ettr if ettr is not None else goodput_ettr(acc)
     held = acc.held_gpu_s
     rows = "".join(f"<tr><td title=\"{_e(c.definition)}\">{_e(c.name)}</td><td>{_e(c.help)}</td>"
                    f"<td>{acc.gpu_s[c.name] / 3600:.3f}</td><td>{(acc.gpu_s[c.name] / held if held else 0):.1%}</td></tr>"
                    for c in TABLE if acc.gpu_s[c.name] > 0)
     incidents = "".join(
         f"<tr><td>{_e(i.incident)}</td><td>{_e(i.cause)}</td><td>{_e(i.node or '-')}</td><td>{_e(i.gpu or '-')}</td>"
-        f"<td>{i.total_gpu_s / 3600:.3f}</td><td>{'false positive' if i.false_positive else ''}</td></tr>"
+        f"<td>{i.cost_gpu_s / 3600:.3f}</td><td>{'false positive' if i.false_positive else ''}</td></tr>"
         for i in acc.incidents)
-    partial = "" if not acc.problems else (
+    notes = "" if not acc.notes else (
+        '<p class="note">notes: ' + "; ".join(_e(n) for n in acc.notes[:20]) + "</p>")
+    partial = notes + ("" if not acc.problems else (
         '<p class="partial">PARTIAL: the log could not be read whole; the figures assume: '
-        + "; ".join(_e(p) for p in acc.problems[:20]) + "</p>")
+        + "; ".join(_e(p) for p in acc.problems[:20]) + "</p>"))
     sections: Sequence[tuple[str, str]] = (
         ("Goodput against the SLO", slo_chart(acc, slo)),
         ("GPU-hours by category", category_chart(acc) + "<table><tr><th>category</th><th>what</th><th>GPU-h</th>"
@@ -463,6 +495,7 @@ def render(acc: Account, log: Log, advice: IntervalAdvice | None, slo: float = 0
         ("Interruption cost by cause (GPU-h)", pareto_chart(acc) + (
             "<table><tr><th>incident</th><th>cause</th><th>node</th><th>GPU serial</th>"
             f"<th>interruption cost (GPU-h)</th><th></th></tr>{incidents}</table>" if incidents else "")),
+        ("Effective training time", ettr_table(acc, ettr)),
         ("Timeline", timeline_chart(acc, log)),
         ("Step compute time by rank and window", heatmap_chart(log)),
         ("Repeat offenders", offenders_chart(acc)),
@@ -474,8 +507,10 @@ def render(acc: Account, log: Log, advice: IntervalAdvice | None, slo: float = 0
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
             f"<title>{_e(heading)}</title><style>{_CSS}</style></head><body>"
-            f"<h1>{_e(heading)}</h1><p>goodput {share} of {held / 3600:.2f} GPU-h over {acc.runs} run(s), "
-            f"{acc.interruptions} interruption(s)</p>{partial}{body}"
+            f"<h1>{_e(heading)}</h1><p>goodput {share} of {held / 3600:.2f} GPU-h held over {acc.runs} run(s), "
+            f"{acc.interruptions} interruption(s)"
+            + (f"; {_span(acc.queued_s)} queued between runs (not held)" if acc.queued_s > 0 else "")
+            + f"</p>{partial}{body}"
             "<p class=\"note\">healthd goodput report: the categories sum to the GPU-hours held; an "
             "interruption cost (the incident's lost work, detection, decision, waiting and restart) is "
             "charged to its incident.</p></body></html>\n")

@@ -820,7 +820,7 @@ def _goodput(args: argparse.Namespace) -> int:
     if args.format == "html":
         if not args.output:
             return _fail(EXIT_USAGE, "goodput --format html needs -o FILE")
-        page = goodput_report.render(acc, log, advice, slo=args.slo)
+        page = goodput_report.render(acc, log, advice, slo=args.slo, ettr=ettr)
         try:
             write_atomic(args.output, page)
         except OSError as exc:

@@ -90,3 +90,19 @@ def test_from_a_log_the_queue_between_runs_is_not_a_stretch():
     assert acc.queued_s == 3600 and not acc.problems
     assert e.longest_unproductive_s == pytest.approx(90 + 60)  # 1010 -> 1100 lost, 4700 -> 4760 restart
     assert e.longest_unproductive_at == 1010
+
+
+def test_the_report_and_healthctl_show_the_same_figures(tmp_path, capsys):
+    from healthd import goodput_report
+    from healthd.controller import healthctl
+
+    acc = account_of([(3 * 3600, "productive"), (600, "lost"), (1200, "waiting"), (1200, "restart"),
+                      (2 * 3600, "productive")])
+    e = goodput.ettr(acc, 1800)
+    page = goodput_report.render(acc, goodput.Log("1", ()), None, ettr=e)
+    table = page.split("<h2>Effective training time</h2>", 1)[1].split("</table>", 1)[0]
+    assert f"<td>{e.cumulative:.1%}</td>" in table and "<td>lowest over 30.0 min of held time</td><td>0.0%</td>" in table
+    assert "<td>50.0 min from 1970-01-01 03:16:40 UTC</td>" in table
+    doc = healthctl.goodput_doc(acc, None, e)["ettr"]
+    assert (doc["cumulative"], doc["window_s"], doc["window_min"], doc["longest_unproductive_s"]) == (
+        e.cumulative, 1800, 0.0, 3000)

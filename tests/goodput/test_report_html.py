@@ -233,7 +233,7 @@ def check_page(page: Page, log: goodput.Log, acc: goodput.Account, first: float,
     Pareto's cumulative line ending at 100 %, and the one total of the interruption cost."""
     titles = {chart: [t for _, t in page.texts(chart, "axis-title")] for chart in ("timeline", "pareto", "interval")}
     assert titles["timeline"] == ["time (UTC)"]
-    total = sum(i.total_gpu_s for i in acc.incidents) / 3600
+    total = sum(i.cost_gpu_s for i in acc.incidents) / 3600
     if total > 0:
         assert set(titles["pareto"]) == {"interruption cost (GPU-h)", "cumulative share (%)", "cause"}
     if goodput.interval_advice(log, acc) is not None:
@@ -275,7 +275,7 @@ def check_page(page: Page, log: goodput.Log, acc: goodput.Account, first: float,
     ys = [float(p.split(",")[1]) for p in line["points"].split()]
     by_cause: dict[str, float] = {}
     for i in acc.incidents:
-        by_cause[i.cause] = by_cause.get(i.cause, 0.0) + i.total_gpu_s
+        by_cause[i.cause] = by_cause.get(i.cause, 0.0) + i.cost_gpu_s
     shares = [sum(sorted(by_cause.values(), reverse=True)[:k + 1]) / (total * 3600) for k in range(len(by_cause))]
     got = [(right["0%"] - y) / (right["0%"] - right["100%"]) for y in ys]
     assert got == pytest.approx(shares, abs=0.002) and abs(ys[-1] - right["100%"]) < 0.05
