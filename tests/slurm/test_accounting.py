@@ -120,7 +120,7 @@ def test_the_accountant_takes_the_runs_from_sacct_and_writes_the_admin_comment(a
     finally:
         acct.jobs.close()
     first, second = backend.job_runs(job)
-    held = ((first.end - first.start) + (second.start - first.end) + (second.end - second.start)) * GPUS
+    held = ((first.end - first.start) + (second.end - second.start)) * GPUS  # allocated: the queue between is not held
     assert rows[job][1:3] == ("debug", "root")
     assert rows[job][3] == pytest.approx(held)  # Slurm's runs, not the log's (which start later)
     assert json.loads(rows[job][4]) == []
@@ -138,6 +138,7 @@ def test_the_accountant_takes_the_runs_from_sacct_and_writes_the_admin_comment(a
                            "--job", job, "--logs", str(gathered), "--sacct"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["held_gpu_s"] == pytest.approx(held) and doc["ledger"].endswith("2 run(s) from Slurm's accounting")
+    assert doc["queued_s"] == pytest.approx(second.start - first.end) and doc["runs"] == 2
     assert f"goodput={doc['goodput']:.1%}" in comment(job)
 
 
