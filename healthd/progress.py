@@ -255,6 +255,11 @@ def with_baseline(first: Sequence[RankWindow], recent: Sequence[RankWindow],
     return kept, tuple(w for w in kept if w.window not in newer) + tuple(recent)
 
 
+THROTTLE_WORDS = "clocks held down"
+"""How the agent's corroboration line of a throttle begins after its GPU (`gpu3: clocks held down
+(...) at 5 reads in a row, begun between steps 1200 and 1234`): the controller reads the steps back."""
+
+
 def throttle_coincides(onset_window: int, before_step: int | None, since_step: int, window_steps: int) -> bool:
     """Whether a throttle (clock event) reason that began between `before_step` (the rank's last step
     at the last read without it; None: never read without it) and `since_step` (its last step at the

@@ -257,6 +257,9 @@ class Agent:
         the job's goodput log in state_dir/goodput (not in dry-run)."""
         self.inband_jobs: tuple[JobView, ...] = ()
         self._inband_first: dict[str, float] = {}
+        self._throttles = inband_jobs.Throttles()
+        """Each GPU's slowing clock event reasons since they began: a throttle corroborates a straggler
+        only when it began with the slowdown and stayed."""
         self._dumps: dict[str, tuple[str, ...]] = {}
         """job -> what asking its ranks for a flight recorder dump did (once per hang)."""
         self._clears: list[tuple[str, dict[str, float]]] = []
@@ -355,8 +358,10 @@ class Agent:
         """The classification with the in-band findings of the jobs read last (they change with the
         periodic read, not with kernel lines)."""
         try:
+            self._throttles = inband_jobs.throttles(self._throttles, snap, self.inband_jobs)
             extra = inband_jobs.findings(self.inband_jobs, snap, result.findings, self._inband_first, snap.time,
-                                         self.settings.inband.detector.window_steps, self._dumps)
+                                         self.settings.inband.detector.window_steps, self._dumps,
+                                         throttles=self._throttles)
         except Exception:  # noqa: BLE001 - in-band evidence must never stop the node's own verdict
             log.exception("in-band findings failed")
             return result
@@ -427,7 +432,7 @@ class Agent:
             "findings": [f.to_json() for f in res.findings],
             "would_do": [dict(w) for w in res.would_do],
             "inband": inband_jobs.to_json(self.inband_jobs, snap, res.findings,
-                                          self.settings.inband.detector.history_windows),
+                                          self.settings.inband.detector.history_windows, self._throttles),
         }
 
     def _log_changes(self, before: Classification | None, after: Classification) -> None:

@@ -31,6 +31,7 @@ from healthd.lograte import WarnOnce
 from healthd.model import NODE, Component, Evidence, Finding, GpuSample, Snapshot
 from healthd.progress import (Hang, RankProgress, RankWindow, StepSample, Straggler, hang, stall, stragglers, summarize,
                               waits_elsewhere)
+from healthd.progress import THROTTLE_WORDS, throttle_coincides, with_baseline
 from healthd.settings import InbandSettings
 from healthd.text import clean
 from healthd.trusted import TRUSTED_UID, TrustedDir
@@ -41,6 +42,9 @@ MAX_JOBS = 64
 """Job directories read per tick: a node runs a handful of jobs; more is a leftover or a flood."""
 MIN_STEPS_FOR_MEDIAN = 5
 MAX_WAITS = 256
+MAX_FIRST_WINDOWS = 8
+"""A rank's first windows sent besides its newest history_windows (inband.detector.baseline_windows,
+up to this many)."""
 """Per-step waits are sent (small jobs' rank-order test) only for windows up to this many steps."""
 MAX_LOOK_S = 30.0
 """The longest gap between two reads taken as the agent's tick: a longer one is a hiccup of the
@@ -88,6 +92,9 @@ class _Rank:
     header: Any = None
     summary: tuple = ()
     """(windows, median step time) as last computed; recomputed only when new steps arrived."""
+    first: tuple = ()
+    """The rank's first windows (progress.with_baseline): sent with its recent ones, so that the
+    detector tells a rank slow from its start (structure) from one that became slow."""
 
     @property
     def known(self) -> tuple[int, int, int]:
@@ -370,7 +377,8 @@ class InbandJobs:
             samples = list(state.samples)
             times = [x.step_s for x in samples[-d.window_steps * 2:] if x.step_s > 0 and not x.checkpoint]
             median = statistics.median(times) if len(times) >= MIN_STEPS_FOR_MEDIAN else None
-            state.summary = (summarize(h.rank, samples, d, with_waits=small), median)
+            state.first, windows = with_baseline(state.first, summarize(h.rank, samples, d, with_waits=small), d)
+            state.summary = (windows, median)
         windows, median = state.summary
         since = state.last_step_mono or h.start_mono_ns
         if state.seen_mono:
@@ -643,22 +651,87 @@ def rails(gpus: Mapping[int, tuple[str, ...]], hcas: Mapping[str, tuple[str, ...
 # --------------------------------------------------------------------------- findings (pure)
 
 
+@dataclass(frozen=True)
+class ThrottleRun:
+    """One GPU's slowing clock event reasons (THROTTLE_SLOWING), present at every read since they
+    began: a reason seen at one read is a coincidence; one that began with a rank's slowdown and
+    stayed can explain it."""
+
+    names: tuple[str, ...]
+    """The reasons seen during the run."""
+    since: float
+    """The snapshot time of the first read with one."""
+    reads: int
+    """Reads in a row with one."""
+    began: Mapping[tuple[str, int], tuple[int | None, int]] = field(default_factory=dict)
+    """(job, rank) of each rank on the GPU at the run's first read -> (its last step at the read
+    before, None when not read there; its last step at that first read): the run began between."""
+
+
+@dataclass(frozen=True)
+class Throttles:
+    """What the agent remembers of its GPUs' clock event reasons between reads (see `throttles`)."""
+
+    runs: Mapping[int, ThrottleRun] = field(default_factory=dict)
+    """GPU index -> its current run."""
+    steps: Mapping[int, Mapping[tuple[str, int], int]] = field(default_factory=dict)
+    """GPU index -> (job, rank) -> the rank's last step at the latest read."""
+    at: float | None = None
+    """The latest read's snapshot time."""
+
+
+def throttles(prev: Throttles, snapshot: Snapshot, jobs: Iterable[JobView]) -> Throttles:
+    """`prev` brought to `snapshot`: a GPU with a slowing reason continues its run or starts one
+    (remembering each of its ranks' steps just before and at the start); a GPU read without one (or
+    not read) ends it. The same snapshot twice (classified again between kernel reads) counts once."""
+    if prev.at == snapshot.time:
+        return prev
+    steps: dict[int, dict[tuple[str, int], int]] = {}
+    for job in jobs:
+        for r in job.ranks:
+            if r.gpu >= 0:
+                steps.setdefault(r.gpu, {})[(job.job, r.rank)] = r.progress.last_step
+    runs: dict[int, ThrottleRun] = {}
+    for g in snapshot.nvml.gpus:
+        reasons = g.clock_event_reasons or 0
+        names = tuple(name for bit, name in THROTTLE_SLOWING.items() if reasons & bit)
+        if not names:
+            continue
+        old = prev.runs.get(g.index)
+        if old is None:
+            before = prev.steps.get(g.index, {})
+            runs[g.index] = ThrottleRun(names, snapshot.time, 1,
+                                        {k: (before.get(k), step) for k, step in steps.get(g.index, {}).items()})
+        else:
+            runs[g.index] = ThrottleRun(tuple(dict.fromkeys(old.names + names)), old.since, old.reads + 1, old.began)
+    return Throttles(runs, steps, snapshot.time)
+
+
+def throttle_line(gpu: int, run: ThrottleRun, key: tuple[str, int]) -> str | None:
+    """The corroboration line of a throttle run for the rank `key`, with the steps it began between
+    (what the controller checks against the slowdown's onset), or None: seen at one read only, or
+    begun before the agent knew the rank's step."""
+    before, since = run.began.get(key, (None, 0))
+    if run.reads < 2 or before is None:
+        return None
+    return (f"gpu{gpu}: {THROTTLE_WORDS} ({', '.join(run.names)}) at {run.reads} reads in a row, "
+            f"begun between steps {before} and {since}")
+
+
 def corroboration(gpu: int, snapshot: Snapshot, findings: Iterable[Finding],
-                  rail: str | None = None) -> tuple[list[str], list[str]]:
+                  rail: str | None = None, throttle: str | None = None) -> tuple[list[str], list[str]]:
     """(about the GPU, about the rail): out-of-band evidence on this node that a rank on GPU `gpu`
-    is slow for a reason of the hardware's: its clocks held down, PCIe replays, a narrower PCIe link,
-    or a current finding on that GPU; a current fabric finding on a port of the GPU's rail (`rail`,
-    the HCA; unknown: the node's only HCA, if it has one)."""
+    is slow for a reason of the hardware's: its clocks held down since about the slowdown
+    (`throttle`, a `throttle_line`: the reasons one read shows are no evidence by themselves), PCIe
+    replays, a narrower PCIe link, or a current finding on that GPU that is not the user code's (an
+    application's Xid explains nothing about the hardware); a current fabric finding on a port of the
+    GPU's rail (`rail`, the HCA; unknown: the node's only HCA, if it has one)."""
     if rail is None:
         devices = {p.device for p in snapshot.infiniband.ports}
         rail = next(iter(devices)) if len(devices) == 1 else None
-    on_gpu: list[str] = []
+    on_gpu: list[str] = [throttle] if throttle else []
     sample: GpuSample | None = next((g for g in snapshot.nvml.gpus if g.index == gpu), None)
     if sample is not None:
-        reasons = sample.clock_event_reasons or 0
-        slowing = [name for bit, name in THROTTLE_SLOWING.items() if reasons & bit]
-        if slowing:
-            on_gpu.append(f"gpu{gpu}: clocks held down ({', '.join(slowing)})")
         replay = sample.counters.get("pcie_replay")
         if replay is not None and replay.delta:
             on_gpu.append(f"gpu{gpu}: {replay.delta} PCIe replays since the last reading")
@@ -666,13 +739,25 @@ def corroboration(gpu: int, snapshot: Snapshot, findings: Iterable[Finding],
             on_gpu.append(f"gpu{gpu}: PCIe link x{sample.pcie_width} of x{sample.pcie_width_max}")
     on_rail: list[str] = []
     for f in findings:
-        if f.source == "inband":
+        if f.source == "inband" or f.attribution == "user":
             continue
         if f.component.kind == "gpu" and f.component.index == gpu:
             on_gpu.append(f"gpu{gpu}: {clean(f.summary, 120)} ({f.id})")
         elif f.component.kind == "port" and f.attribution == "fabric" and rail and f.component.device == rail:
             on_rail.append(f"{f.component.key()}: {clean(f.summary, 120)} ({f.id})")
     return on_gpu[:4], on_rail[:4]
+
+
+def _throttle_for(throttles: Throttles | None, gpu: int, key: tuple[str, int], onset_window: int | None,
+                  window_steps: int) -> str | None:
+    """The throttle line of the rank `key` on `gpu`, when its run can explain a slowdown first seen in
+    `onset_window` (None: any onset, for the controller to judge from the line's steps)."""
+    run = throttles.runs.get(gpu) if throttles is not None and gpu >= 0 else None
+    line = throttle_line(gpu, run, key) if run is not None else None
+    if line is None or onset_window is None:
+        return line
+    before, since = run.began[key]  # type: ignore[union-attr]
+    return line if throttle_coincides(onset_window, before, since, window_steps) else None
 
 
 def _gpu_component(gpu: int, snapshot: Snapshot) -> Component:
@@ -686,7 +771,8 @@ def _gpu_component(gpu: int, snapshot: Snapshot) -> Component:
 
 def findings(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Finding],
              first_seen: Mapping[str, float], now: float, window_steps: int,
-             dumps: Mapping[str, tuple[str, ...]] | None = None) -> tuple[Finding, ...]:
+             dumps: Mapping[str, tuple[str, ...]] | None = None,
+             throttles: Throttles | None = None) -> tuple[Finding, ...]:
     """In-band findings: a straggler per flagged rank of a job wholly on this node (tier 2 with
     out-of-band corroboration, else tier 3), and a hang per stalled job (tier 3: the controller
     decides a job's requeue from every node's view). `first_seen`: finding id -> when first made."""
@@ -699,7 +785,10 @@ def findings(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Findi
             if rank is None:
                 continue
             component = _gpu_component(rank.gpu, snapshot)
-            on_gpu, rail = corroboration(rank.gpu, snapshot, others, rank.rail) if rank.gpu >= 0 else ([], [])
+            throttle = _throttle_for(throttles, rank.gpu, (job.job, rank.rank), flag.windows[0] if flag.windows else -1,
+                                     window_steps)
+            on_gpu, rail = (corroboration(rank.gpu, snapshot, others, rank.rail, throttle) if rank.gpu >= 0
+                            else ([], []))
             tier, attribution, action = 3, "unknown", "none"
             if on_gpu:
                 tier, attribution, action = 2, "hardware", "drain"
@@ -756,7 +845,7 @@ def _r(x: float | None, nd: int = 6) -> float | None:
 
 
 def to_json(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Finding],
-            history_windows: int) -> dict[str, Any]:
+            history_windows: int, throttles: Throttles | None = None) -> dict[str, Any]:
     """The `inband` section of the state document (and of the report to the controller)."""
     others = tuple(others)
     out = []
@@ -764,7 +853,8 @@ def to_json(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Findin
         ranks = []
         for r in job.ranks:
             p = r.progress
-            on_gpu, rail = corroboration(r.gpu, snapshot, others, r.rail) if r.gpu >= 0 else ([], [])
+            throttle = _throttle_for(throttles, r.gpu, (job.job, r.rank), None, 0)
+            on_gpu, rail = corroboration(r.gpu, snapshot, others, r.rail, throttle) if r.gpu >= 0 else ([], [])
             ranks.append({
                 # the header's numbers are the job's: out of range is unknown, as the controller reads them
                 "rank": r.rank, "local_rank": r.local_rank if 0 <= r.local_rank < 1 << 24 else None,
@@ -779,7 +869,7 @@ def to_json(jobs: Iterable[JobView], snapshot: Snapshot, others: Iterable[Findin
                 "windows": [{"window": w.window, "steps": w.steps, "compute_s": _r(w.compute_s),
                              "step_s": _r(w.step_s), "wait_s": _r(w.wait_s),
                              "waits": [_r(x) for x in w.waits] if w.waits is not None else None}
-                            for w in r.windows[-history_windows:]],
+                            for w in r.windows[-(history_windows + MAX_FIRST_WINDOWS):]],
             })
         h = job.hang
         out.append({

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from healthd import progress
 from healthd.controller.actions import Decision, next_attempt
 from healthd.controller.ledger import Ledger
 from healthd.model import NODE, Component, Evidence, Finding
-from healthd.progress import Hang, RankProgress, RankWindow, Straggler
+from healthd.progress import THROTTLE_WORDS, Hang, RankProgress, RankWindow, Straggler
 from healthd.settings import DetectorSettings
 from healthd.text import natural_key
 from healthd.slurm.backend import JobInfo, SlurmError
@@ -234,23 +235,49 @@ class Flag:
     straggler: Straggler
     by_agent: bool = False
     """The node's agent flagged it (a job on one node): the agent reports its finding itself."""
+    corroborated: tuple[str, ...] = ()
+    """The node's corroboration lines that can explain this slowdown (`corroborating`)."""
 
     @property
     def tier(self) -> int:
-        return 2 if self.state.corroboration else 3
+        return 2 if self.corroborated else 3
+
+
+_THROTTLE_STEPS = re.compile(r"begun between steps (-?\d+) and (-?\d+)$")
+
+
+def corroborating(lines: Iterable[str], straggler: Straggler, window_steps: int) -> tuple[str, ...]:
+    """The lines of a rank's corroboration that can explain its slowdown. A throttle's line (clocks
+    held down) does only when the throttle began within a window of the slowdown's onset
+    (healthd.progress.throttle_coincides, from the steps the agent saw it begin between); a line of
+    an agent that does not say them, only at one read, explains nothing. The agent leaves out
+    findings of the user's code."""
+    onset = straggler.windows[0] if straggler.windows else -1
+    out = []
+    for line in lines:
+        head, _, rest = line.partition(": ")
+        if rest.startswith(THROTTLE_WORDS):
+            m = _THROTTLE_STEPS.search(rest)
+            if m is None or not progress.throttle_coincides(onset, int(m[1]), int(m[2]), window_steps):
+                continue
+        out.append(line)
+    return tuple(out)
 
 
 def straggler_flags(view: JobView, settings: DetectorSettings) -> tuple[Flag, ...]:
     """The job's slow ranks. A job on one node is its agent's to judge (the same windows, with that
     node's settings): its flags are taken as the agent sent them. A job on several nodes is compared
     here, every rank against the job's median."""
+    ws = settings.window_steps
     if len(view.nodes) < 2:
-        return tuple(Flag(view.job, view.ranks[r].node, view.ranks[r].state, s, by_agent=True)
+        return tuple(Flag(view.job, view.ranks[r].node, view.ranks[r].state, s, by_agent=True,
+                          corroborated=corroborating(view.ranks[r].state.corroboration, s, ws))
                      for r, s in sorted(view.agent_stragglers.items()))
     windows = {r: p.state.windows for r, p in view.ranks.items() if p.state.windows}
     if len(windows) < 2:
         return ()
-    return tuple(Flag(view.job, view.ranks[s.rank].node, view.ranks[s.rank].state, s)
+    return tuple(Flag(view.job, view.ranks[s.rank].node, view.ranks[s.rank].state, s,
+                      corroborated=corroborating(view.ranks[s.rank].state.corroboration, s, ws))
                  for s in progress.stragglers(windows, settings) if s.rank in view.ranks)
 
 
@@ -344,7 +371,9 @@ def _evidence(flag: Flag) -> list[Evidence]:
     out = [Evidence("inband", f"rank {st.rank} of job {flag.job} on {where}: {how} in {_windows_text(s.windows)} "
                               f"({s.test} test)", data)]
     out += [Evidence("inband", f"corroborated on {flag.node}: {line}", {"job": flag.job, "rank": st.rank})
-            for line in st.corroboration]
+            for line in flag.corroborated]
+    out += [Evidence("inband", f"on {flag.node}, not with the slowdown's onset: {line}", {"job": flag.job, "rank": st.rank})
+            for line in st.corroboration if line not in flag.corroborated]
     return out
 
 
@@ -355,14 +384,14 @@ def _finding_for(flag: Flag, group: tuple[str, int] | None, first_seen: float, n
     if group is not None:
         attribution = "fabric"
     else:
-        attribution = corroboration_attribution(st.corroboration, st.rail) if tier == 2 else "unknown"
+        attribution = corroboration_attribution(flag.corroborated, st.rail) if tier == 2 else "unknown"
     slow = f"rank {st.rank} of job {flag.job} slow ({flag.straggler.effect:+.1%} compute, {flag.straggler.test} test)"
     if group is not None:
         summary = f"one of {group[1]} slow ranks of job {flag.job} {group_label(group[0])}: {slow}"
     else:
         summary = f"in-band straggler: {slow}"
     if tier == 2:
-        summary += f"; corroborated: {'; '.join(st.corroboration)}"
+        summary += f"; corroborated: {'; '.join(flag.corroborated)}"
     else:
         summary += "; in-band evidence only: recorded, never acts"
     return Finding(id=f"{STRAGGLER_PREFIX}{component.key()}", component=component, source="inband",
@@ -629,7 +658,7 @@ def summary(rnd: InbandRound, now: float, job: str | None = None) -> dict[str, A
         slow = [{"rank": f.state.rank, "node": f.node, "gpu": f.state.gpu, "tier": f.tier, "test": f.straggler.test,
                  "effect": round(f.straggler.effect, 4), "windows": list(f.straggler.windows),
                  "judged_by": "agent" if f.by_agent else "controller",
-                 "corroboration": list(f.state.corroboration[:4])}
+                 "corroboration": list(f.corroborated[:4])}
                 for (j, _), f in sorted(flags.items()) if j == name]
         h = hung.get(name)
         out.append({"job": name, "world_size": view.world_size, "nodes": list(view.nodes), "ranks_reported": len(view.ranks),

@@ -40,12 +40,13 @@ TOPOLOGY = "SwitchName=s1 Nodes=node[01-02]\nSwitchName=s2 Nodes=node[03-04]\nSw
 
 def rank_doc(rank: int, *, gpu: int, compute: float = 0.1, windows: range = range(1, 9), last_step: int = 449,
              age: float = 1.0, phase: str = "wait", median: float | None = 0.11, corroboration: tuple = (),
-             rail: str | None = "mlx5_0/1") -> dict[str, Any]:
+             rail: str | None = "mlx5_0/1", onset: int = 0) -> dict[str, Any]:
+    """`compute` from window `onset` on, 0.1 before (a slow rank's first windows are its baseline)."""
     return {"rank": rank, "local_rank": gpu, "gpu": gpu, "pid": 1000 + rank, "last_step": last_step,
             "last_step_age_s": age, "phase": phase, "phase_age_s": 0.1, "step_median_s": median,
             "longest_save_s": 0.0, "lost": 0, "torn": 0, "rail": rail, "corroboration": list(corroboration),
-            "windows": [{"window": w, "steps": 50, "compute_s": compute, "step_s": 0.2, "wait_s": round(0.2 - compute, 6),
-                         "waits": None} for w in windows]}
+            "windows": [{"window": w, "steps": 50, "compute_s": c, "step_s": 0.2, "wait_s": round(0.2 - c, 6),
+                         "waits": None} for w in windows for c in [compute if w >= onset else 0.1]]}
 
 
 def node_doc(node: str, jobs: list[dict[str, Any]], findings: list | None = None) -> dict[str, Any]:
@@ -60,7 +61,7 @@ def job_doc(job: str, ranks: list[dict[str, Any]], world: int, **kw: Any) -> dic
 def spread_job(job: str, placement: dict[str, int], slow: dict[int, float] | None = None,
                corroborate: dict[int, tuple[str, ...]] | None = None, **rank_kw: Any) -> dict[str, dict[str, Any]]:
     """node -> its job entry: `placement` node -> ranks there (numbered in order, GPU = local rank);
-    `slow` rank -> its compute time; `corroborate` rank -> its node's out-of-band lines."""
+    `slow` rank -> its compute time from window 5 on; `corroborate` rank -> its node's out-of-band lines."""
     slow, corroborate = slow or {}, corroborate or {}
     world = sum(placement.values())
     out, r = {}, 0
@@ -68,7 +69,7 @@ def spread_job(job: str, placement: dict[str, int], slow: dict[int, float] | Non
         ranks = []
         for local in range(n):
             ranks.append(rank_doc(r, gpu=local, compute=slow.get(r, 0.1), corroboration=corroborate.get(r, ()),
-                                  **rank_kw))
+                                  **{"onset": 5, **rank_kw}))
             r += 1
         out[node] = job_doc(job, ranks, world)
     return out

@@ -314,7 +314,8 @@ def test_the_agents_section_is_accepted_and_converts():
     doc = report(_agent_section())
     validate_report(doc, node=NODE)
     [job] = NodeReport.from_document(doc, NOW).inband
-    assert [r.gpu for r in job.ranks] == [0, 1, 2, None] and len(job.ranks[0].windows) == 8
+    # every window the agent holds goes: a rank's first ones (its baseline) with its newest history_windows
+    assert [r.gpu for r in job.ranks] == [0, 1, 2, None] and len(job.ranks[0].windows) == 10
     assert job.hang is not None and job.stragglers[0].test == "rank-order"
     unknown = report({"jobs": [dict(_agent_section()["jobs"][0], world_size=-1)]})
     [job] = NodeReport.from_document(unknown, NOW).inband
