@@ -947,7 +947,7 @@ class IntervalAdvice:
         return None if self.efficiency_current is None else self.efficiency_daly - self.efficiency_current
 
 
-def interval_advice(log: Log, acc: Account) -> IntervalAdvice | None:
+def interval_advice(acc: Account) -> IntervalAdvice | None:
     """None without a save or an interruption to go on. The job's current interval is measured between
     the saves of one run, never across an interruption."""
     if not acc.saves or acc.mtbi_s is None:

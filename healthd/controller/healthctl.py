@@ -815,7 +815,7 @@ def _goodput(args: argparse.Namespace) -> int:
                                         args.now, runs)
     except OSError as exc:
         return _fail(EXIT_UNREACHABLE, f"{path}: cannot read the event log: {exc.strerror or exc}")
-    advice = goodput.interval_advice(log, acc)
+    advice = goodput.interval_advice(acc)
     ettr = goodput.ettr(acc, args.ettr_window)
     if args.format == "html":
         if not args.output:

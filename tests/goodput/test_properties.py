@@ -163,7 +163,7 @@ def test_the_checkpoint_interval_is_measured_within_runs(job):
     assume(any(len(r.saves) >= 2 for r in job.runs))
     x = next(b - a for r in job.runs for a, b in pairwise(r.saves))
     log = parse_log(text(job))
-    advice = interval_advice(log, account(log, now=job.now))
+    advice = interval_advice(account(log, now=job.now))
     assert advice is not None
     assert advice.current_s == pytest.approx(x, abs=1e-3)
 

@@ -236,7 +236,7 @@ def check_page(page: Page, log: goodput.Log, acc: goodput.Account, first: float,
     total = sum(i.cost_gpu_s for i in acc.incidents) / 3600
     if total > 0:
         assert set(titles["pareto"]) == {"interruption cost (GPU-h)", "cumulative share (%)", "cause"}
-    if goodput.interval_advice(log, acc) is not None:
+    if goodput.interval_advice(acc) is not None:
         assert sorted(titles["interval"]) == ["checkpoint interval (min)", "goodput (%)"]
         assert len(page.texts("interval", "x-tick")) >= 2 and len(page.texts("interval", "y-tick")) == 6
     else:
@@ -294,7 +294,7 @@ def test_the_charts_axes_dates_cumulative_line_and_total_hold_for_generated_jobs
     text, first, end = generated_job(rnd)
     log, acc = accounted(text)
     assert not acc.problems, acc.problems
-    page = goodput_report.render(acc, log, goodput.interval_advice(log, acc))
+    page = goodput_report.render(acc, log, goodput.interval_advice(acc))
     check_page(Page(page), log, acc, first, end)
 
 
