@@ -59,9 +59,10 @@ def job_doc(job: str, ranks: list[dict[str, Any]], world: int, **kw: Any) -> dic
 
 
 def spread_job(job: str, placement: dict[str, int], slow: dict[int, float] | None = None,
-               corroborate: dict[int, tuple[str, ...]] | None = None, **rank_kw: Any) -> dict[str, dict[str, Any]]:
+               corroborate: dict[int, tuple[str, ...]] | None = None, onset: int = 5,
+               **rank_kw: Any) -> dict[str, dict[str, Any]]:
     """node -> its job entry: `placement` node -> ranks there (numbered in order, GPU = local rank);
-    `slow` rank -> its compute time from window 5 on; `corroborate` rank -> its node's out-of-band lines."""
+    `slow` rank -> its compute time from window `onset` on; `corroborate` rank -> its node's out-of-band lines."""
     slow, corroborate = slow or {}, corroborate or {}
     world = sum(placement.values())
     out, r = {}, 0
@@ -69,7 +70,7 @@ def spread_job(job: str, placement: dict[str, int], slow: dict[int, float] | Non
         ranks = []
         for local in range(n):
             ranks.append(rank_doc(r, gpu=local, compute=slow.get(r, 0.1), corroboration=corroborate.get(r, ()),
-                                  **{"onset": 5, **rank_kw}))
+                                  onset=onset, **rank_kw))
             r += 1
         out[node] = job_doc(job, ranks, world)
     return out

@@ -7,6 +7,7 @@ validation script)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
@@ -16,8 +17,18 @@ from healthd.controller.ledger import CLOSED_INCIDENT_STATUSES
 from healthd.controller.policy import NodeReport
 from healthd.controller.healthctl import _next_steps
 from healthd.controller.reintegrate import INBAND_SLOW_STATUS, probation_verdict, still_slow
-from tests.controller.test_inband import job_doc, node_doc, rank_doc, reports_of, spread_job
+from tests.controller.test_inband import job_doc, node_doc, rank_doc, reports_of
+from tests.controller.test_inband import spread_job as _spread_job
 from tests.controller.test_reintegrate import Rig
+
+
+def spread_job(*args: Any, **kw: Any) -> dict[str, dict[str, Any]]:
+    """Slow ranks slow in every window unless `onset` says from which: a node's ratio to its job's
+    median. A rank slow from the job's first window is structure to the straggler detector, never
+    flagged; a flag needs an onset."""
+    kw.setdefault("onset", 0)
+    return _spread_job(*args, **kw)
+
 
 NOW = 1_800_000_000.0
 
@@ -71,7 +82,7 @@ def test_a_job_on_the_node_alone_has_no_peer():
 
 
 def test_slowest_on_takes_the_controllers_flags_and_the_agents_findings():
-    reports = reports_of(spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125}))
+    reports = reports_of(spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125}, onset=5))
     flags = inband.evaluate(reports.values(), {}, inband.DetectorSettings(), NOW, 120.0).flags
     assert inband.slowest_on("node02", flags) == ("123", pytest.approx(0.25))
     assert inband.slowest_on("node01", flags) is None
@@ -145,7 +156,7 @@ def test_a_node_still_slow_in_band_is_never_drained_and_its_incident_stays_open(
     r, incident = on_probation()
     with caplog.at_level(logging.WARNING, logger="healthd.controller"):
         for _ in range(3):
-            send(r, spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125}))
+            send(r, spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125}, onset=5))
             r.round()
         assert r.reint().detail == "in-band: still slow (+25.0 % in job 123)"
         # the rank recovers later in the probation: the flag it had stays the evidence
@@ -221,7 +232,7 @@ def test_a_report_from_before_the_validation_is_no_evidence(on_probation):
 
 def test_the_evidence_survives_a_controller_restart(on_probation):
     r, incident = on_probation()
-    send(r, spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125}))
+    send(r, spread_job("123", {"node01": 4, "node02": 4}, slow={5: 0.125}, onset=5))
     r.round()
     r.controller.close()
     r.controller = Controller(r.settings, r.ledger, r.backend, out=r.lines.append, clock=lambda: r.now)
