@@ -114,6 +114,7 @@ bench: deps
 	$(PY) bench/inband_client.py
 	$(PY) bench/inband_detect.py
 	$(PY) bench/inband_job.py
+	$(PY) bench/inband_job.py --fraction 0.12
 	$(PY) bench/controller_path.py
 	$(PY) bench/controller_round.py
 	$(PY) bench/xid_to_drain.py

@@ -22,7 +22,8 @@ core busy, which slows that other rank too). Reports
 
 Needs torch (`pip install -e '.[inband]'`); srun needs root and slurm-wlm (tests/support/slurm_cluster.py
 starts a cluster of its own on free ports and stops it at the end); `--launcher local` starts the 4
-ranks as plain processes instead. Writes bench/results/inband_job.json.
+ranks as plain processes instead. Writes bench/results/inband_job.json (another --fraction:
+inband_job_<percent>pct.json, such as inband_job_12pct.json).
 """
 
 from __future__ import annotations
@@ -290,7 +291,9 @@ def main() -> None:
             "hd_step_us_median": healthy["hd_step_us"]["median_after_empty_call"],
         }
     print(json.dumps(summary))
-    save("inband_job", {
+    # The default 8 % keeps the plain name; another fraction is saved beside it, not over it.
+    name = "inband_job" if args.fraction == 0.08 else f"inband_job_{round(args.fraction * 100)}pct"
+    save(name, {
         "launcher": args.launcher, "layouts": layouts, "pinned": not args.no_pin, "ranks": RANKS,
         "slow_rank": SLOW_RANK, "fraction": args.fraction, "straggle_by": args.straggle_by,
         "device_ms": args.device_ms, "batch": args.batch if args.device_ms else 1024,
