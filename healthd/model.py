@@ -458,7 +458,8 @@ class NvmlSample:
     detail: str = ""
     """Why no_data or error: 'libnvidia-ml.so.1 not found', 'driver not loaded', the NVML error."""
     error_kind: str | None = None
-    """For status=error: library_not_found | driver_not_loaded | init_failed | timeout | other."""
+    """For status=error: library_not_found | driver_not_loaded | init_failed | driver_too_old (its
+    NVML lacks a function nothing can be read without) | timeout | other."""
     driver_version: str | None = None
     nvml_version: str | None = None
     count: int | None = None
@@ -466,9 +467,20 @@ class NvmlSample:
     time: float | None = None
     """When the collector read the GPUs (epoch seconds). Classifying the same sample again (the
     kernel follower ticks between collections) does not count its counter deltas twice."""
+    driver_lacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """NVML function the loaded driver lacks (an older driver) -> the readings (GpuSample field
+    names, also in each GPU's `no_data`) it leaves without data on every GPU. No fault of the node."""
 
     def __post_init__(self) -> None:
-        _check(self, count=_int, time=_time)
+        _check(self, count=_int, time=_time, driver_lacks=_lacks)
+
+
+def _lacks(v: Any) -> dict[str, tuple[str, ...]]:
+    """function -> readings, as text; anything else is nothing lacking."""
+    if not hasattr(v, "items"):
+        return {}
+    return {str(k): tuple(str(r) for r in x) for k, x in v.items()
+            if isinstance(x, (list, tuple)) and not isinstance(x, (str, bytes))}
 
 
 # --------------------------------------------------------------------------- samples: kernel log

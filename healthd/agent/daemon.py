@@ -425,7 +425,8 @@ class Agent:
             },
             "sources": {
                 s.name: {"status": (sample := registry.sample_of(snap, s)).status, "detail": sample.detail,
-                         "seconds": round(snap.collect_seconds.get(s.name, 0.0), 6)}
+                         "seconds": round(snap.collect_seconds.get(s.name, 0.0), 6),
+                         **(s.notes(sample) if s.notes is not None else {})}
                 for s in registry.SOURCES
             },
             **{s.document_key: s.document(registry.sample_of(snap, s)) for s in registry.SOURCES if s.document},

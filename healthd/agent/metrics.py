@@ -82,6 +82,8 @@ class TickFigures:
     """(Xid, lines) read this tick."""
     inband: tuple[InbandFigure, ...] = ()
     """The training jobs whose ranks report in-band on this node."""
+    nvml_unavailable: tuple[tuple[str, str], ...] = ()
+    """(NVML function, reading) for each reading the loaded driver cannot give: it lacks the function."""
 
     @classmethod
     def of(cls, snapshot: Snapshot, verdict: str, findings: Iterable[Finding],
@@ -103,6 +105,7 @@ class TickFigures:
             xid_lines=tuple((e.xid, e.count) for e in snapshot.kernel.events),
             inband=tuple(InbandFigure(j.job, len(j.ranks), j.step_median_s, len(j.stragglers), j.hang is not None)
                          for j in inband),
+            nvml_unavailable=tuple((fn, r) for fn, readings in snapshot.nvml.driver_lacks.items() for r in readings),
         )
 
 
@@ -131,6 +134,8 @@ TICK_GAUGES: tuple[Family, ...] = (
     ("healthd_inband_stragglers", "Ranks of the job on this node flagged as stragglers", ("job",)),
     ("healthd_inband_hung", "1 if the job's ranks on this node have made no step for longer than the bound",
      ("job",)),
+    ("healthd_nvml_reading_unavailable", "1 for each reading the NVIDIA driver cannot give: its NVML lacks the function",
+     ("function", "reading")),
 )
 """The per-tick gauge families: name, help, label names; `tick_samples` gives their samples in this order."""
 
@@ -158,11 +163,12 @@ def tick_samples(figures: TickFigures) -> tuple[Samples, ...]:
         tuple(((j.job,), float(j.step_s)) for j in figures.inband if j.step_s is not None),
         tuple(((j.job,), float(j.stragglers)) for j in figures.inband),
         tuple(((j.job,), 1.0 if j.hung else 0.0) for j in figures.inband),
+        tuple((pair, 1.0) for pair in figures.nvml_unavailable),
     )
 
 
 BEFORE_FIRST_TICK: tuple[Samples, ...] = (
-    tuple(((v,), 0.0) for v in VERDICTS), (), (), (), (((), 0.0),), (((), 0.0),), (), (), (), (), (), (), (), ())
+    tuple(((v,), 0.0) for v in VERDICTS), (), (), (), (((), 0.0),), (((), 0.0),), (), (), (), (), (), (), (), (), ())
 """What the gauges show until the first tick: every verdict 0, no labelled samples."""
 
 

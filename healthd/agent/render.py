@@ -20,6 +20,12 @@ def render_text(doc: dict[str, Any]) -> str:
         [[name, s["status"], f"{s['seconds']:.4f}", s["detail"] or ""] for name, s in doc["sources"].items()],
     )
     out.append("")
+    lacks = doc["sources"].get("nvml", {}).get("driver_lacks")
+    if lacks:
+        # absent readings, said apart from the GPUs table so no one reads them as healthy ones
+        out.append("Not read: this NVIDIA driver's NVML lacks the function (no fault of the node, and no sign of health)")
+        out += [f"  {fn}: {', '.join(readings)}" for fn, readings in lacks.items()]
+        out.append("")
     if doc["gpus"]:
         out.append("GPUs")
         out += table(

@@ -86,6 +86,9 @@ class Source:
     """Its own section of the state document (`gpus`, `ports`), under `document_key`: one item per
     thing its sample lists."""
     document_key: str = ""
+    notes: Callable[[Any], dict[str, Any]] | None = None
+    """Keys its sample adds to its own entry under the state document's `sources`, beside status,
+    detail and seconds (NVML: `driver_lacks`)."""
     restart_keys: tuple[str, ...] = ("enabled",)
     """Keys of its settings section that its collector is built from: a reload that changes one
     takes effect at the next start."""
@@ -146,6 +149,10 @@ def _gpu_json(g: GpuSample) -> dict[str, Any]:
     }
 
 
+def _nvml_notes(n: NvmlSample) -> dict[str, Any]:
+    return {"driver_lacks": {fn: list(readings) for fn, readings in n.driver_lacks.items()}} if n.driver_lacks else {}
+
+
 def _ports(ib: InfinibandSample) -> list[dict[str, Any]]:
     return [{"device": p.device, "port": p.port, "state": p.state, "phys_state": p.phys_state, "rate_gbps": p.rate_gbps,
              "link_layer": p.link_layer} for p in ib.ports]
@@ -159,7 +166,7 @@ SOURCES: tuple[Source, ...] = (
         name="nvml", sample=NvmlSample, settings=NvmlSettings, build=_nvml, rules=gpu.evaluate,
         keep_s=lambda s: max(gpu.SBE_WINDOW_S, gpu.PCIE_REPLAY_WINDOW_S, finite_or(s.classify.hw_slowdown_window_s, 0.0)),
         series_prefix="gpu/", on_error=gpu.unreadable, on_no_data=gpu.absent, field="nvml", persists=True,
-        document=_gpus, document_key="gpus",
+        document=_gpus, document_key="gpus", notes=_nvml_notes,
     ),
     Source(
         name="kernel_log", sample=KernelSample, settings=KernelLogSettings, build=_kernel_log, rules=xid.evaluate,

@@ -614,3 +614,10 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t dev, unsigned 
     *infoCount = n;
     return (n > room || (n && !infos)) ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
 }
+
+/* The same list through the older symbol (the same 24-byte entries as v3), which drivers that lack
+ * _v3 export: the collector falls back to it. */
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t dev, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos) {
+    return nvmlDeviceGetComputeRunningProcesses_v3(dev, infoCount, infos);
+}

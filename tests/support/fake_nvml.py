@@ -40,7 +40,7 @@ Per-GPU keys, `gpu<N>.<key>`:
     nvlink.down=3,7              links whose state is inactive
     nvlink<L>.replay / .recovery / .crc_flit / .crc_data   error counters (default 0)
     processes=4242:1048576,4243  compute processes (PID[:used bytes]) for
-                                 nvmlDeviceGetComputeRunningProcesses (absent: none running)
+                                 nvmlDeviceGetComputeRunningProcesses_v3 and _v2 (absent: none running)
     lost=1                       every call on this GPU, handle lookup included, returns 15
     sleep_ms=N                   every call on this GPU sleeps N ms first
 A value key that is absent makes its read answer NotSupported (code 3): leave out

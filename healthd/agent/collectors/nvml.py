@@ -7,6 +7,10 @@ Rules this module keeps:
 - A read the GPU or driver cannot answer (NotSupported, or a symbol this driver lacks) is a None
   field named in `GpuSample.no_data`; any other NVML error for a read goes to `GpuSample.errors`.
   Neither stops the other reads.
+- A symbol the driver lacks (an NVML older than the function) is no fault of the node: the readings
+  it leaves without data are listed in `NvmlSample.driver_lacks` (function -> readings, the same on
+  every tick until NVML is initialised again) and logged once. Only the functions nothing can be
+  read without (REQUIRED_FUNCTIONS) make the whole collection an error, `driver_too_old`.
 - GPU_IS_LOST, wherever NVML answers it (handle lookup included), makes a `lost` GpuSample.
 - NVML calls can hang inside the driver (a GPU falling off the bus, a wedged RM). Every collection
   runs in a worker thread and the caller waits at most `timeout_s`; while a worker is still stuck,
@@ -50,6 +54,12 @@ LIBRARY_MISSING_DETAIL = f"{LIBRARY_NAME} not found: no NVIDIA driver on this no
 # Answers meaning "this GPU/driver cannot give this value": the field is no data, not a failure.
 # FunctionNotFound is what pynvml raises when the loaded driver lacks the symbol (older driver).
 _NO_DATA_ERRORS = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
+
+REQUIRED_FUNCTIONS = ("nvmlInitWithFlags", "nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2")
+"""The symbols pynvml's nvmlInit, nvmlDeviceGetCount and nvmlDeviceGetHandleByIndex call: without
+one nothing at all can be read, so a driver that lacks one is a collection error, never a quiet node
+with no GPU readings."""
+TOO_OLD = "driver_too_old"
 
 # Single-value reads: GpuSample field -> (pynvml function, extra arguments after the handle).
 _SCALAR_READS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -200,6 +210,8 @@ class _GpuReads:
         self.values: dict[str, Any] = {}
         self.no_data: list[str] = []
         self.errors: dict[str, str] = {}
+        self.lacks: dict[str, str] = {}
+        """Reading (a `no_data` name) -> the NVML function this driver lacks for it."""
 
     def raw(self, fn_name: str, *args: Any) -> Any:
         """One NVML call on this GPU; raises NVMLError as pynvml does."""
@@ -242,6 +254,9 @@ class _GpuReads:
             return value if convert is None else convert(value)
         except pynvml.NVMLError_GpuIsLost:
             raise
+        except pynvml.NVMLError_FunctionNotFound:
+            self.no_data.extend(names)
+            self.lacks.update(dict.fromkeys(names, fn_name))
         except _NO_DATA_ERRORS:
             self.no_data.extend(names)
         except pynvml.NVMLError as e:
@@ -406,7 +421,10 @@ def _read_nvlink_errors(r: _GpuReads, counters_due: bool = True) -> dict[str, in
     if states is None:
         states, source = _link_states_one_by_one(r), "nvmlDeviceGetNvLinkState"
     for link, state in states:
-        if isinstance(state, (pynvml.NVMLError_InvalidArgument, pynvml.NVMLError_FunctionNotFound)):
+        if isinstance(state, pynvml.NVMLError_FunctionNotFound):
+            r.lacks["nvlink_errors"] = source  # neither the field nor the per-link function
+            break
+        if isinstance(state, pynvml.NVMLError_InvalidArgument):
             break
         if isinstance(state, pynvml.NVMLError_NotSupported):
             continue
@@ -426,6 +444,9 @@ def _read_nvlink_errors(r: _GpuReads, counters_due: bool = True) -> dict[str, in
                 )
             except pynvml.NVMLError_GpuIsLost:
                 raise
+            except pynvml.NVMLError_FunctionNotFound:
+                unsupported.add(name)
+                r.lacks[f"nvlink_errors.{name}"] = "nvmlDeviceGetNvLinkErrorCounter"
             except _NO_DATA_ERRORS:
                 unsupported.add(name)
             except pynvml.NVMLError as e:
@@ -439,7 +460,10 @@ def _read_nvlink_errors(r: _GpuReads, counters_due: bool = True) -> dict[str, in
 
 def _read_processes(r: _GpuReads) -> None:
     # The join of a training rank (its ring names its PID) to the GPU it really runs on.
-    r.values["compute_pids"] = r.read("compute_pids", "nvmlDeviceGetComputeRunningProcesses",
+    # pynvml's nvmlDeviceGetComputeRunningProcesses calls the _v3 symbol only; a driver without it
+    # has _v2, whose entries have the same layout.
+    r.values["compute_pids"] = r.read("compute_pids", "nvmlDeviceGetComputeRunningProcesses_v3",
+                                      fallback="nvmlDeviceGetComputeRunningProcesses_v2",
                                       convert=lambda procs: tuple(int(p.pid) for p in procs))
 
 
@@ -464,20 +488,24 @@ def _lost_gpu(index: int, where: str, error: Exception, identity: dict[str, Any]
 
 
 def _read_gpu(job: _Job, index: int, last_identity: dict[str, Any], nvlink_counters: bool = True,
-              static: Mapping[str, Any] | None = None) -> GpuSample:
-    """Every read of one GPU. `last_identity` is what an earlier tick read for this index: a GPU
-    that is lost can no longer tell its serial, and the finding needs it."""
+              static: Mapping[str, Any] | None = None) -> tuple[GpuSample, Mapping[str, str]]:
+    """Every read of one GPU, and reading -> the NVML function this driver lacks for it.
+    `last_identity` is what an earlier tick read for this index: a GPU that is lost can no longer
+    tell its serial, and the finding needs it. A driver without the handle lookup raises
+    FunctionNotFound: no GPU can be read at all."""
     job.call = f"nvmlDeviceGetHandleByIndex({index})"
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     except pynvml.NVMLError_GpuIsLost as e:
-        return _lost_gpu(index, "nvmlDeviceGetHandleByIndex", e, last_identity)
+        return _lost_gpu(index, "nvmlDeviceGetHandleByIndex", e, last_identity), {}
+    except pynvml.NVMLError_FunctionNotFound:
+        raise
     except pynvml.NVMLError as e:
         return GpuSample(
             index=index,
             errors={"handle": f"nvmlDeviceGetHandleByIndex: {e}"},
             **{k: last_identity.get(k) for k in _IDENTITY_FIELDS},
-        )
+        ), {}
     r = _GpuReads(job, index, handle, static)
     try:
         for read in _GPU_READS:
@@ -486,13 +514,27 @@ def _read_gpu(job: _Job, index: int, last_identity: dict[str, Any], nvlink_count
     except pynvml.NVMLError_GpuIsLost as e:
         # Prefer identity read this tick (before the GPU went), else the last known one.
         known = {k: r.values.get(k) or last_identity.get(k) for k in _IDENTITY_FIELDS}
-        return _lost_gpu(index, r.current, e, known)
+        return _lost_gpu(index, r.current, e, known), r.lacks
     return GpuSample(
         index=index,
         **r.values,
         nvlink_errors=nvlink,
         no_data=tuple(r.no_data),
         errors=r.errors,
+    ), r.lacks
+
+
+def lacks_text(driver_lacks: Mapping[str, Any]) -> str:
+    """`driver_lacks` in words: 'its NVML lacks nvmlDeviceGetRemappedRows (no remap_corrected, ...)'."""
+    return "its NVML lacks " + "; ".join(f"{fn} (no {', '.join(readings)})" for fn, readings in driver_lacks.items())
+
+
+def _too_old(call: str, e: Exception, symbol: str) -> NvmlSample:
+    return NvmlSample(
+        status="error",
+        error_kind=TOO_OLD,
+        detail=f"{call}: {e}: this {LIBRARY_NAME} lacks {symbol}, without which no GPU can be read "
+        "(an NVIDIA driver older than the NVML healthd's nvidia-ml-py calls)",
     )
 
 
@@ -536,6 +578,11 @@ class NvmlCollector:
         self._static: dict[int, dict[str, Any]] = {}
         """GPU index -> STATIC_FIELDS read successfully since NVML was last initialised."""
         """GPU index -> identity fields from the last tick that could read them."""
+        self._lacks: dict[str, set[str]] = {}
+        """NVML function this driver lacks -> the readings left without data, since NVML was last
+        initialised: kept, because some reads (the NVLink counters) are not made on every tick."""
+        self._lacks_logged: set[tuple[str, str]] = set()
+        """(function, reading) pairs already logged: said once per process, not once per tick."""
 
     # ---- public
 
@@ -616,11 +663,14 @@ class NvmlCollector:
                 detail=f"nvmlInit: {e}: {LIBRARY_NAME} is installed but the nvidia kernel "
                 "module is not loaded",
             )
+        except pynvml.NVMLError_FunctionNotFound as e:
+            return _too_old("nvmlInit", e, "nvmlInitWithFlags")
         except pynvml.NVMLError as e:
             return NvmlSample(status="error", error_kind="init_failed", detail=f"nvmlInit: {e}")
         self._initialized = True
         self._identity.clear()  # indices may be renumbered after a re-init
         self._static.clear()
+        self._lacks.clear()  # a driver reload may bring another library
         return None
 
     def _shutdown(self, job: _Job) -> NvmlSample:
@@ -640,6 +690,9 @@ class NvmlCollector:
         job.call = "nvmlDeviceGetCount"
         try:
             count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError_FunctionNotFound as e:
+            self._shutdown(job)
+            return _too_old("nvmlDeviceGetCount", e, "nvmlDeviceGetCount_v2")
         except pynvml.NVMLError as e:
             self._shutdown(job)  # node-wide failure: initialise afresh next tick
             return NvmlSample(
@@ -649,7 +702,14 @@ class NvmlCollector:
         nvml_version = self._system_str(job, "nvmlSystemGetNVMLVersion")
         gpus = []
         for index in range(count):
-            gpu = _read_gpu(job, index, self._identity.get(index, {}), self._nvlink_due, self._static.get(index))
+            try:
+                gpu, lacks = _read_gpu(job, index, self._identity.get(index, {}), self._nvlink_due,
+                                       self._static.get(index))
+            except pynvml.NVMLError_FunctionNotFound as e:
+                self._shutdown(job)
+                return _too_old("nvmlDeviceGetHandleByIndex", e, "nvmlDeviceGetHandleByIndex_v2")
+            for reading, fn_name in lacks.items():
+                self._lacks.setdefault(fn_name, set()).add(reading)
             if not gpu.lost and "handle" not in gpu.errors:
                 self._static[index] = {k: getattr(gpu, k) for k in STATIC_FIELDS
                                        if getattr(gpu, k) is not None and k not in gpu.errors}
@@ -659,6 +719,8 @@ class NvmlCollector:
         detail = ""
         if self._expected_gpus is not None and count < self._expected_gpus:
             detail = f"{count} of {self._expected_gpus} expected GPUs visible to NVML"
+        driver_lacks = {fn: tuple(sorted(readings)) for fn, readings in sorted(self._lacks.items())}
+        self._log_lacks(driver_lacks, driver_version)
         return NvmlSample(
             status="ok",
             detail=detail,
@@ -666,7 +728,19 @@ class NvmlCollector:
             nvml_version=nvml_version,
             count=count,
             gpus=tuple(gpus),
+            driver_lacks=driver_lacks,
         )
+
+    def _log_lacks(self, driver_lacks: Mapping[str, tuple[str, ...]], driver_version: str | None) -> None:
+        """One warning naming the readings this driver cannot give that no earlier one named."""
+        new = {fn: [r for r in readings if (fn, r) not in self._lacks_logged] for fn, readings in driver_lacks.items()}
+        new = {fn: readings for fn, readings in new.items() if readings}
+        if not new:
+            return
+        self._lacks_logged.update((fn, r) for fn, readings in new.items() for r in readings)
+        log.warning("NVIDIA driver %s: %s; not a fault of the node, these readings are not taken until "
+                    "a driver that has the functions is loaded", driver_version or "(version unknown)",
+                    lacks_text(new))
 
     @staticmethod
     def _system_str(job: _Job, fn_name: str) -> str | None:
