@@ -11,6 +11,7 @@ reads that are younger than the Ampere generation's first drivers."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import signal
 import subprocess
@@ -248,3 +249,34 @@ def test_any_functions_missing_never_a_finding_never_a_crash_and_the_core_is_a_c
         assert said <= set(old["no_data"])
     assert doc["sources"]["nvml"].get("driver_lacks", {}) == {fn: list(r) for fn, r in lacks.items()}
     assert sum(LACKS_LINE in line for line in err.splitlines()) == (1 if lacks else 0)
+
+
+def test_the_slurm_hooks_pass_a_node_on_an_old_driver(tmp_path: Path, old_driver: Path):
+    """The agent on the old driver publishes its state where the hooks read it: the health check
+    judges the agent alive, and the prolog with gating `local` runs a GPU job and asks Slurm nothing."""
+    from tests.hooks.support import Node as HookNode
+
+    hooks = HookNode(tmp_path / "hooks")
+    hooks.write_config(gating="local")
+    (tmp_path / "agent").mkdir()
+    agent = Node(tmp_path / "agent", old_driver)
+    agent.state_file = hooks.state_file
+    agent.write_config(state_file=str(hooks.state_file), nvml={"expected_gpus": 8})
+    proc = subprocess.Popen([HEALTHD, "run", "--config", str(agent.config)], env=agent.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        state = wait_for(agent.state, lambda d: proc.poll() is not None or "driver_lacks" in d["sources"]["nvml"])
+        assert proc.poll() is None and state["verdict"] == "healthy"
+        rc, err, _ = hooks.run("healthd-healthcheck", {"SLURMD_NODENAME": hooks.name})
+        assert rc == 0, err
+        checks = json.loads((hooks.run_dir / "checks.json").read_text())
+        assert checks["agent"]["known"] is True, checks["agent"]
+        assert "verdict healthy, 0 finding(s)" in checks["agent"]["reason"]
+        rc, err, _ = hooks.run("healthd-prolog", hooks.prolog_env(job="7", gpus="0,1"))
+        assert rc == 0, err
+        assert "refuse" not in err and hooks.writes() == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+        agent.close()
+    assert proc.returncode == 0, err
