@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -125,7 +126,8 @@ def test_prolog_with_a_stale_state_or_a_dead_agent_never_refuses(node):
     node.write_config(gating="local")
     node.write_state(state_doc(findings=[T1_GPU1], age_s=120))
     rc, err, _ = node.run("healthd-prolog", node.prolog_env(job="16", gpus="1"))
-    assert rc == 0 and "agent unknown: state is 120s old" in err
+    # the age is read when the hook runs: a loaded machine adds a second or more after the write
+    assert rc == 0 and re.search(r"agent unknown: state is 1[2-3]\ds old", err), err
     dead = os.fork()
     if dead == 0:
         os._exit(0)
@@ -245,7 +247,7 @@ def test_epilog_asks_no_reboot_over_a_foreign_reason_or_with_gating_off(node):
     assert rc == 0 and node.calls() == []  # gating off: the request file only
     assert (node.run_dir / "requests/nvml.remap_pending:gpu1.json").exists()
     node.write_config(gating="local")
-    node.set_slurm(state="mixed", reason="admin: firmware next week", user="bob")
+    node.set_slurm(state="mixed", flags=["DRAIN"], reason="admin: firmware next week", user="bob")
     rc, err, _ = node.run("healthd-epilog", node.epilog_env(job="34"))
     assert rc == 0 and node.writes() == [] and "someone else's reason" in err
 
@@ -348,7 +350,7 @@ def test_healthcheck_reports_an_unknown_agent_and_never_drains(node):
     node.write_config(gating="local")
     node.write_state(state_doc(findings=[T1_GPU1], age_s=600))
     rc, err, _ = node.run("healthd-healthcheck", healthcheck_env(node))
-    assert rc == 0 and "agent unknown: state is 600s old" in err
+    assert rc == 0 and re.search(r"agent unknown: state is 6[0-1]\ds old", err), err
     doc = json.loads((node.run_dir / "checks.json").read_text())
     assert doc["agent"]["known"] is False and node.writes() == []
 
