@@ -112,7 +112,7 @@ demo: deps
 demo-node: deps
 	$(PY) demo/node_drill.py
 
-bench: deps
+bench: deps nhc
 	$(PY) bench/agent_tick.py
 	$(PY) bench/agent_daemon.py
 	$(PY) bench/kernel_lines.py
@@ -124,6 +124,7 @@ bench: deps
 	$(PY) bench/controller_path.py
 	$(PY) bench/controller_round.py
 	$(PY) bench/xid_to_drain.py
+	$(PY) bench/nhc.py
 
 # a real munged + slurmctld + 4 slurmd (node01..node04, gpu:4 each) on 127.0.0.1; prints SLURM_CONF
 slurm-up: deps
