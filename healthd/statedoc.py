@@ -210,18 +210,19 @@ def judge(
     t = generated_at(doc)
     if t is None:
         return unknown(f"{GENERATED_AT} {clean(repr(doc.get(GENERATED_AT)), 60)} is not an RFC 3339 time")
-    age = now - t
-    if age > stale_after_s:
-        return unknown(f"state is {age:.0f}s old (hooks.stale_after_s {stale_after_s:g}): the agent is stopped or stuck")
-    if age < -stale_after_s:
-        return unknown(f"state is dated {-age:.0f}s in the future: the clock moved")
     if doc.get(NODE) != node:
         return unknown(f"state file is for node {clean(repr(doc.get(NODE)), 80)}, not {node}")
     pid = agent_pid(doc)
     if pid is None:
         return unknown("state has no agent pid")
+    # A dead agent's document is also stale soon after: the more exact reason is said first.
     if not pid_alive(pid):
         return unknown(f"agent pid {pid} is not running")
+    age = now - t
+    if age > stale_after_s:
+        return unknown(f"state is {age:.0f}s old (hooks.stale_after_s {stale_after_s:g}): the agent is stopped or stuck")
+    if age < -stale_after_s:
+        return unknown(f"state is dated {-age:.0f}s in the future: the clock moved")
     listed = findings(doc)
     if listed is None:
         return unknown("state has no findings list")
