@@ -43,17 +43,21 @@ _log = logging.getLogger(__name__)
 
 
 def _import_pyslurm(slurm_conf: str):
-    """Import pyslurm without its auto-init (which would read slurm.conf from wherever libslurm
-    looks, possibly configless DNS), then initialise it with our slurm.conf explicitly."""
-    prev = os.environ.get("PYSLURM_DISABLE_AUTO_INIT")
-    os.environ["PYSLURM_DISABLE_AUTO_INIT"] = "1"
+    """Import pyslurm with our slurm.conf, never one libslurm finds by itself (possibly configless
+    DNS): pyslurm 25.11 skips its auto-init under PYSLURM_DISABLE_AUTO_INIT and is initialised
+    explicitly after; pyslurm 24.11 always runs slurm_init() on import, which reads SLURM_CONF, so
+    that is ours for the import (and the explicit slurm_init after it is then a no-op)."""
+    wanted = {"PYSLURM_DISABLE_AUTO_INIT": "1", "SLURM_CONF": slurm_conf}
+    prev = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
     try:
         module = importlib.import_module("pyslurm")
     finally:
-        if prev is None:
-            os.environ.pop("PYSLURM_DISABLE_AUTO_INIT", None)
-        else:
-            os.environ["PYSLURM_DISABLE_AUTO_INIT"] = prev
+        for k, v in prev.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     module.slurm_init(slurm_conf)
     return module
 

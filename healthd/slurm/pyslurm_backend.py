@@ -1,38 +1,43 @@
-"""SlurmBackend over pyslurm, for sites whose Slurm matches the installed pyslurm (25.11).
+"""SlurmBackend over pyslurm, for sites whose Slurm matches the installed pyslurm (24.11 or 25.11).
 
-The calls below are the ones pyslurm 25.11.2 defines; read from its sdist (pyslurm-25.11.2.tar.gz
-on PyPI, the same tree as github.com/PySlurm/pyslurm):
-- pyslurm/core/node.pyx: `Nodes.load()` (staticmethod, a MultiClusterMap: .values()),
-  `Node.load(name)` (RPCError "Node 'x' does not exist"), `Node(name, **changes)`,
-  `Node.modify(changes: Node)` (slurm_update_node with node_names=self.name, so a hostlist
-  expression works), writable `state` ("DRAIN", "RESUME", "UNDRAIN", "CANCEL_REBOOT", ... via
-  _node_state_from_str) and `reason`; read-only `state` ("IDLE+DRAIN", from
-  slurm_node_state_string_complete), `reason_user`, `reason_time` (epoch or None),
-  `partitions` (list), `configured_gres` (dict such as {"gpu": 4}), `next_state`.
-- pyslurm/core/job/job.pyx: `Job(job_id)`, `Job.requeue(hold=False)` (slurm_requeue).
-- pyslurm/core/reservation.pyx: `Reservation(name=None, **kwargs)` with `nodes`, `users` (list),
-  `duration` (minutes; sets start_time to now), `flags` (ReservationFlags, e.g.
-  MAINTENANCE | IGNORE_RUNNING_JOBS); `.create()`, `.delete()`.
-- pyslurm/core/slurmctld/config.pyx: `slurmctld.Config.load().version` (slurmctld's version).
-- pyslurm/core/error.pyx: `RPCError(errno, msg)` with `.errno` and `.msg`.
-- pyslurm/__init__.py: `__version__`, `slurm_init(config_path)`; auto-init on import unless
-  PYSLURM_DISABLE_AUTO_INIT is set.
-pyslurm 25.11 has no call for `scontrol reboot` (no slurm_reboot_nodes wrapper, and
-_node_state_from_str knows no REBOOT state), nor for requeueing one array task: those two go
-through the `fallback` ScontrolBackend. So do the reads of jobs and node addresses and the
-validation steps: an `srun` step is a process whatever the backend, and the job and address reads
-(once per requeue, every few minutes) stay on the client calls the contract suite proves on a real
-Slurm rather than on pyslurm attributes nothing here has run against.
+Run against a real slurmctld: pyslurm 24.11.0 (built from its source against Slurm 24.11.5) passes the
+backend contract suite (tests/slurm/contract.py) and reads every node as the scontrol backend does.
+The calls, by pyslurm's own API generation:
+- nodes (both): `Nodes.load()` (a MultiClusterMap: .values()), `Node.load(name)` (RPCError "Node 'x'
+  does not exist"), `Node(name).modify(Node(state=..., reason=...))` (slurm_update_node with
+  node_names=self.name, so a hostlist expression works); read-only `state` ("IDLE+DRAIN"),
+  `reason_user`, `reason_time` (epoch or None), `partitions`, `configured_gres` ({"gpu": 4}),
+  `next_state`, `boot_time`.
+- jobs (both): `Job(job_id).requeue()` (slurm_requeue).
+- reservations: 25.11 `Reservation(name=..., nodes=..., users=[...], duration=..., flags=ReservationFlags)`
+  `.create()`/`.delete()`/`Reservation.load(name)`; 24.11 has no Reservation class, so its dict API:
+  `slurm_create_reservation({...})` with the RESERVE_FLAG_* constants, `slurm_delete_reservation(name)`,
+  `reservation().get()` (failures there are ValueError(text, errno), turned into RPCError).
+- slurmctld: 25.11 `slurmctld.Config.load().version`; 24.11's Config has neither the version nor the
+  start time, so `config().get()` ("version", "boot_time").
+- errors: `RPCError(errno, msg)` with `.errno` and `.msg`.
+- import: pyslurm 25.11 skips its auto-init under PYSLURM_DISABLE_AUTO_INIT; 24.11 always runs
+  slurm_init() on import, reading SLURM_CONF (healthd.slurm._import_pyslurm sets both).
+pyslurm has no call for `scontrol reboot` (no slurm_reboot_nodes wrapper; no REBOOT state), nor for
+requeueing one array task, and pyslurm 24.11.0's Node(state="CANCEL_REBOOT") raises NameError (its
+node.pyx names an undeclared `slurm` there): those go through the `fallback` ScontrolBackend. So do
+the reads of jobs and node addresses and the validation steps: an `srun` step is a process whatever
+the backend, and the job and address reads (once per requeue, every few minutes) stay on the client
+calls the contract suite proves.
 
-pyslurm calls are in-process C RPCs that cannot be interrupted, so each runs in a daemon thread
-and the caller waits at most timeout_s; while a timed-out call is still stuck, further calls fail
-fast with SlurmUnavailable instead of piling up threads.
+Each pyslurm call runs in a daemon thread and the caller waits at most timeout_s; while a timed-out
+call is still stuck, further calls fail fast with SlurmUnavailable instead of piling up threads. But
+pyslurm 24.11's RPCs hold the interpreter (the GIL) until libslurm returns, so no thread of the
+process runs meanwhile and timeout_s cannot cut a call short: a stopped slurmctld costs each call
+libslurm's own retries, about slurm.conf's MessageTimeout (9 s of the default 10 seen on 24.11;
+`unavailable_within_s`). The scontrol backend's clients are processes, killed at timeout_s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -84,6 +89,32 @@ RESERVATION_FLAG_NAMES = {
 }
 
 
+# healthd reservation flag (scontrol spelling) -> pyslurm 24.11 constant (slurm.h's RESERVE_FLAG_*)
+RESERVATION_FLAG_CONSTANTS = {
+    "MAINT": "RESERVE_FLAG_MAINT",
+    "IGNORE_JOBS": "RESERVE_FLAG_IGN_JOBS",
+    "FLEX": "RESERVE_FLAG_FLEX",
+    "OVERLAP": "RESERVE_FLAG_OVERLAP",
+    "MAGNETIC": "RESERVE_FLAG_MAGNETIC",
+    "ANY_NODES": "RESERVE_FLAG_ANY_NODES",
+    "STATIC": "RESERVE_FLAG_STATIC",
+    "PART_NODES": "RESERVE_FLAG_PART_NODES",
+    "PURGE_COMP": "RESERVE_FLAG_PURGE_COMP",
+}
+
+
+def _dict_api(ps: Any, fn: Callable[[], Any]) -> Any:
+    """fn() of pyslurm's dict API (config, reservations), whose failures are
+    ValueError(slurm_strerror text, errno), turned into the RPCError the object API raises, so that
+    one translation serves both."""
+    try:
+        return fn()
+    except ValueError as exc:
+        if len(exc.args) == 2 and isinstance(exc.args[1], int):
+            raise ps.RPCError(errno=exc.args[1], msg=str(exc.args[0]) or None) from exc
+        raise
+
+
 def _gres_text(gres: Any) -> str | None:
     if isinstance(gres, dict):
         return ",".join(f"{k}:{v}" for k, v in gres.items()) or None
@@ -119,7 +150,8 @@ class PyslurmBackend:
 
     module: the imported pyslurm (tests pass the stand-in); None imports pyslurm.
     fallback: a ScontrolBackend for what goes through scontrol, squeue and srun (reboot, array-task
-    requeue, jobs, node addresses, validation steps; see the module docstring)."""
+    requeue, jobs, node addresses, validation steps; see the module docstring); it takes timeout_s.
+    message_timeout_s: slurm.conf's MessageTimeout, libslurm's own bound on a call (unavailable_within_s)."""
 
     def __init__(
         self,
@@ -129,6 +161,7 @@ class PyslurmBackend:
         timeout_s: float = 10.0,
         dry_run: bool = False,
         logger: logging.Logger | None = None,
+        message_timeout_s: float = 10.0,
     ):
         if module is None:
             import pyslurm as module  # noqa: PLC0415 - optional dependency
@@ -137,11 +170,32 @@ class PyslurmBackend:
         self._ps = module
         self.fallback = fallback
         self.timeout_s = float(timeout_s)
+        self._cancel_reboot_ok: bool | None = None
+        self.message_timeout_s = float(message_timeout_s)
         self.dry_run = dry_run
         self.planned: list[list[str]] = []
         self._log = logger or log
         self._stuck: threading.Thread | None = None
         self._stuck_what = ""
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a caller waits for any call, the fallback's client calls included."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = float(value)
+        if self.fallback is not None:
+            self.fallback.timeout_s = self._timeout_s
+
+    @property
+    def unavailable_within_s(self) -> float:
+        """How long a call to an unreachable slurmctld can take: pyslurm's RPCs hold the interpreter
+        (the GIL) until libslurm returns, and libslurm retries a refused connection for about
+        slurm.conf's MessageTimeout (9 s of the default 10 seen on 24.11), so timeout_s cannot cut
+        them short."""
+        return max(self.timeout_s, self.message_timeout_s)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -201,6 +255,15 @@ class PyslurmBackend:
             )
         return self.fallback
 
+    def _through_fallback(self, what: str, write: Callable[[ScontrolBackend], Any]) -> Any:
+        """A write the fallback makes, in this backend's dry-run mode; a planned call is recorded here too."""
+        fb = self._need_fallback(what)
+        fb.dry_run = self.dry_run
+        result = write(fb)
+        if self.dry_run:
+            self.planned.extend(fb.planned[-1:])
+        return result
+
     # -- describe -------------------------------------------------------------------------
 
     def describe(self, action: str, **kw) -> list[str]:
@@ -226,6 +289,8 @@ class PyslurmBackend:
         return self._plan_modify(slurm_hostlist(nodes), state="RESUME")
 
     def _plan_cancel_reboot(self, nodes):
+        if self.fallback is not None and not self._pyslurm_cancels_reboots():
+            return self.fallback.describe("cancel_reboot", nodes=nodes)
         return self._plan_modify(slurm_hostlist(nodes), state="CANCEL_REBOOT")
 
     def _plan_reboot_asap(self, nodes, reason, next_state="RESUME"):
@@ -249,6 +314,8 @@ class PyslurmBackend:
     def _plan_create_reservation(self, name, nodes, duration_min, users=MAINT_USERS, flags=MAINT_FLAGS):
         name, hl, duration_min, users, flags = reservation_args(name, nodes, duration_min, users, flags)
         ps = self._ps
+        if not hasattr(ps, "Reservation"):
+            return self._plan_create_reservation_dict(name, hl, duration_min, users, flags)
         members = [RESERVATION_FLAG_NAMES[f] for f in flags]
         flag_text = " | ".join(f"pyslurm.ReservationFlags.{m}" for m in members)
         kwargs_text = f"name={name!r}, nodes={hl!r}, users={users!r}, duration={duration_min}"
@@ -266,16 +333,54 @@ class PyslurmBackend:
 
         return ([f"pyslurm.Reservation({kwargs_text}).create()"], run)
 
+    def _plan_create_reservation_dict(self, name, hl, duration_min, users, flags):
+        """pyslurm 24.11: no Reservation class; its dict API (pyslurm.slurm_create_reservation, the
+        RESERVE_FLAG_* constants) makes the same slurm_create_reservation RPC."""
+        ps = self._ps
+        consts = [RESERVATION_FLAG_CONSTANTS[f] for f in flags]
+        missing = [c for c in consts if not hasattr(ps, c)]
+        if missing:
+            raise ValueError(f"pyslurm {getattr(ps, '__version__', '?')} has no {', '.join(missing)}")
+        shown = {"name": name, "node_list": hl, "users": ",".join(users), "duration": duration_min,
+                 "start_time": "<now>"}
+
+        def run():
+            desc = {"name": name, "node_list": hl, "users": ",".join(users), "duration": duration_min,
+                    # 0 is not "now" to slurmctld: the RPC wants the start in epoch seconds
+                    "start_time": int(time.time())}
+            value = 0
+            for c in consts:
+                value |= int(getattr(ps, c))
+            if value:
+                desc["flags"] = value
+            return _dict_api(ps, lambda: ps.slurm_create_reservation(desc))
+
+        flag_text = " | ".join(f"pyslurm.{c}" for c in consts)
+        text = ", ".join(f"{k!r}: {v!r}" for k, v in shown.items()) + (f", 'flags': {flag_text}" if consts else "")
+        return ([f"pyslurm.slurm_create_reservation({{{text}}})"], run)
+
     def _plan_delete_reservation(self, name):
         name = validate_reservation_name(name)
         ps = self._ps
+        if not hasattr(ps, "Reservation"):
+            return ([f"pyslurm.slurm_delete_reservation({name!r})"],
+                    lambda: _dict_api(ps, lambda: ps.slurm_delete_reservation(name)))
         return ([f"pyslurm.Reservation({name!r}).delete()"], lambda: ps.Reservation(name).delete())
 
     # -- reads ----------------------------------------------------------------------------
 
-    def version(self) -> str:
-        """slurmctld's version, from its configuration (pyslurm.slurmctld.Config.load())."""
+    def _ctld_config(self, what: str) -> dict[str, Any]:
+        """slurmctld's configuration through pyslurm 24.11's dict API (its slurmctld.Config has
+        neither the version nor the start time)."""
         ps = self._ps
+        return self._call(f"pyslurm.config().get()[{what!r}]", lambda: _dict_api(ps, lambda: ps.config().get()))
+
+    def version(self) -> str:
+        """slurmctld's version, from its configuration (pyslurm.slurmctld.Config.load() where it has
+        the version, 25.11; pyslurm.config().get() before)."""
+        ps = self._ps
+        if hasattr(ps, "config") and not hasattr(ps.slurmctld.Config, "version"):
+            return str(self._ctld_config("version")["version"])
         return str(self._call("pyslurm.slurmctld.Config.load().version", lambda: ps.slurmctld.Config.load().version))
 
     def nodes(self, names: Iterable[str] | None = None) -> list[NodeInfo]:
@@ -315,15 +420,28 @@ class PyslurmBackend:
         validate_nodes(nodes)
         validate_reason(reason)
         validate_next_state(next_state)
-        fb = self._need_fallback("reboot_asap")
-        fb.dry_run = self.dry_run
-        fb.reboot_asap(nodes, reason, next_state)
-        if self.dry_run:
-            self.planned.extend(fb.planned[-1:])
+        self._through_fallback("reboot_asap", lambda fb: fb.reboot_asap(nodes, reason, next_state))
+
+    def _pyslurm_cancels_reboots(self) -> bool:
+        """Whether this pyslurm can write CANCEL_REBOOT: pyslurm 24.11.0's Node(state="CANCEL_REBOOT")
+        raises NameError (its node.pyx names an undeclared `slurm` there), so cancel_reboot goes through
+        the fallback with it. Asked once, by building the change locally: no RPC."""
+        if self._cancel_reboot_ok is None:
+            try:
+                self._ps.Node(state="CANCEL_REBOOT")
+                self._cancel_reboot_ok = True
+            except (NameError, ValueError, AttributeError) as exc:
+                self._log.info("pyslurm %s cannot write CANCEL_REBOOT (%s: %s); cancel_reboot goes through scontrol",
+                               getattr(self._ps, "__version__", "?"), type(exc).__name__, exc)
+                self._cancel_reboot_ok = False
+        return self._cancel_reboot_ok
 
     def cancel_reboot(self, nodes: str | Sequence[str]) -> None:
         """Same semantics as ScontrolBackend.cancel_reboot (nodes without a pending reboot are skipped)."""
         self._plan_cancel_reboot(nodes)
+        if not self._pyslurm_cancels_reboots():
+            self._through_fallback("cancel_reboot", lambda fb: fb.cancel_reboot(nodes))
+            return
 
         def write(todo: list[str]) -> None:
             call, fn = self._plan_cancel_reboot(todo)
@@ -334,11 +452,7 @@ class PyslurmBackend:
     def requeue(self, job_id: int | str) -> None:
         text = validate_job_id(job_id)
         if "_" in text:
-            fb = self._need_fallback("requeue of an array task")
-            fb.dry_run = self.dry_run
-            fb.requeue(text)
-            if self.dry_run:
-                self.planned.extend(fb.planned[-1:])
+            self._through_fallback("requeue of an array task", lambda fb: fb.requeue(text))
             return
         call, fn = self._plan_requeue(text)
         self._write(call[0], fn)
@@ -361,6 +475,9 @@ class PyslurmBackend:
     def reservation_exists(self, name: str) -> bool:
         name = validate_reservation_name(name)
         ps = self._ps
+        if not hasattr(ps, "Reservation"):
+            found = self._call("pyslurm.reservation().get()", lambda: _dict_api(ps, lambda: ps.reservation().get()))
+            return name in found
         try:
             self._call(f"pyslurm.Reservation.load({name!r})", lambda: ps.Reservation.load(name))
         except SlurmRefused as exc:
@@ -370,8 +487,11 @@ class PyslurmBackend:
         return True
 
     def ctld_started_at(self) -> float | None:
-        """When slurmctld started: pyslurm 25.11 does not expose it, so the scontrol fallback
-        reads it (None without a fallback)."""
+        """When slurmctld started: pyslurm 24.11's configuration dict has it (boot_time); pyslurm
+        25.11's Config does not, so there the scontrol fallback reads it (None without a fallback)."""
+        if hasattr(self._ps, "config"):
+            boot = self._ctld_config("boot_time").get("boot_time")
+            return float(boot) if isinstance(boot, (int, float)) and boot > 0 else None
         return self.fallback.ctld_started_at() if self.fallback is not None else None
 
     # -- through the fallback: jobs, node addresses, validation steps -----------------------
@@ -391,11 +511,7 @@ class PyslurmBackend:
     def set_admin_comment(self, job_id: int | str, text: str) -> None:
         validate_job_id(job_id)
         validate_admin_comment(text)
-        fb = self._need_fallback("set_admin_comment")
-        fb.dry_run = self.dry_run
-        fb.set_admin_comment(job_id, text)
-        if self.dry_run:
-            self.planned.extend(fb.planned[-1:])
+        self._through_fallback("set_admin_comment", lambda fb: fb.set_admin_comment(job_id, text))
 
     def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
         names = requested_nodes(names)
@@ -405,9 +521,4 @@ class PyslurmBackend:
 
     def run_step(self, argv: Sequence[str], timeout_s: float) -> StepResult:
         validate_argv(argv)
-        fb = self._need_fallback("run_step")
-        fb.dry_run = self.dry_run
-        result = fb.run_step(argv, timeout_s)
-        if self.dry_run:
-            self.planned.extend(fb.planned[-1:])
-        return result
+        return self._through_fallback("run_step", lambda fb: fb.run_step(argv, timeout_s))

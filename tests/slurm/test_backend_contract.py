@@ -107,14 +107,24 @@ def contract_cluster(slurm_cluster):
     return slurm_cluster
 
 
-@pytest.fixture
-def scontrol_env(contract_cluster):
+def real_env(cluster, pyslurm_module=None):
+    """The backend on the real cluster and its Ctl, both counting the Slurm calls made: ScontrolBackend,
+    or PyslurmBackend over `pyslurm_module` with a ScontrolBackend as its fallback. Reset around each test."""
     runner = CountingRunner()
-    backend = ScontrolBackend(str(contract_cluster.conf_path), timeout_s=10, runner=runner)
-    ctl = RealCtl(contract_cluster, runner)
+    scontrol = ScontrolBackend(str(cluster.conf_path), timeout_s=10, runner=runner)
+    if pyslurm_module is None:
+        backend, ctl = scontrol, RealCtl(cluster, runner)
+    else:
+        backend = CountingPyslurmBackend(pyslurm_module, fallback=scontrol, timeout_s=10)
+        ctl = RealPyslurmCtl(cluster, runner, backend)
     ctl.reset()
     yield backend, ctl
     ctl.reset()
+
+
+@pytest.fixture
+def scontrol_env(contract_cluster):
+    yield from real_env(contract_cluster)
 
 
 @pytest.mark.slow
@@ -353,6 +363,82 @@ def test_pyslurm_describe_is_the_call_made(pyslurm_env):
     ]
 
 
+# ----------------------------------------------------------------------------- the real pyslurm
+
+
+def real_pyslurm_skip_reason() -> str | None:
+    """Why this interpreter cannot run PyslurmBackend on the real pyslurm (None when it can): pyslurm
+    must be installed and built for the Slurm here (tests/support/pyslurm_build.py installs 24.11.0
+    in the Debian trixie root, whose Slurm is 24.11). Asked of the package metadata, not by
+    importing: `import pyslurm` initialises libslurm for the whole process."""
+    import importlib.metadata
+
+    from healthd.slurm.scontrol import parse_version
+    from tests.support import pyslurm_build
+    from tests.support.slurm_cluster import slurm_version
+
+    try:
+        version = importlib.metadata.version("pyslurm")
+    except importlib.metadata.PackageNotFoundError:
+        built = pyslurm_build.missing_reason()
+        return built or ("pyslurm is not installed in this interpreter (it is built for Slurm 24.11 only, in the "
+                         "trixie root: python -m tests.support.pyslurm_build ROOT)")
+    here = slurm_version()
+    if parse_version(version) != here:
+        return f"pyslurm {version} is built for another Slurm than this {here[0]}.{here[1]:02d}"
+    return None
+
+
+class CountingPyslurmBackend(PyslurmBackend):
+    """PyslurmBackend counting the pyslurm calls it makes (every one goes through _call)."""
+
+    rpcs = 0
+
+    def _call(self, what, fn):
+        self.rpcs += 1
+        return super()._call(what, fn)
+
+
+class RealPyslurmCtl(RealCtl):
+    def __init__(self, cluster, runner: CountingRunner, backend: CountingPyslurmBackend):
+        super().__init__(cluster, runner)
+        self.backend = backend
+
+    def calls(self) -> int:
+        return self.runner.count + self.backend.rpcs
+
+
+@pytest.fixture
+def real_pyslurm_env(contract_cluster):
+    reason = real_pyslurm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from healthd.slurm import _import_pyslurm
+
+    module = _import_pyslurm(str(contract_cluster.conf_path))
+    assert not Path(module.__file__).is_relative_to(STANDIN_DIR), module.__file__
+    yield from real_env(contract_cluster, module)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", contract.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_pyslurm_backend_on_real_pyslurm(check, real_pyslurm_env):
+    check(*real_pyslurm_env)
+
+
+def test_real_pyslurm_reads_what_scontrol_reads(real_pyslurm_env):
+    """The same cluster read by both backends, a hostile drain reason included: every NodeInfo equal."""
+    backend, ctl = real_pyslurm_env
+    scontrol = ScontrolBackend(str(ctl.cluster.conf_path), timeout_s=10)
+    backend.drain("node02", contract.HOSTILE_REASON)
+    ctl.submit_running_job("node03")
+    assert backend.nodes() == scontrol.nodes()
+    assert backend.node("node02") == scontrol.node("node02")
+    assert backend.version() == scontrol.version()
+    started = backend.ctld_started_at()
+    assert started is not None and abs(started - scontrol.ctld_started_at()) <= 1
+
+
 # ----------------------------------------------------------------------------- default_backend
 
 
@@ -422,6 +508,9 @@ def test_pyslurm_is_imported_without_auto_init_and_initialised_with_our_slurm_co
     from healthd.slurm import _import_pyslurm
 
     monkeypatch.delenv("PYSLURM_DISABLE_AUTO_INIT", raising=False)
+    monkeypatch.setenv("SLURM_CONF", "/elsewhere/slurm.conf")
     module = _import_pyslurm("/etc/slurm/site.conf")
     assert module is standin and module._standin_cluster().init_path == "/etc/slurm/site.conf"
     assert "PYSLURM_DISABLE_AUTO_INIT" not in os.environ
+    # pyslurm 24.11 reads SLURM_CONF on import (it has no PYSLURM_DISABLE_AUTO_INIT): ours only meanwhile
+    assert os.environ["SLURM_CONF"] == "/elsewhere/slurm.conf"
