@@ -170,6 +170,10 @@ def ecc_uncorrected(ctx: TickContext, g: GpuSample, c: Component, ident: str, tt
         return
     key = c.key()
     handled = g.remap_pending is True or g.retired_pending is True
+    # A driver that cannot read either state is taken as none pending (the drain is the safe side),
+    # but the summary must not claim a reading it never had.
+    unknown = g.remap_pending is None and g.retired_pending is None
+    unhandled = "; remap state unknown (not readable here)" if unknown else "; no remap pending"
     inc, before, span = float(d.delta), float(d.value - d.delta), d.window_s or 0.0
     ev = Evidence(
         "counter",
@@ -180,7 +184,7 @@ def ecc_uncorrected(ctx: TickContext, g: GpuSample, c: Component, ident: str, tt
     ctx.latch(
         ctx.finding(
             "nvml.ecc_uncorrected", key, c, NVML,
-            f"{key}: uncorrectable ECC errors increased (+{inc:.0f})" + ("; remap pending" if handled else "; no remap pending"),
+            f"{key}: uncorrectable ECC errors increased (+{inc:.0f})" + ("; remap pending" if handled else unhandled),
             [ev],
             case="remap pending" if handled else "no remap pending",
         ),

@@ -88,6 +88,16 @@ def test_uncorrected_ecc_increase_with_remap_pending_is_t2_reset():
     assert (f.tier, f.action) == (2, "reset-gpu-when-idle")
 
 
+def test_uncorrected_ecc_on_a_driver_that_cannot_read_the_remap_state_drains_and_says_it_is_unknown():
+    known = run(tick(NOW, gpu(0, ecc_uncorrected_volatile=0, remap_pending=False, retired_pending=False)),
+                tick(NOW + 10, gpu(0, ecc_uncorrected_volatile=1, remap_pending=False, retired_pending=False)))
+    unread = run(tick(NOW, gpu(0, ecc_uncorrected_volatile=0, remap_pending=None, retired_pending=None)),
+                 tick(NOW + 10, gpu(0, ecc_uncorrected_volatile=1, remap_pending=None, retired_pending=None)))
+    a, b = get(known[1], "nvml.ecc_uncorrected:gpu0"), get(unread[1], "nvml.ecc_uncorrected:gpu0")
+    assert (a.tier, a.action) == (b.tier, b.action) == (1, "drain")
+    assert a.summary.endswith("; no remap pending") and b.summary.endswith("; remap state unknown (not readable here)")
+
+
 def test_counter_reset_is_not_a_delta():
     res = run(tick(NOW, gpu(0, ecc_uncorrected_volatile=9)), tick(NOW + 10, gpu(0, ecc_uncorrected_volatile=0)), tick(NOW + 20, gpu(0, ecc_uncorrected_volatile=0)))
     assert all(r.findings == () for r in res)
