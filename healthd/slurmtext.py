@@ -30,6 +30,20 @@ SCRUB_ENV = ("SLURM_CLUSTERS", "SLURM_FEDERATION", "SLURM_LOCAL")
 """Environment variables that change what a client prints or which nodes it reports: never passed on."""
 
 
+REASON_STATES = frozenset({"DRAIN", "DRAINED", "DRAINING", "DOWN", "FAIL", "FAILING"})
+"""The states in which a node's reason is Slurm's word on why the node is out of service (a base state
+or a flag)."""
+
+
+def reason_holds(state: str, flags: frozenset[str]) -> bool:
+    """Whether a node's reason means something now: only while its state holds DRAIN, DOWN or FAIL.
+    Slurm 24.11 keeps the last reason, its user and time after RESUME on a node that is plain IDLE
+    again (until the node runs a job; 22.05 and 26.05 clear them): read then, the old reason would
+    look like a hold or someone else's drain. `state` as parse_state_string gives it (lowercase base
+    state, uppercase flags)."""
+    return state.upper() in REASON_STATES or not REASON_STATES.isdisjoint(flags)
+
+
 def parse_state_string(text: str) -> tuple[str, frozenset[str]]:
     """`IDLE+DRAIN+NOT_RESPONDING` (scontrol State=, pyslurm Node.state) -> ('idle', {...}).
     A trailing `*` (sinfo's short form for not responding) becomes NOT_RESPONDING. The first

@@ -22,7 +22,7 @@ except ImportError:
     import signal  # type: ignore[no-redef]
 
 from healthd.record import Record
-from healthd.slurmtext import SCRUB_ENV, SCRUB_ENV_PREFIXES, UNAVAILABLE_MARKERS, parse_state_string
+from healthd.slurmtext import SCRUB_ENV, SCRUB_ENV_PREFIXES, UNAVAILABLE_MARKERS, parse_state_string, reason_holds
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -139,7 +139,9 @@ def parse_node_line(line: str) -> NodeState:
         state, flags = parse_state(fields.get("State", ""))
     except ValueError as e:
         raise SlurmRefused(f"scontrol show node -o: node {name}: bad State=: {e}") from None
-    return NodeState(name, state, flags, _reason(tail) if tail is not None else "")
+    # a reason kept after RESUME (Slurm 24.11) is history, not a drain: healthd.slurmtext.reason_holds
+    reason = _reason(tail) if tail is not None and reason_holds(state, flags) else ""
+    return NodeState(name, state, flags, reason)
 
 
 def _node_name(name: str) -> bool:

@@ -26,7 +26,7 @@ from ClusterShell.NodeSet import NodeSet, NodeSetException
 from ClusterShell.RangeSet import RangeSetException
 
 from healthd.reason import MAX_REASON_BYTES, reason_bytes
-from healthd.slurmtext import parse_state_string  # noqa: F401 - re-exported: the backends parse states with it
+from healthd.slurmtext import parse_state_string, reason_holds  # noqa: F401 - parse_state_string re-exported: the backends parse states with it
 
 MAX_NODES_CHARS = 256
 # A hostlist such as n[0-999999999] is 256 characters but a billion names: refuse it before
@@ -110,8 +110,12 @@ class NodeInfo:
 
 def node_info(name: str, state: str, flags: frozenset[str], reason: str, user: str | None, when: float | None,
               **rest: Any) -> NodeInfo:
-    """A NodeInfo as every reader builds it: the reason's user and time only with a reason, since
-    Slurm can keep them after a resume cleared it (22.05's reason_set_by_user, tests/slurm/captured/)."""
+    """A NodeInfo as every reader builds it: the reason only while the state holds DRAIN, DOWN or FAIL
+    (healthd.slurmtext.reason_holds: Slurm 24.11 keeps the old reason after RESUME), and its user and
+    time only with a reason, since Slurm can keep them after a resume cleared it (22.05's
+    reason_set_by_user, tests/slurm/captured/)."""
+    if reason and not reason_holds(state, flags):
+        reason = ""
     return NodeInfo(name=name, state=state, flags=flags, reason=reason, reason_user=(user or None) if reason else None,
                     reason_time=when if reason else None, **rest)
 

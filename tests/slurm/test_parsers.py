@@ -102,9 +102,83 @@ def test_sinfo_json_2205_slurmctld_down_is_an_error_not_an_empty_cluster():
 
 def test_version_strings():
     assert parse_version((CAPTURED / "scontrol-version-22.05.txt").read_text()) == (22, 5)
+    assert parse_version((CAPTURED / "scontrol-version-24.11.txt").read_text()) == (24, 11)
+    assert parse_version((CAPTURED / "scontrol-version-26.05.txt").read_text()) == (26, 5)
     assert parse_version("slurm 24.11.1") == (24, 11)
     with pytest.raises(SlurmOutputError):
         parse_version("no version here")
+
+
+# ----------------------------------------------------------------------------- 24.11 and 26.05, captured
+
+# tests/support/capture_slurm.py run in the roots of the version matrix (tests/support/slurm_roots.py):
+# node01 idle, node02 drained, node03 busy with a reboot ASAP, node04 busy and drained; then node02
+# resumed. Slurm 24.11.5 prints data_parser v0.0.42, 26.05.5 v0.0.45.
+CAPTURED_PARSERS = {"24.11": "data_parser/v0.0.42", "26.05": "data_parser/v0.0.45"}
+CAPTURED_REASONS = {"node02": "healthd: xid 79 gpu0 fell off the bus [#7]",
+                    "node03": "healthd: pending row remap gpu1 [#9]", "node04": "healthd: drain while busy [#4]"}
+
+
+def _captured_reads(version: str, moment: str) -> tuple[list[NodeInfo], list[NodeInfo], list[NodeInfo]]:
+    """The same moment through `scontrol show nodes --json`, `scontrol show node -o` and `sinfo --json`."""
+    doc = _captured_json(f"scontrol-json-{version}-{moment}.json")
+    assert doc["meta"]["plugin"]["data_parser"] == CAPTURED_PARSERS[version]
+    assert doc["meta"]["slurm"]["release"].startswith(version + ".")
+    return (parse_sinfo_json(doc), parse_scontrol_show_node((CAPTURED / f"scontrol-{version}-{moment}.txt").read_text()),
+            parse_sinfo_json(_captured_json(f"sinfo-{version}-{moment}.json")))
+
+
+@pytest.mark.parametrize("version", CAPTURED_PARSERS)
+def test_captured_drains_reboot_and_draining_read_alike_through_every_reader(version, utc):
+    as_json, oneliner, sinfo = _captured_reads(version, "drained")
+    assert oneliner == as_json
+    nodes = {n.name: n for n in as_json}
+    assert (nodes["node01"].state, nodes["node01"].flags, nodes["node01"].reason) == ("idle", frozenset(), "")
+    n2, n3, n4 = nodes["node02"], nodes["node03"], nodes["node04"]
+    assert n2.drained and n2.flags == {"DRAIN"} and n2.reason_user == "root" and n2.reason_time is not None
+    assert (n3.state, n3.flags, n3.next_state, n3.draining) == ("mixed", {"DRAIN", "REBOOT_REQUESTED"}, "RESUME", True)
+    assert n4.draining and not n4.drained
+    assert {n.name: n.reason for n in as_json if n.reason} == CAPTURED_REASONS
+    # sinfo --json groups alike nodes; it gives the same states and reasons (26.05 leaves out the reason's user)
+    assert {(n.name, n.state, n.flags, n.reason) for n in sinfo} == {(n.name, n.state, n.flags, n.reason) for n in as_json}
+
+
+@pytest.mark.parametrize("version", CAPTURED_PARSERS)
+def test_a_resumed_node_has_no_reason_whatever_slurm_kept(version, utc):
+    """24.11 keeps the old reason, its user and time after RESUME on a node that is plain IDLE again
+    (until it runs a job); 26.05 clears them. A reason means something only while the state holds
+    DRAIN, DOWN or FAIL: read anywhere else it is history, never a hold nor someone else's drain."""
+    kept = {n["name"]: n["reason"] for n in _captured_json(f"scontrol-json-{version}-resumed.json")["nodes"]}
+    assert kept["node02"] == (CAPTURED_REASONS["node02"] if version == "24.11" else "")  # what Slurm printed
+    as_json, oneliner, sinfo = _captured_reads(version, "resumed")
+    assert oneliner == as_json
+    for read in (as_json, oneliner, sinfo):
+        n2 = {n.name: n for n in read}["node02"]
+        assert (n2.state, n2.flags, n2.reason, n2.reason_user, n2.reason_time) == ("idle", frozenset(), "", None, None)
+    # the nodes still drained keep theirs
+    assert {n.name: n.reason for n in as_json if n.reason} == {k: v for k, v in CAPTURED_REASONS.items() if k != "node02"}
+
+
+_STATE_FLAGS = ["DRAIN", "NOT_RESPONDING", "COMPLETING", "REBOOT_REQUESTED", "MAINTENANCE", "RESERVED", "FAIL",
+                "POWERED_DOWN", "CLOUD", "DYNAMIC_NORM", "PLANNED"]
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(base=st.sampled_from(["IDLE", "MIXED", "ALLOCATED", "DOWN", "FUTURE", "UNKNOWN", "ERROR"]),
+       flags=st.lists(st.sampled_from(_STATE_FLAGS), unique=True, max_size=4),
+       reason=st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF), min_size=1, max_size=40)
+       .filter(lambda r: r.strip() == r))
+def test_a_reason_is_read_only_while_the_state_holds_drain_down_or_fail(base, flags, reason):
+    """data_parser's NODE `state` (a base state, then flags) with any reason Slurm may have kept: every
+    reader reports the reason exactly when the state holds DRAIN, DOWN or FAIL."""
+    doc = {"nodes": [_node_2411("n1", [base, *flags], reason, 1795949831, "root")], "meta": META_2411,
+           "errors": [], "warnings": []}
+    (node,) = parse_sinfo_json(doc)
+    holds = base == "DOWN" or "DRAIN" in flags or "FAIL" in flags
+    assert (node.reason, node.reason_user) == ((reason, "root") if holds else ("", None))
+    line = (f"NodeName=n1 Arch=x86_64 State={'+'.join([base, *flags])} Partitions=debug "
+            f"Reason={reason} [root@2026-11-29T09:22:22]")
+    assert parse_scontrol_node_line(line).reason == (reason if holds else "")
 
 
 # ----------------------------------------------------------------------------- 24.11, built from the schema
