@@ -21,6 +21,9 @@ from healthd import trusted
 from healthd.record import Record
 from healthd.text import clean, parse_time
 
+# The exit code of a one-shot check and of `healthd state` per verdict (the Nagios plugin codes).
+EXIT_CODES = {"healthy": 0, "degraded": 1, "failed": 2, "unknown": 3}
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Callable

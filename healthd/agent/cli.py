@@ -22,12 +22,9 @@ import time
 
 from healthd import __version__, sdnotify
 from healthd import config as config_mod
-from healthd.agent import daemon as agent_mod
-from healthd.agent import validate
-from healthd.agent.classify.catalog import CatalogError
 from healthd.agent.render import render_nagios, render_text
 from healthd.config import ConfigError
-from healthd.statedoc import judge, load_state
+from healthd.statedoc import EXIT_CODES, judge, load_state
 
 EXIT_UNKNOWN = 3
 
@@ -68,12 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None and not (args.dry_run or args.once):
         parser().print_help(sys.stderr)
         return EXIT_UNKNOWN
+    # `healthd state` runs under NHC and NRPE on every check: it imports only what reading one file
+    # needs, not the collectors, the classifier and the metrics of the agent itself.
     if args.command == "validate":
+        from healthd.agent import validate  # only validate needs it (spares `healthd state`)
+
         setup_logging(args.log_level or "warning", False)
         return validate.run(args.config, args.dcgm_level, args.timeout)
     if args.command == "state":
         setup_logging(args.log_level or "warning", False)
         return state(args.config, args.format)
+    from healthd.agent import daemon as agent_mod  # the agent itself, past `healthd state`'s return
+    from healthd.agent.classify.catalog import CatalogError  # with the agent, for the same reason
+
     nagios = args.format == "nagios"
     daemon = args.command == "run" and not args.dry_run
     setup_logging(args.log_level or "warning" if not daemon else args.log_level or "info", daemon)
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_UNKNOWN
         finally:
             agent.sources.close()
-        return agent_mod.EXIT_CODES[agent.result.verdict]
+        return EXIT_CODES[agent.result.verdict]
     last: list[str] = []
 
     def on_tick(a: agent_mod.Agent) -> None:
@@ -152,7 +156,7 @@ def state(config: str | None, fmt: str) -> int:
     doc, error = load_state(settings.state_file)
     j = judge(doc, time.time(), settings, error=error)
     verdict = j.doc.get("verdict") if j.known and j.doc is not None else "unknown"
-    code = agent_mod.EXIT_CODES.get(verdict, EXIT_UNKNOWN) if isinstance(verdict, str) else EXIT_UNKNOWN
+    code = EXIT_CODES.get(verdict, EXIT_UNKNOWN) if isinstance(verdict, str) else EXIT_UNKNOWN
     if fmt == "nagios":
         line, code = render_nagios(j.doc, "" if j.known else j.reason)
         print(line)

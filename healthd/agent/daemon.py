@@ -45,7 +45,6 @@ from healthd.settings import Settings
 
 log = logging.getLogger("healthd")
 
-EXIT_CODES = {"healthy": 0, "degraded": 1, "failed": 2, "unknown": 3}
 MEMORY_VERSION = 1
 
 
