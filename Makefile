@@ -31,7 +31,7 @@ STAMP_MLGP := $(MLGP_VENV)/.stamp-$(MLGP_VERSION)
 SLURM_ROOT ?= /tmp/healthd-slurm
 
 .PHONY: all deps test demo demo-node bench clean lint slurm-up slurm-down
-.PHONY: nspawn-rootfs mlgp-venv check coverage nhc
+.PHONY: nspawn-rootfs mlgp-venv check coverage nhc slurm-roots test-matrix
 
 all: test
 
@@ -71,8 +71,13 @@ mlgp-venv: $(STAMP_MLGP)
 JOBS ?= 3
 XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
-test: deps lint nspawn-rootfs mlgp-venv nhc
+test: deps lint nspawn-rootfs mlgp-venv nhc slurm-roots
 	$(PY) -m pytest -q $(XDIST)
+
+# the version matrix alone: the real-cluster core (tests/matrix/core.py) with every other Slurm release
+# of the matrix, each in its root file system (docs/testing.md)
+test-matrix: deps slurm-roots
+	$(PY) -m pytest -q tests/matrix
 
 # the inner loop: lint and every test that boots no daemon (`-m "not daemon"`: no Slurm, munged, controller,
 # container, ansible, browser or DDP job; the tiers are in docs/testing.md); `make test` runs these and the rest
@@ -85,7 +90,7 @@ check: deps lint mlgp-venv
 # under a file-size limit, how fast an agent exits), so code that runs only in a child (the CLI's
 # entry points, the hooks as slurmd runs them) counts as missed.
 MARK ?= not daemon
-coverage: deps lint mlgp-venv $(if $(MARK),,nspawn-rootfs)
+coverage: deps lint mlgp-venv $(if $(MARK),,nspawn-rootfs slurm-roots)
 	COVERAGE_FILE=build/.coverage $(PY) -m pytest -q $(XDIST) $(if $(MARK),-m "$(MARK)") --cov=healthd \
 		--cov-report=term:skip-covered --cov-report=html:build/coverage
 
@@ -103,6 +108,13 @@ nspawn-rootfs: deps
 # a no-op once unpacked, and a note (the tests skip) where the tarball is absent, as in a user's own clone
 nhc: deps
 	$(PY) -m tests.support.nhc build
+
+# the root file systems of the Slurm version matrix (tests/support/slurm_roots.py): Debian bookworm (Slurm
+# 22.05), trixie (24.11) and sid (26.05) but the host's own release, each a debootstrap minbase with that
+# release's Slurm, munge, python3 and a venv of the test dependencies (a few minutes each); cached under
+# build/slurm-roots/, keyed by a hash of what they install, a no-op while that is unchanged
+slurm-roots: deps
+	$(PY) -m tests.support.slurm_roots build
 
 # the fault drill: 4-node Slurm + an agent per node + healthd-controller in auto (demo/fault_drill.py)
 demo: deps

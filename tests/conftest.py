@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.matrix.core import in_core
 from tests.support.fake_nvml import build_fake_nvml
 
 REPO = Path(__file__).resolve().parents[1]
 
-TIER_MARKERS = ("cluster", "fleet", "container", "ansible", "browser", "ddp")
+TIER_MARKERS = ("cluster", "fleet", "container", "ansible", "browser", "ddp", "versions")
 
 # "<file defining the fixture>::<fixture name>" -> what that fixture boots. Keyed by where the fixture
 # is defined, not by its name alone: `fleet` is a munged fleet in most modules but a whole Slurm+DDP
@@ -64,6 +65,8 @@ FIXTURE_TIERS: dict[str, tuple[str, ...]] = {
     "tests/ansible/conftest.py::ansible_env": ("ansible",),
     # headless chromium
     "tests/goodput/test_report_html.py::chromium": ("browser",),
+    # the matrix core run again in a root file system per other Slurm release (tests/support/slurm_roots.py)
+    "tests/matrix/test_slurm_versions.py::matrix_runs": ("versions",),
 }
 
 # Tests that start a daemon in their own body, where no fixture shows it: node id (or a prefix of it)
@@ -111,7 +114,7 @@ def _tiers(item: pytest.Item) -> set[str]:
 
 # Modules run longest first, judged by what they boot: `make test` hands whole modules to its workers
 # (pytest-xdist, --dist loadfile, in this order), and a long module started last is the run's tail.
-MODULE_ORDER = ("ansible", "ddp", "world", "container", "cluster", "fleet", "browser")
+MODULE_ORDER = ("versions", "ansible", "ddp", "world", "container", "cluster", "fleet", "browser")
 
 
 def _module_rank(tiers: set[str]) -> int:
@@ -128,6 +131,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(name)
         if tiers:
             item.add_marker("daemon")
+        if in_core(item.nodeid):  # tests/matrix/core.py: run on every Slurm release of the matrix
+            item.add_marker("matrix")
         module = item.nodeid.split("::", 1)[0]
         rank[module] = min(rank.get(module, len(MODULE_ORDER)), _module_rank(tiers))
     # stable: the tests of a module keep their order, and modules of one rank keep theirs

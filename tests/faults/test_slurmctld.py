@@ -69,6 +69,9 @@ def test_slurmctld_killed_right_after_a_drain_comes_back_without_it_and_healthd_
     w.inject_xid("node02", 79)
     w.drained_once("node02")
     w.wait(lambda: w.job(job).get("Restarts") == "1", 30, "the requeue")
+    # the kill is to lose slurmctld's state, not its log: slurmctld 24.11 and 26.05 write their log behind
+    # their work, and a SIGKILL right after the requeue took its line with it (22.05 has it at once)
+    w.wait(lambda: w.checker.slurm_writes()[1].get(str(job), 0) == 1, 30, "slurmctld to log the requeue")
     first = w.node_info("node02")
     w.kill_ctld_restore(snapshot)
     incident = w.rows("SELECT id FROM incidents")[0][0]

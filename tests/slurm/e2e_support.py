@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -459,13 +460,15 @@ class HooksCluster:
         return self.release_dir / f"hold-{self._holds}"
 
     def sbatch(self, *args: str, wrap: str | None = None, hold: Path | None = None, user: str = "nobody") -> str:
-        """Submit a batch job as `user` (root submits with --uid); returns its id. `hold`: the job waits
-        (at most 60 s) until that file exists -- a job that ends exactly when the test says so."""
+        """Submit a batch job as `user` (sbatch run as that user, as a user submits: Slurm 26.05 has no
+        sbatch --uid for root to submit for someone else); returns its id. `hold`: the job waits (at most
+        60 s) until that file exists -- a job that ends exactly when the test says so."""
         if hold is not None:
             wrap = (f"i=0; while [ ! -e {hold} ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
                     + (f"; {wrap}" if wrap else ""))
-        argv = ["sbatch", "--parsable", f"--uid={user}", "--chdir=/tmp", "-o", "/dev/null", "--time=3",
-                *args, "--wrap", wrap or "true"]
+        gid = pwd.getpwnam(user).pw_gid
+        argv = ["setpriv", f"--reuid={user}", f"--regid={gid}", "--clear-groups",
+                "sbatch", "--parsable", "--chdir=/tmp", "-o", "/dev/null", "--time=3", *args, "--wrap", wrap or "true"]
         out = self.run(*argv).stdout.strip()
         job = out.split(";", 1)[0]
         if not job.isdigit():

@@ -63,9 +63,11 @@ BUILD_DIR = REPO / "build" / "slurm-roots"
 SLURM_OF = {"bookworm": "22.05", "trixie": "24.11", "sid": "26.05"}
 # slurm-wlm: slurmctld, slurmd and the clients; munge: munged; python3-venv: the test venv;
 # python3-systemd: the journal binding the venv sees (--system-site-packages) instead of building
-# systemd-python; gcc and libc6-dev: the fake NVML library (tests/support/fake_nvml.py); procps: ps
-# and kill for a test's diagnostics
-COMMON_PACKAGES = ("slurm-wlm", "munge", "python3", "python3-venv", "python3-systemd", "gcc", "libc6-dev", "procps")
+# systemd-python; systemd-journal-remote: writes the journal files the agents read
+# (tests/support/journal.py); gcc and libc6-dev: the fake NVML library (tests/support/fake_nvml.py);
+# procps: ps and kill for a test's diagnostics
+COMMON_PACKAGES = ("slurm-wlm", "munge", "python3", "python3-venv", "python3-systemd", "systemd-journal-remote",
+                   "gcc", "libc6-dev", "procps")
 # what building pyslurm against the release's libslurm needs (pyslurm matches 24.11 only)
 PYSLURM_BUILD_PACKAGES = ("libslurm-dev", "python3-dev")
 PACKAGES: dict[str, tuple[str, ...]] = {
