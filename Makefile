@@ -31,7 +31,7 @@ STAMP_MLGP := $(MLGP_VENV)/.stamp-$(MLGP_VERSION)
 SLURM_ROOT ?= /tmp/healthd-slurm
 
 .PHONY: all deps test demo demo-node bench clean lint slurm-up slurm-down
-.PHONY: nspawn-rootfs mlgp-venv check coverage nhc slurm-roots test-matrix
+.PHONY: nspawn-rootfs mlgp-venv check coverage nhc slurm-roots test-matrix pyslurm-root
 
 all: test
 
@@ -71,12 +71,12 @@ mlgp-venv: $(STAMP_MLGP)
 JOBS ?= 3
 XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
-test: deps lint nspawn-rootfs mlgp-venv nhc slurm-roots
+test: deps lint nspawn-rootfs mlgp-venv nhc slurm-roots pyslurm-root
 	$(PY) -m pytest -q $(XDIST)
 
 # the version matrix alone: the real-cluster core (tests/matrix/core.py) with every other Slurm release
 # of the matrix, each in its root file system (docs/testing.md)
-test-matrix: deps slurm-roots
+test-matrix: deps slurm-roots pyslurm-root
 	$(PY) -m pytest -q tests/matrix
 
 # the inner loop: lint and every test that boots no daemon (`-m "not daemon"`: no Slurm, munged, controller,
@@ -116,6 +116,13 @@ nhc: deps
 slurm-roots: deps
 	$(PY) -m tests.support.slurm_roots build
 
+# pyslurm 24.11.0 in the trixie root's test venv, so that the matrix runs PyslurmBackend on a real pyslurm
+# (tests/support/pyslurm_build.py): built from ../shared/third_party (sha256-checked; about 4 minutes on
+# 2 cores), the wheel cached under build/pyslurm/ by source, recipe, Slurm and python, installed in
+# seconds into a rebuilt root; a note where the tarball is absent (a user's own clone) or trixie is the host
+pyslurm-root: slurm-roots
+	$(PY) -m tests.support.pyslurm_build --matrix-root
+
 # the fault drill: 4-node Slurm + an agent per node + healthd-controller in auto (demo/fault_drill.py)
 demo: deps
 	$(PY) demo/fault_drill.py
@@ -124,7 +131,7 @@ demo: deps
 demo-node: deps
 	$(PY) demo/node_drill.py
 
-bench: deps nhc
+bench: deps nhc pyslurm-root
 	$(PY) bench/agent_tick.py
 	$(PY) bench/agent_daemon.py
 	$(PY) bench/kernel_lines.py
@@ -137,6 +144,8 @@ bench: deps nhc
 	$(PY) bench/controller_round.py
 	$(PY) bench/xid_to_drain.py
 	$(PY) bench/nhc.py
+	$(PY) bench/slurm_backends.py
+	$(PY) bench/slurm_backends.py --in-root trixie
 
 # a real munged + slurmctld + 4 slurmd (node01..node04, gpu:4 each) on 127.0.0.1; prints SLURM_CONF
 slurm-up: deps

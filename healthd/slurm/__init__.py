@@ -1,7 +1,7 @@
 """healthd's Slurm backends: the SlurmBackend Protocol and its values (backend), the scontrol/sinfo
 implementation for every Slurm version (scontrol), the pyslurm one for sites whose Slurm matches
-pyslurm 25.11 (pyslurm_backend), and default_backend() to choose between them: scontrol unless a
-site asks for pyslurm, which has yet to run against a real Slurm of its version."""
+their pyslurm (pyslurm_backend: 24.11 run against a real Slurm 24.11, 25.11 against a stand-in),
+and default_backend() to choose between them: scontrol unless a site asks for pyslurm."""
 
 from __future__ import annotations
 
@@ -75,8 +75,10 @@ def default_backend(
     """ScontrolBackend, unless `prefer_pyslurm` (the site's `slurm_backend: pyslurm`): then
     PyslurmBackend when pyslurm imports AND its Slurm major.minor (pyslurm's own version is
     SLURM_MAJOR.SLURM_MINOR.PATCH) equals the installed Slurm's (`scontrol --version`), otherwise
-    ScontrolBackend still. pyslurm is opt-in because only a stand-in of its API has been through the
-    contract suite, never pyslurm on a real Slurm of its version. Logs the choice and why. Raises
+    ScontrolBackend still. pyslurm is opt-in on every version: its calls hold the interpreter while
+    slurmctld is out of reach (libslurm's retries, about MessageTimeout), which stops every other
+    thread of the controller, where an scontrol client is killed at timeout_s; bench/slurm_backends.py
+    measures both (docs/slurm.md, "pyslurm"). Logs the choice and why. Raises
     SlurmUnavailable when there is no slurm.conf (slurm_conf or SLURM_CONF): no client runs without one.
 
     `scontrol` and `pyslurm_module` let tests hand in a ScontrolBackend with a fake runner and an

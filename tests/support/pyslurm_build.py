@@ -24,8 +24,10 @@ is new); a stamp in the venv holds the key, so a second install() is a no-op.
 Commands run in the root with `systemd-nspawn --register=no --keep-unit --console=pipe` (no boot;
 the host's network, for PyPI: the host's CA bundle is copied in and PIP_CERT names it).
 
-CLI for the Makefile: `python -m tests.support.pyslurm_build ROOT` (prints the venv's python, or the
-skip reason and exits 0 when the tarball is absent).
+CLI: `python -m tests.support.pyslurm_build ROOT [--venv VENV]`, or, for the Makefile (`make
+pyslurm-root`), `... --matrix-root`: the version matrix's trixie root (tests/support/slurm_roots.py,
+built first when missing) and its test venv, so that `pytest -m matrix` there runs PyslurmBackend on
+the real pyslurm. Prints the venv's python, or the skip reason (exit 0) when the tarball is absent.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ TARBALL_NAME = "pyslurm-24.11.0.tar.gz"
 TARBALL_SHA256 = "77d97c42bf3639f4babdfcbaa7e674351d974e10d85a7d0015cafd342b15f769"
 PYSLURM_VERSION = "24.11.0"
 SLURM_MAJOR_MINOR = (24, 11)
+MATRIX_RELEASE = "trixie"  # the Debian release whose Slurm is 24.11
 CYTHON = "Cython==3.0.12"  # 3.1+ rejects a typo in pyslurm/core/job/submission.pyx of this release
 BUILD_REQUIREMENTS = (CYTHON, "setuptools", "wheel", "packaging")
 VENV_IN_ROOT = "/opt/healthd-pyslurm"
@@ -215,15 +218,27 @@ def install(root: Path, venv: str = VENV_IN_ROOT, *, repo: Path = REPO, cache_di
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", type=Path, help="a Debian trixie root with slurm-wlm, libslurm-dev, python3-dev, "
-                                            "python3-venv, gcc and libc6-dev")
+    ap.add_argument("root", nargs="?", type=Path, help="a Debian trixie root with slurm-wlm, libslurm-dev, "
+                                                       "python3-dev, python3-venv, gcc and libc6-dev")
     ap.add_argument("--venv", default=VENV_IN_ROOT, help=f"the venv inside the root (default {VENV_IN_ROOT})")
+    ap.add_argument("--matrix-root", action="store_true",
+                    help="the version matrix's trixie root (tests/support/slurm_roots.py, built when missing) and "
+                         "its test venv; nothing to do where trixie is not in the matrix (a Debian 13 host)")
     args = ap.parse_args(argv)
+    if (args.root is None) == (not args.matrix_root):
+        ap.error("give ROOT or --matrix-root")
     reason = missing_reason()
     if reason:
         print(f"pyslurm: skipped: {reason}")
         return 0
     try:
+        if args.matrix_root:
+            from tests.support import slurm_roots  # noqa: PLC0415 - only this CLI mode builds a matrix root
+
+            if MATRIX_RELEASE not in slurm_roots.matrix_releases():
+                print(f"pyslurm: nothing to build: {MATRIX_RELEASE} is this host's release, not a root of the matrix")
+                return 0
+            args.root, args.venv = slurm_roots.build_root(MATRIX_RELEASE), slurm_roots.VENV
         python = install(args.root, args.venv)
     except PyslurmBuildError as exc:
         print(f"pyslurm: {exc}", file=sys.stderr)
