@@ -1,7 +1,9 @@
 """Fixtures every part of the suite shares, and the test tiers.
 
 Tiers: every test that boots a daemon or a heavy external process is marked `daemon`, and with it
-what it boots (`cluster`, `fleet`, `container`, `ansible`, `browser`, `ddp`). The marks are derived
+what it boots (`cluster`, `fleet`, `container`, `ansible`, `browser`, `ddp`, `versions`). Apart from
+the tiers, the tests named in tests/matrix/core.py are marked `matrix`: the version matrix runs them
+with every Slurm release. The marks are derived
 here, at collection, from the fixtures each test uses (its whole fixture closure), so a new test on
 an existing cluster or fleet fixture lands in the right tier without anyone marking it. `make check`
 runs `-m "not daemon"`; `make test` runs everything.

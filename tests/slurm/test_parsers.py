@@ -1,5 +1,6 @@
-"""The pure Slurm parsers and validators: real 22.05 output captured from the local test cluster
-(tests/slurm/captured/), data_parser v0.0.42 (Slurm 24.11) documents built from Slurm's schema,
+"""The pure Slurm parsers and validators: real 22.05, 24.11 and 26.05 output captured from the local
+test cluster (tests/slurm/captured/; the last two in the roots of the version matrix), data_parser
+v0.0.42 (Slurm 24.11) documents built from Slurm's schema,
 the argv every write makes, and property tests that no input crashes a parser."""
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ def slurm_version() -> tuple[int, int]:
 def version_specific_config(version: tuple[int, int]) -> tuple[list[str], str | None]:
     """All Slurm-version-dependent configuration, in one place: (extra slurm.conf lines, cgroup.conf or None).
 
-    The generated slurm.conf is otherwise valid unchanged on 22.05 (Debian 12) and 24.11 (Debian 13):
+    The generated slurm.conf is otherwise valid unchanged on 22.05 (Debian 12), 24.11 (Debian 13) and 26.05
+    (Debian sid), each run by the version matrix (tests/matrix):
     - it names only options present in both (SlurmctldHost, CommunicationParameters=NoCtldInAddrAny,NoInAddrAny,
       PrologFlags=Alloc, SchedulerParameters=nohold_on_prolog_fail, ProctrackType=proctrack/linuxproc,
       SelectType=select/cons_tres, MpiDefault=none, CredType=cred/munge, SlurmdParameters=config_overrides);
@@ -155,10 +156,10 @@ def version_specific_config(version: tuple[int, int]) -> tuple[list[str], str | 
     slurm_conf: list[str] = []
     cgroup_conf: str | None = None
     if version >= (23, 2):
-        # No systemd here (PID 1 is not systemd): left to autodetect, a newer slurmd may pick cgroup/v2,
-        # which wants a systemd/dbus scope. `CgroupPlugin=disabled` (valid from 23.02) keeps cgroups out;
-        # proctrack/linuxproc needs none. 22.05 does not know `disabled` and runs here without any
-        # cgroup.conf (verified on Debian 12); the 24.11 branch is from the documentation, not run here.
+        # No systemd here (PID 1 is not systemd): without a cgroup.conf, slurmd 24.11 and 26.05 refuse to
+        # start ("No filesystem mounted on /sys/fs/cgroup"), even with proctrack/linuxproc and task/none.
+        # `CgroupPlugin=disabled` (valid from 23.02) keeps cgroups out; proctrack/linuxproc needs none.
+        # 22.05 does not know `disabled` and runs here without any cgroup.conf.
         cgroup_conf = "CgroupPlugin=disabled\n"
     return slurm_conf, cgroup_conf
 
