@@ -185,8 +185,8 @@ class Node:
         new_state = changes._state_change
         reason = changes._reason_change
         recs = [_standin.nodes[n] for n in names]
-        if new_state == "DRAIN" and not reason:
-            raise RPCError(ESLURM_INVALID_NODE_STATE)
+        # no refusal of a DRAIN without a reason: slurmctld takes one over the RPC (pyslurm 24.11 on
+        # Slurm 24.11.5); only the scontrol client insists on a reason
         if new_state == "RESUME":
             if not all(r.base == "DOWN" or r.flags & {"DRAIN", "FAIL", "REBOOT_REQUESTED", "REBOOT_ISSUED"} for r in recs):
                 raise RPCError(ESLURM_INVALID_NODE_STATE)
