@@ -20,11 +20,10 @@ import logging
 import sys
 import time
 
-from healthd import __version__, sdnotify
-from healthd import config as config_mod
+from healthd import __version__, hookconfig, sdnotify
 from healthd.agent.render import render_nagios, render_text
-from healthd.config import ConfigError
 from healthd.statedoc import EXIT_CODES, judge, load_state
+from healthd.trusted import TRUSTED_UID
 
 EXIT_UNKNOWN = 3
 
@@ -77,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return state(args.config, args.format)
     from healthd.agent import daemon as agent_mod  # the agent itself, past `healthd state`'s return
     from healthd.agent.classify.catalog import CatalogError  # with the agent, for the same reason
+    from healthd.config import ConfigError  # with the agent, for the same reason
 
     nagios = args.format == "nagios"
     daemon = args.command == "run" and not args.dry_run
@@ -145,8 +145,9 @@ def state(config: str | None, fmt: str) -> int:
     hooks.stale_after_s or from an agent whose pid is gone is unknown). Reads that one file and the
     config; touches no hardware and writes nothing, so it is quick enough for NHC and NRPE."""
     try:
-        settings = config_mod.load(config)
-    except ConfigError as e:
+        # the Slurm hooks' compiled copy of the settings when it is current, else the YAML itself
+        settings, _ = hookconfig.load(config, TRUSTED_UID)
+    except hookconfig.Unusable as e:
         print(f"healthd: cannot check: {e}", file=sys.stderr)
         if fmt == "nagios":
             print(render_nagios(None, f"cannot check: {e}")[0])

@@ -252,6 +252,25 @@ def test_with_a_current_compiled_file_no_hook_imports_yaml_or_the_settings_datac
     assert p.returncode == 0 and "healthd.config" in p.stderr and "yaml" in p.stderr
 
 
+def test_healthd_state_reads_the_compiled_file_and_answers_as_from_the_yaml(node: Node) -> None:
+    """`healthd state` runs under NHC (check_healthd) and NRPE on every check: with a current compiled
+    file it imports neither the YAML loader nor the agent, and says what it says from the YAML."""
+    node.write_state(state_doc(node.name))
+    compile_for(node)
+    argv = [str(BIN / "python"), "-X", "importtime", str(BIN / "healthd"), "state", "--format", "nagios",
+            "--config", str(node.config)]
+    env = {"SLURMD_NODENAME": node.name, **env_for(node)}
+    fast = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=str(node.root))
+    imported = {line.split("|")[-1].strip() for line in fast.stderr.splitlines() if line.startswith("import time:")}
+    assert "healthd.statedoc" in imported
+    assert imported & {"yaml", "healthd.config", "healthd.settings", "healthd.agent.daemon", "prometheus_client",
+                       "healthd.agent.classify"} == set()
+    (node.run_dir / "hooks-config.json").unlink()
+    slow = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=str(node.root))
+    assert "yaml" in slow.stderr
+    assert (fast.returncode, fast.stdout) == (slow.returncode, slow.stdout) and fast.stdout.startswith("HEALTHD OK - ")
+
+
 @pytest.mark.parametrize("how", ["truncated", "hostile type", "world-writable", "a fifo"])
 def test_a_hook_given_a_spoiled_compiled_file_runs_from_the_yaml(node: Node, how: str) -> None:
     node.write_state(state_doc(node.name))
