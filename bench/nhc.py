@@ -29,6 +29,7 @@ Writes bench/results/nhc.json.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import tempfile
@@ -71,8 +72,10 @@ def main() -> None:
     sinfo = tmp / "sinfo"
     sinfo.write_text(SH_SINFO)
     sinfo.chmod(0o755)
+    # p_env names the node's compiled settings, which the agent keeps at /run/healthd on a real node:
+    # `healthd state` under check_healthd reads them as the hooks do
     nhc_env = {"SLURM_SINFO": str(sinfo), "SLURM_SCONTROL": str(p_node.fakebin / "scontrol"),
-               "SLURMD_NODENAME": p_node.name}
+               "SLURMD_NODENAME": p_node.name, **p_env}
     argvs = {}
     for name, lines in confs.items():
         conf = site.etc / f"{name}.conf"
@@ -84,7 +87,7 @@ def main() -> None:
         node.write_state(realistic_state(node.name))
     # what check_healthd will read must be a healthy verdict (a degraded one passes too, but logs)
     state = subprocess.run([str(BIN / "healthd"), "state", "--format", "nagios", "--config", str(p_node.config)],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, env={**os.environ, **p_env})
     if state.returncode not in (0, 1):
         raise SystemExit(f"healthd state exited {state.returncode}: {state.stdout}{state.stderr}")
     # the busy node: one job bound, Slurm asked by the first run
