@@ -6,7 +6,7 @@ a reviewer reads, the way node_exporter keeps its e2e output.
     HEALTHD_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/agent/test_golden.py   # rewrite it
 
 What differs from run to run (the process id, wall-clock times of this run, durations, the fixture's
-temporary directory, the journal file's random seqnum id and its entries' times in the cursors) is replaced by a placeholder first. The
+temporary directory, the machine's boot id, the journal file's random seqnum id and its entries' times in the cursors) is replaced by a placeholder first. The
 Xid line is logged a minute before the run (the agent looks back a bounded window), so its times are
 this run's too; a time more than an hour away is kept as it is.
 """
@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from healthd.persist import read_boot_id
 from tests.support.agent_node import Node
 from tests.support.fake_nvml import write_nvml_config
 from tests.support.ib_tree import set_state
@@ -66,6 +67,10 @@ def faulty_node(tmp_path, fake_nvml_dir) -> Node:
 def test_the_agent_document_matches_the_golden_one(faulty_node):
     rc, doc, err = faulty_node.dry_run()
     assert rc == 2, err
+    # the machine's own boot id (a container's is its own too): the agent's must be the one the kernel
+    # gives here, and the golden file holds a placeholder, not the id of the machine that wrote it
+    assert doc["agent"]["boot_id"] == read_boot_id() is not None, doc["agent"]
+    doc["agent"]["boot_id"] = "<boot_id>"
     got = normalize(doc, str(faulty_node.root), time.time())
     if os.environ.get("HEALTHD_UPDATE_GOLDEN") == "1":
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
