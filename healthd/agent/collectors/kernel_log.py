@@ -16,10 +16,11 @@ lines twice):
   the same boot skips seq <= saved; a seq jump or EPIPE (ring overwrote unread records) sets `gap`.
 
 Start without a cursor (`start_at`): "head" everything the source holds; "tail" only lines logged from
-now on; "boot" this boot's lines. For an explicit `journal_dir`, "boot" means the entries of this
-machine's boot id when the files hold any (a node's own /var/log/journal) and otherwise the head: a
-directory copied from another machine has no "this boot", and reading it whole is what a person who
-points healthd at it expects. On kmsg "boot" and "head" are the same (the ring holds one boot).
+now on (from a journal that holds no kernel line yet, all of them: it reads from the head); "boot" this
+boot's lines. For an explicit `journal_dir`, "boot" means the entries of this machine's boot id when the
+files hold any (a node's own /var/log/journal) and otherwise the head: a directory copied from another
+machine has no "this boot", and reading it whole is what a person who points healthd at it expects. On
+kmsg "boot" and "head" are the same (the ring holds one boot).
 
 Bounded work per read: at most `max_lines_per_read` entries and `max_events_per_read` distinct lines;
 past either bound the read stops (the cursor says exactly where) and `backlog` is True, so the next
@@ -353,9 +354,15 @@ class _JournalSource:
         r.seek_head()
 
     def _tail(self) -> None:
-        self.reader.seek_tail()
-        if self.reader._previous(1):
+        r = self.reader
+        r.seek_tail()
+        if r._previous(1):
             self.initial_cursor = self._cursor_or_none()
+            return
+        # No kernel entry yet (an empty directory, or only other transports): every kernel line the
+        # reader will ever see is new, so the head is the tail. Left at seek_tail(), libsystemd 254 and
+        # later stay at the tail for good and next() never returns the entries written afterwards.
+        r.seek_head()
 
     def _first_of_boot(self, boot_id: str) -> str | None:
         r = self.reader

@@ -297,6 +297,27 @@ def test_start_at_tail_reads_only_new_lines(tmp_path: Path) -> None:
     assert counts([f.read(0)]) == Counter({XID95: 1})
 
 
+@pytest.mark.parametrize("into", ["kernel.journal", "new.journal"])
+def test_start_at_tail_before_any_kernel_line(tmp_path: Path, into: str) -> None:
+    # Only other transports so far (an sshd line quoting an Xid): no kernel entry to stand on, so every
+    # kernel line is new. libsystemd 254+ keeps a reader left at seek_tail() there for good (caught only
+    # where the suite runs on such a libsystemd, e.g. a Debian 13 root; 252 reads either way).
+    write_journal(tmp_path, [{"MESSAGE": XID13, "_TRANSPORT": "syslog"}])
+    f = follower(tmp_path, start_at="tail")
+    s = f.read(0)
+    assert s.events == () and s.lines_read == 0 and s.cursor is None
+    write_journal(tmp_path, [XID79], name=into)
+    s = f.read(0)
+    assert counts([s]) == Counter({XID79: 1}) and message_at(tmp_path, s.cursor) == XID79
+    write_journal(tmp_path, [XID95], name=into)
+    assert counts([f.read(0)]) == Counter({XID95: 1})
+    # A restart without a cursor now stands on the newest kernel line: nothing old comes back.
+    g = follower(tmp_path, start_at="tail")
+    assert g.read(0).events == ()
+    write_journal(tmp_path, [XID154])
+    assert counts([g.read(0)]) == Counter({XID154: 1})
+
+
 def test_start_at_boot(tmp_path: Path) -> None:
     old_boot, this_boot = "0" * 31 + "1", "f" * 32
     write_journal(tmp_path, [XID79], name="a.journal", boot_id=old_boot)
