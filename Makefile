@@ -20,6 +20,12 @@ APT_PACKAGES += chromium
 # slurmdbd/mariadb-server/mariadb-client: Slurm's accounting for the goodput runs and AdminComment
 # (tests/slurm/test_accounting.py starts its own mariadbd and slurmdbd, never the packages' services)
 APT_PACKAGES += slurmdbd mariadb-server mariadb-client
+# libslurm-dev/libc6-dev: pyslurm built against the host's own Slurm where that is 24.11 (Debian 13; make
+# pyslurm-host); elsewhere only headers nothing builds against
+APT_PACKAGES += libslurm-dev libc6-dev
+# e2fsprogs: mkfs.ext4, for the ledger's file system turned read-only (tests/faults/test_hostile.py); not
+# in a debootstrap minbase Debian 13 (the trixie root has none)
+APT_PACKAGES += e2fsprogs
 STAMP_APT := $(VENV)/.apt-stamp
 STAMP_PIP := $(VENV)/.pip-stamp
 # ml-goodput-measurement: the oracle of the goodput cross-check (tests/goodput/test_crosscheck.py), in a
@@ -31,7 +37,7 @@ STAMP_MLGP := $(MLGP_VENV)/.stamp-$(MLGP_VERSION)
 SLURM_ROOT ?= /tmp/healthd-slurm
 
 .PHONY: all deps test demo demo-node bench clean lint slurm-up slurm-down
-.PHONY: nspawn-rootfs mlgp-venv check coverage nhc slurm-roots test-matrix pyslurm-root
+.PHONY: nspawn-rootfs mlgp-venv check coverage nhc slurm-roots test-matrix pyslurm-root pyslurm-host
 
 all: test
 
@@ -71,7 +77,7 @@ mlgp-venv: $(STAMP_MLGP)
 JOBS ?= 3
 XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
-test: deps lint nspawn-rootfs mlgp-venv nhc slurm-roots pyslurm-root
+test: deps lint nspawn-rootfs mlgp-venv nhc slurm-roots pyslurm-root pyslurm-host
 	$(PY) -m pytest -q $(XDIST)
 
 # the version matrix alone: the real-cluster core (tests/matrix/core.py) with every other Slurm release
@@ -122,6 +128,13 @@ slurm-roots: deps
 # seconds into a rebuilt root; a note where the tarball is absent (a user's own clone) or trixie is the host
 pyslurm-root: slurm-roots
 	$(PY) -m tests.support.pyslurm_build --matrix-root
+
+# pyslurm 24.11.0 in the project's venv where the host's own Slurm is 24.11 (Debian 13, which has no trixie
+# root), so that the host's suite runs PyslurmBackend on a real pyslurm: the same build as pyslurm-root, run
+# here against libslurm-dev with the venv's python, the wheel cached under build/pyslurm/ and a stamp in the
+# venv; a note and nothing else on another Slurm (Debian 12: the trixie root has it) or without the tarball
+pyslurm-host: deps
+	$(PY) -m tests.support.pyslurm_build --host-venv $(VENV)
 
 # the fault drill: 4-node Slurm + an agent per node + healthd-controller in auto (demo/fault_drill.py)
 demo: deps

@@ -1,10 +1,13 @@
 """tests/support/pyslurm_build.py: the pure parts (the version read from slurm_version.h, the cache key,
-the tarball's check) and the skip reason of a checkout without ../shared. The build itself runs in the
-trixie root (make pyslurm-root) and is proven by the real-pyslurm contract tests there."""
+the tarball's check), the skip reason of a checkout without ../shared, and which host builds for its own
+Slurm. The build itself runs in the trixie root (make pyslurm-root), or on a Debian 13 host (make
+pyslurm-host), and is proven by the real-pyslurm contract tests there."""
 
 from __future__ import annotations
 
 import hashlib
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -68,3 +71,33 @@ def test_a_root_without_slurm_headers_is_refused_before_any_step(tmp_path):
     with pytest.raises(pb.PyslurmBuildError, match="libslurm-dev"):
         pb.install(tmp_path, run=lambda *a: ran.append(a))
     assert ran == []
+
+
+def _host_with_slurm(root, number: int | None):
+    if number is not None:
+        header = root / "usr/include/slurm/slurm_version.h"
+        header.parent.mkdir(parents=True)
+        header.write_text(f"#define SLURM_VERSION_NUMBER 0x{number:06x}\n")
+    return root
+
+
+@pytest.mark.parametrize(("number", "says"), [(None, "libslurm-dev"), (0x160508, "22.05.8"), (0x1a0505, "26.05.5"),
+                                              (0x180a00, "24.10.0")])
+def test_only_a_host_whose_slurm_is_24_11_builds_pyslurm(tmp_path, number, says):
+    reason = pb.host_skip_reason(_host_with_slurm(tmp_path, number))
+    assert reason is not None and says in reason
+
+
+@given(st.integers(0, 255))
+def test_any_24_11_micro_release_on_the_host_builds_pyslurm(micro):
+    with tempfile.TemporaryDirectory() as tmp:
+        assert pb.host_skip_reason(_host_with_slurm(Path(tmp), 0x180b00 + micro)) is None
+
+
+def test_the_host_mode_is_a_note_and_nothing_else_on_another_slurm(capsys):
+    """The Makefile's `make pyslurm-host` on this host: exit 0, and a note saying why when nothing is built."""
+    reason = pb.missing_reason() or pb.host_skip_reason()
+    if reason is None:
+        pytest.skip("this host's Slurm is 24.11: the host mode builds here (proven by the real-pyslurm tests)")
+    assert pb.main(["--host-venv", "/nonexistent-venv"]) == 0
+    assert reason in capsys.readouterr().out

@@ -27,16 +27,22 @@ the host's network, for PyPI: the host's CA bundle is copied in and PIP_CERT nam
 CLI: `python -m tests.support.pyslurm_build ROOT [--venv VENV]`, or, for the Makefile (`make
 pyslurm-root`), `... --matrix-root`: the version matrix's trixie root (tests/support/slurm_roots.py,
 built first when missing) and its test venv, so that `pytest -m matrix` there runs PyslurmBackend on
-the real pyslurm. Prints the venv's python, or the skip reason (exit 0) when the tarball is absent.
+the real pyslurm. `... --host-venv VENV` (`make pyslurm-host`): a host whose own Slurm is 24.11
+(Debian 13, where trixie is no root of the matrix) builds the same wheel here, with libslurm-dev's
+headers and the venv's python, and installs it into VENV (the project's .venv), so that the host's
+own suite runs PyslurmBackend on the real pyslurm; a note and nothing else on any other Slurm.
+Prints the venv's python, or the skip reason (exit 0) when the tarball is absent.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -216,6 +222,82 @@ def install(root: Path, venv: str = VENV_IN_ROOT, *, repo: Path = REPO, cache_di
     return inside_python
 
 
+def host_skip_reason(root: Path = Path("/")) -> str | None:
+    """Why pyslurm is not built for this host's own Slurm (None when it is): only a host whose Slurm
+    is 24.11 (Debian 13) builds it; elsewhere the trixie root of the version matrix has it."""
+    header = root / NEEDED_IN_ROOT[0].lstrip("/")
+    if not header.is_file():
+        return f"no {header} (libslurm-dev): this host's Slurm cannot be built against"
+    slurm = parse_slurm_version_h(header.read_text(encoding="latin-1"))
+    if tuple(int(x) for x in slurm.split(".")[:2]) != SLURM_MAJOR_MINOR:
+        return f"this host's Slurm is {slurm}; pyslurm {PYSLURM_VERSION} builds only against 24.11 (the trixie root has it)"
+    return None
+
+
+def _run_here(argv: Sequence[str], env: dict[str, str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise PyslurmBuildError(f"{' '.join(argv)[:200]} exited {proc.returncode}:\n{tail}")
+
+
+def install_on_host(venv: Path, *, repo: Path = REPO, cache_dir: Path = CACHE_DIR,
+                    log: Callable[[str], None] = print) -> Path:
+    """pyslurm 24.11.0 built with this host's Slurm 24.11 and installed in the host venv `venv` (the
+    project's .venv on a Debian 13 host), the same recipe as in a root but run here: a build venv made
+    by the venv's own python (the wheel's ABI is that python's), the wheel cached under
+    build/pyslurm/<key>/ beside the roots' and a stamp in `venv` holding the key. Returns the venv's
+    python. PyslurmBuildError when the tarball or the host's Slurm does not fit (host_skip_reason)."""
+    venv = Path(venv).absolute()
+    reason = missing_reason(repo) or host_skip_reason()
+    if reason:
+        raise PyslurmBuildError(reason)
+    sha = verify_tarball(tarball_path(repo))
+    slurm, _ = _root_versions(Path("/"))
+    python = venv / "bin" / "python"
+    minor = subprocess.run([str(python), "-c", "import sys; print(sys.version_info[1])"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    key = cache_key(sha, slurm, f"python3.{minor}")
+    stamp = venv / f".pyslurm-stamp-{key}"
+    if stamp.exists():
+        return python
+    out = cache_dir / key
+    if not sorted(out.glob("pyslurm-*.whl")):
+        log(f"pyslurm {PYSLURM_VERSION}: building for this host's Slurm {slurm}, python3.{minor} (about 4 minutes)")
+        scratch = out.with_name(out.name + ".tmp")
+        shutil.rmtree(scratch, ignore_errors=True)
+        (scratch / "src").mkdir(parents=True)
+        build_venv = cache_dir / "host-build-venv"
+        _run_here(["tar", "xzf", str(tarball_path(repo)), "-C", str(scratch / "src")], {})
+        if not (build_venv / "bin" / "python").exists():
+            _run_here([str(python), "-m", "venv", str(build_venv)], {})
+        _run_here([str(build_venv / "bin" / "pip"), "install", "-q", *BUILD_REQUIREMENTS],
+                  {"PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        src = scratch / "src" / f"pyslurm-{PYSLURM_VERSION}"
+        _run_here(["sh", "-c", f"cd {src} && {build_venv}/bin/pip wheel -q --no-build-isolation --no-deps "
+                               f"-w {scratch} ."], {**BUILD_ENV, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        shutil.rmtree(scratch / "src")
+        wheels = sorted(scratch.glob("pyslurm-*.whl"))
+        if len(wheels) != 1:
+            raise PyslurmBuildError(f"the build left {[w.name for w in wheels]} in {scratch}, not one wheel")
+        shutil.rmtree(out, ignore_errors=True)
+        scratch.rename(out)
+    wheel = sorted(out.glob("pyslurm-*.whl"))[-1]
+    for old in venv.glob(".pyslurm-stamp-*"):
+        old.unlink()
+    _run_here([str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
+              {"PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    # as in a root: the import checks the build links against this libslurm; slurm_init() wants a slurm.conf
+    with tempfile.NamedTemporaryFile("w", suffix=".conf") as conf:
+        conf.write("ClusterName=check\nSlurmctldHost=localhost\n")
+        conf.flush()
+        _run_here(["sh", "-c", f"cd / && {python} -c 'import pyslurm; assert pyslurm.__version__ == "
+                               f"\"{PYSLURM_VERSION}\", pyslurm.__version__'"], {"SLURM_CONF": conf.name})
+    stamp.touch()
+    log(f"pyslurm {PYSLURM_VERSION}: installed in {venv} ({wheel.name})")
+    return python
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("root", nargs="?", type=Path, help="a Debian trixie root with slurm-wlm, libslurm-dev, "
@@ -224,14 +306,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--matrix-root", action="store_true",
                     help="the version matrix's trixie root (tests/support/slurm_roots.py, built when missing) and "
                          "its test venv; nothing to do where trixie is not in the matrix (a Debian 13 host)")
+    ap.add_argument("--host-venv", type=Path, metavar="VENV",
+                    help="build against this host's own Slurm and install into the host venv VENV (the project's "
+                         ".venv); nothing to do unless the host's Slurm is 24.11 (a Debian 13 host)")
     args = ap.parse_args(argv)
-    if (args.root is None) == (not args.matrix_root):
-        ap.error("give ROOT or --matrix-root")
+    if sum((args.root is not None, args.matrix_root, args.host_venv is not None)) != 1:
+        ap.error("give one of ROOT, --matrix-root, --host-venv")
     reason = missing_reason()
     if reason:
         print(f"pyslurm: skipped: {reason}")
         return 0
     try:
+        if args.host_venv is not None:
+            reason = host_skip_reason()
+            if reason:
+                print(f"pyslurm: nothing to build on this host: {reason}")
+                return 0
+            print(install_on_host(args.host_venv))
+            return 0
         if args.matrix_root:
             from tests.support import slurm_roots  # noqa: PLC0415 - only this CLI mode builds a matrix root
 
