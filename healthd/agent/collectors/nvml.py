@@ -120,7 +120,8 @@ def counter_readings(g: GpuSample) -> Iterator[tuple[str, int]]:
 
 def gpu_identity(g: GpuSample) -> str:
     """The key of a GPU's baseline: its UUID, else its bus id, else its index."""
-    return g.uuid or normalize_bus_id(g.bus_id) or f"index{g.index}"
+    # a driver without the UUID and PCI functions leaves both unread: the index is all there is
+    return g.uuid or (normalize_bus_id(g.bus_id) if g.bus_id else None) or f"index{g.index}"
 
 
 def with_deltas(sample: NvmlSample, baseline: Baseline, boot_id: str | None, now: float) -> tuple[NvmlSample, Baseline]:

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from healthd.agent.collectors.nvml import REQUIRED_FUNCTIONS
+from healthd.agent.collectors.nvml import REQUIRED_FUNCTIONS, gpu_identity
 from healthd.model import GpuSample
 from healthd.report_schema import validate_report
 from tests.agent.collectors.nvml.conftest import run_collector_subprocess
@@ -280,3 +280,10 @@ def test_the_slurm_hooks_pass_a_node_on_an_old_driver(tmp_path: Path, old_driver
         _, err = proc.communicate(timeout=15)
         agent.close()
     assert proc.returncode == 0, err
+
+
+def test_a_gpu_without_its_uuid_and_bus_id_is_known_by_its_index():
+    """A driver without nvmlDeviceGetUUID and nvmlDeviceGetPciInfo_v3 leaves both unread (None): the
+    baseline's key is then the index (found by the property above, once, as a crash)."""
+    assert gpu_identity(GpuSample(index=3, uuid=None, bus_id=None)) == "index3"
+    assert gpu_identity(GpuSample(index=3, uuid=None, bus_id="0000:3b:00.0")) == "00000000:3B:00.0"
