@@ -38,6 +38,9 @@ from healthd.slurm.nodeparse import (
 )
 from healthd.slurm.runner import ClientRunner
 
+FEW_NODES = 8
+"""Up to this many nodes asked for by name are read one `scontrol show node` each; more, the whole fleet
+in one read."""
 _BOOT_TIME_RE = re.compile(r"^BOOT_TIME\s*=\s*(\S+)", re.MULTILINE)
 
 
@@ -124,10 +127,26 @@ class NodeReads(ClientRunner):
             return []
         return filter_nodes(self._read_all(), names)
 
+    def named_nodes(self, names: Iterable[str]) -> list[NodeInfo]:
+        """The nodes named (missing ones left out), read one `scontrol show node` each when they are
+        few: a write's guard (resume, cancel_reboot) asks for one or a few nodes, and reading the whole
+        fleet for them cost 1.5 s at 10,000 nodes on 24.11."""
+        wanted = list(dict.fromkeys(validate_nodes(list(names))))
+        if len(wanted) > FEW_NODES:
+            return self.nodes(wanted)
+        return [n for n in map(self._one, wanted) if n is not None]
+
     def node(self, name: str) -> NodeInfo:
         ns = validate_nodes(name)
         if len(ns) != 1:
             raise ValueError(f"node() takes one node name, got {name!r} ({len(ns)} nodes)")
+        found = self._one(ns[0])
+        if found is None:
+            raise SlurmRefused(f"Slurm has no node named {name!r}", argv=[self._bin("scontrol"), "show", "node", "-o", name])
+        return found
+
+    def _one(self, name: str) -> NodeInfo | None:
+        """One node by its name, None when Slurm has none of that name."""
         # One node, one RPC, one process: the hooks call this on every node at every health check,
         # so it must not list the whole cluster (sinfo --json) nor ask for the client version first.
         argv = [self._bin("scontrol"), "show", "node", "-o", name]
@@ -135,11 +154,9 @@ class NodeReads(ClientRunner):
             found = filter_nodes(parse_scontrol_show_node(self._run(argv)), [name])
         except SlurmRefused as exc:
             if "invalid node name" in (exc.stderr or str(exc)).lower():
-                raise SlurmRefused(f"Slurm has no node named {name!r}", argv=argv) from None
+                return None
             raise
-        if not found:
-            raise SlurmRefused(f"Slurm has no node named {name!r}", argv=argv)
-        return found[0]
+        return found[0] if found else None
 
     def node_addresses(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """node -> its NodeAddr as Slurm has it (`scontrol show node -o`), all nodes or those named."""

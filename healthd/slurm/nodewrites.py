@@ -47,7 +47,7 @@ class NodeWrites(NodeReads):
         reboot are skipped, and a refusal that a fresh read shows was a race is tolerated."""
         self._argv_resume(nodes)  # validate before reading
         guarded_state_write(
-            self.nodes, nodes, lambda n: n.resumable, lambda todo: self._write(self._argv_resume(todo)), "resume", self._log
+            self.named_nodes, nodes, lambda n: n.resumable, lambda todo: self._write(self._argv_resume(todo)), "resume", self._log
         )
 
     def reboot_asap(self, nodes: str | Sequence[str], reason: str, next_state: str = "RESUME") -> None:
@@ -58,7 +58,7 @@ class NodeWrites(NodeReads):
         drops the drain and reason that `reboot ASAP` set (seen on 22.05)."""
         self._argv_cancel_reboot(nodes)
         guarded_state_write(
-            self.nodes,
+            self.named_nodes,
             nodes,
             lambda n: "REBOOT_REQUESTED" in n.flags,
             lambda todo: self._write(self._argv_cancel_reboot(todo)),

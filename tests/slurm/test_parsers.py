@@ -635,21 +635,31 @@ def test_unusable_json_falls_back_to_the_oneliner(utc):
 
 
 def test_resume_skips_nodes_that_need_none_and_tolerates_a_race():
-    doc = _captured_json("sinfo-22.05-drained-reboot-draining.json")
-    undrained = json.loads(json.dumps(doc))
-    for n in undrained["nodes"]:
-        n["state_flags"], n["reason"] = [], ""
+    def line(name: str, drained: bool) -> str:
+        text = LINE.replace("node03", name)
+        if drained:
+            return text.format(reason="healthd: x [root@2026-11-29T10:57:11]") + "\n"
+        return text.replace("State=IDLE+DRAIN", "State=IDLE").replace(" Reason={reason}", "") + "\n"
+
+    show = [["scontrol", "show", "node", "-o", n] for n in ("node01", "node02")]
     backend, runner = _backend(
-        CommandResult(0, "slurm-wlm 22.05.8\n", ""),
-        _sinfo_answer(doc),
+        CommandResult(0, line("node01", False), ""),
+        CommandResult(0, line("node02", True), ""),
         CommandResult(1, "", "slurm_update error: Invalid node state specified\n"),
-        _sinfo_answer(undrained),
+        CommandResult(0, line("node02", False), ""),
     )
     backend.resume("node[01-02]")  # node01 is idle: only node02 is resumed; the refusal was a race
-    assert [a for a, _ in runner.calls][2] == ["scontrol", "update", "NodeName=node02", "State=RESUME"]
-    backend2, runner2 = _backend(CommandResult(0, "slurm-wlm 22.05.8\n", ""), _sinfo_answer(undrained))
+    # a few nodes are read one by one, never the whole fleet
+    assert [a for a, _ in runner.calls] == [*show, ["scontrol", "update", "NodeName=node02", "State=RESUME"], show[1]]
+    backend2, runner2 = _backend(CommandResult(0, line("node01", False), ""))
     backend2.resume("node01")
-    assert len(runner2.calls) == 2  # version + read, no write
+    assert [a for a, _ in runner2.calls] == [show[0]]  # the read, no write
+    many = [f"node{i:02d}" for i in range(1, 12)]
+    backend3, runner3 = _backend(CommandResult(0, "slurm-wlm 22.05.8\n", ""),
+                                 _sinfo_answer(_captured_json("sinfo-22.05-drained-reboot-draining.json")))
+    with pytest.raises(SlurmRefused, match="no node named"):
+        backend3.resume(many)  # more than a few: one read of the fleet (which has only some of them)
+    assert [a for a, _ in runner3.calls] == [["scontrol", "--version"], ["sinfo", "--json"]]
 
 
 def test_run_command_kills_the_process_group_on_timeout(tmp_path):
