@@ -101,9 +101,12 @@ def set_inband(node: HealthdNode, section: dict | None) -> None:
 
 
 def submit(e2e: HooksCluster, node: str, script: str, *args: str) -> tuple[str, Path]:
-    """A batch job as nobody on `node`; returns (job id, its output file)."""
+    """A batch job as nobody on `node`; returns (job id, its output file). Submitted as nobody with
+    setpriv: `sbatch --uid` (root submitting for another user) is gone from Slurm 26.05."""
     out = e2e.root / "out" / f"{node}-%j.out"
-    r = e2e.run("sbatch", "--parsable", "--uid=nobody", "--chdir=/tmp", "-o", str(out), "--time=3", "-w", node,
+    nobody = pwd.getpwnam("nobody")
+    r = e2e.run("setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
+                "sbatch", "--parsable", "--chdir=/tmp", "-o", str(out), "--time=3", "-w", node,
                 *args, "--wrap", script)
     job = r.stdout.strip().split(";", 1)[0]
     assert job.isdigit(), r.stdout
