@@ -29,7 +29,7 @@ from healthd.envelope import sign_report
 from healthd.model import iso
 from tests.controller.munge_support import MungeFleet
 from tests.support.polling import free_port, poll as wait_until, scrape
-from tests.support.slurm_cluster import SAFE_PATH, SlurmCluster
+from tests.support.slurm_cluster import SAFE_PATH, SlurmCluster, held_view
 
 REPO = Path(__file__).resolve().parents[2]
 CONTROLLER_BIN = Path(sys.executable).parent / "healthd-controller"
@@ -67,8 +67,9 @@ def signed(fleet: MungeFleet, node: str, findings: Sequence[Mapping[str, Any]] =
 
 def node_view(cluster: SlurmCluster, node: str) -> dict[str, str]:
     """State/Reason/ReasonUser/ReasonTime of `node` from `scontrol show node -o` (SLURM_CONF set):
-    what a drain or resume changes (load and free memory drift on their own)."""
-    st = cluster.node_state(node)
+    what a drain or resume changes (load and free memory drift on their own); the reason only while
+    the state holds one (held_view: Slurm 24.11 keeps it after RESUME)."""
+    st = held_view(cluster.node_state(node))
     return {k: st.get(k, "") for k in SNAPSHOT_KEYS}
 
 
@@ -81,7 +82,7 @@ def reset_nodes(cluster: SlurmCluster) -> None:
     """RESUME every node that carries a drain or a reason, then wait until all are idle."""
     cluster.wait_registered(30)
     for node in cluster.nodes:
-        st = cluster.node_state(node)
+        st = held_view(cluster.node_state(node))
         if "DRAIN" in st.get("State", "") or st.get("Reason"):
             cluster.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=15)
     cluster.wait_idle(30)

@@ -21,7 +21,7 @@ from healthd.model import iso
 from healthd.slurm.scontrol import ScontrolBackend
 from tests.controller.munge_support import MungeFleet, munged_path
 from tests.support.polling import poll, scrape
-from tests.support.slurm_cluster import SlurmCluster
+from tests.support.slurm_cluster import SlurmCluster, held_view
 
 NODES = ["node01", "node02", "node03", "node04"]
 
@@ -217,7 +217,9 @@ def test_slurmctld_down_skips_rounds_and_nothing_stale_is_applied(cluster, fleet
         assert [(o.decision.kind, o.status) for o, _ in results] == [("none", "recorded")]
         assert results[0][0].decision.id == "none:node02:stale-report"
         assert ledger.actions() == []
-        assert "healthd:" not in cluster.run(["scontrol", "show", "node", "node02"], check=True).stdout
+        # not drained: no reason held (24.11 still shows an earlier test's, resumed, on the IDLE node)
+        shown = held_view(cluster.node_state("node02"))
+        assert "DRAIN" not in shown["State"] and "healthd:" not in shown.get("Reason", ""), shown
     finally:
         controller.close()
         ledger.close()

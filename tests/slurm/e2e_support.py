@@ -47,7 +47,7 @@ from tests.support.fake_nvml import build_fake_nvml, healthy_node, write_nvml_co
 from tests.support.ib_tree import make_ndr_node
 from tests.support.journal import write_journal
 from tests.support.polling import poll
-from tests.support.slurm_cluster import SlurmCluster, SlurmClusterError, ensure_installed
+from tests.support.slurm_cluster import SlurmCluster, SlurmClusterError, ensure_installed, held_view
 
 T = TypeVar("T")
 
@@ -496,7 +496,8 @@ class HooksCluster:
         return wait_for(reached, timeout, f"job {job} to be {'/'.join(states)}", diagnostics=lambda: self.diagnostics(job))
 
     def node(self, name: str) -> dict[str, str]:
-        return self.cluster.node_state(name)
+        """`scontrol show node -o` as a dict, its reason only while the state holds one (held_view)."""
+        return held_view(self.cluster.node_state(name))
 
     def sinfo_reasons(self) -> dict[str, tuple[str, str]]:
         """node -> (reason, user) from `sinfo -R -h -o "%N|%E|%u|%H"` (the full reason; %E is not truncated)."""

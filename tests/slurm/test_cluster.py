@@ -17,6 +17,7 @@ from tests.support.slurm_cluster import (
     SlurmCluster,
     SlurmCommandTimeout,
     _alive,
+    held_view,
     parse_node_line,
     slurm_version,
     version_specific_config,
@@ -47,6 +48,19 @@ def test_node_line_parsing_keeps_spaces_and_splits_the_reason():
     assert node["Reason"] == "healthd: xid 79 a=b gpu0 fell off the bus [#7]"
     assert (node["ReasonUser"], node["ReasonTime"]) == ("root", "2026-11-29T09:22:22")
     assert "ReasonUser" not in parse_node_line("NodeName=node01 State=IDLE")
+
+
+@pytest.mark.parametrize("state", ["IDLE", "IDLE*", "ALLOCATED", "MIXED+NOT_RESPONDING", "IDLE+COMPLETING"])
+def test_a_kept_reason_on_a_node_that_holds_none_is_not_shown(state):
+    """24.11's reason kept after RESUME: the view a test compares has none while the state holds none."""
+    line = f"NodeName=node03 State={state} Reason=healthd: old [#7] [root@2026-11-29T09:22:22]"
+    assert held_view(parse_node_line(line)) == {"NodeName": "node03", "State": state}
+
+
+@pytest.mark.parametrize("state", ["IDLE+DRAIN", "DOWN", "DOWN*+DRAIN", "MIXED+DRAIN", "FAIL", "IDLE+FAIL"])
+def test_a_reason_held_by_the_state_is_shown(state):
+    node = parse_node_line(f"NodeName=node03 State={state} Reason=healthd: now [#8] [root@2026-11-29T09:22:22]")
+    assert held_view(node) == node and node["Reason"] == "healthd: now [#8]"
 
 
 def test_version_specific_config_is_the_only_difference(tmp_path: Path):
