@@ -20,7 +20,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.matrix.core import CORE, applies, in_core
+from tests.matrix.core import CORE, ONLY_ON, applies, in_core
+from tests.support import pyslurm_build
 from tests.support import slurm_roots
 
 RELEASES = slurm_roots.matrix_releases()
@@ -119,7 +120,10 @@ def test_the_core_passes_on(release: str, matrix_runs: dict[str, Run]) -> None:
     assert rc == 0, f"{release} ({slurm.strip()}): `pytest -m matrix` exited {rc} after {run.seconds:.0f} s\n{run.tail()}"
     results = run.results()
     assert all(in_core(nodeid) for nodeid in results), sorted(n for n in results if not in_core(n))
-    missing = [c for c in CORE if applies(c, release) and not any(
+    # the real-pyslurm entries need pyslurm's source from ../shared, which a user's own clone lacks
+    # (they then skip, saying so): required only where that source is
+    no_pyslurm = pyslurm_build.missing_reason() is not None
+    missing = [c for c in CORE if applies(c, release) and not (no_pyslurm and c in ONLY_ON) and not any(
         in_core(n) and (n == c or n.startswith(c.rstrip(":"))) for n, outcome in results.items() if outcome == "passed")]
     assert not missing, f"{release}: tests of the core that did not pass there: {missing}\n{run.tail(30)}"
     passed = sum(outcome == "passed" for outcome in results.values())
