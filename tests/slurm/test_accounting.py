@@ -35,16 +35,7 @@ def accounted_cluster(slurm_conf_env):
     cluster = SlurmCluster(root / "slurm", nodes=2, extra_conf=db.slurm_conf_lines(root / "slurm" / "munge" / "munge.sock")
                            + "\nAccountingStorageTRES=gres/gpu")
     try:
-        try:
-            db.start(cluster)
-        except slurm_accounting.AccountingError as e:
-            if slurm_accounting.CLIENT_FAULT not in str(e):
-                raise
-            # Seen with Debian 13's slurmdbd 24.11.5 and its libmariadb3 security update (11.8.x): the
-            # client library refuses slurmdbd's first query (error 5027, "maximum allowed number of
-            # columns (=0)") while the mariadb client runs it. Not healthd's to fix, and said as such.
-            pytest.skip(f"slurmdbd cannot use this machine's MariaDB client library ({slurm_accounting.CLIENT_FAULT}: "
-                        "a fault between the distribution's slurmdbd and libmariadb3, docs/testing.md)")
+        db.start(cluster)
         cluster.up()
         db.wait_registered(cluster)
         yield cluster, db

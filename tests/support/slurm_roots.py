@@ -66,9 +66,10 @@ SLURM_OF = {"bookworm": "22.05", "trixie": "24.11", "sid": "26.05"}
 # python3-systemd: the journal binding the venv sees (--system-site-packages) instead of building
 # systemd-python; systemd-journal-remote: writes the journal files the agents read
 # (tests/support/journal.py); gcc and libc6-dev: the fake NVML library (tests/support/fake_nvml.py);
-# procps: ps and kill for a test's diagnostics
+# procps: ps and kill for a test's diagnostics; slurmdbd and mariadb-server: Slurm's accounting
+# (tests/support/slurm_accounting.py)
 COMMON_PACKAGES = ("slurm-wlm", "munge", "python3", "python3-venv", "python3-systemd", "systemd-journal-remote",
-                   "gcc", "libc6-dev", "procps")
+                   "gcc", "libc6-dev", "procps", "slurmdbd", "mariadb-server")
 # what building pyslurm against the release's libslurm needs (pyslurm matches 24.11 only)
 PYSLURM_BUILD_PACKAGES = ("libslurm-dev", "python3-dev")
 PACKAGES: dict[str, tuple[str, ...]] = {
