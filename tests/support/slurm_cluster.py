@@ -218,9 +218,12 @@ def _tail(text: str, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _port_free(port: int) -> bool:
+def _port_free(port: int, *, lingering_ok: bool = True) -> bool:
+    """Whether 127.0.0.1:`port` can be bound. lingering_ok=False: also not while connections of an
+    earlier listener linger there (TIME_WAIT), which a daemon binding without SO_REUSEADDR is refused on."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if lingering_ok:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -232,7 +235,9 @@ def free_port_base(nodes: int = 4, start: int = DEFAULT_PORT_BASE, stride: int =
     """The first port base from `start` (in steps of `stride`) whose ports base..base+nodes are all free
     on 127.0.0.1. Free now, not reserved: SlurmCluster(port_base=None) calls it under PORT_LOCK."""
     for base in range(start, 65535 - stride, stride):
-        if all(_port_free(p) for p in range(base, base + nodes + 1)):
+        # a block a stopped cluster's connections still linger on is passed over: all three daemons of a
+        # Slurm 24.11 cluster started on one were refused their ports ("Address already in use")
+        if all(_port_free(p, lingering_ok=False) for p in range(base, base + nodes + 1)):
             return base
     raise SlurmClusterError(f"no free block of {nodes + 1} ports on 127.0.0.1 from {start} on")
 
