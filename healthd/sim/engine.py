@@ -1,0 +1,351 @@
+"""healthd-sim's discrete-event engine: one seeded run of one scenario.
+
+A heap of (time, sequence, event) on a virtual clock (standard library `heapq`), the fleet's node
+pools (in the job, spares, in repair), the job model (healthd.sim.job) and the fault clocks
+(healthd.sim.faults). Random numbers come from separate streams per purpose (faults per node and
+cause, detection per cause, repair per node, bursts), so two configurations run on one seed see the
+same faults (common random numbers). The engine keeps no history: its state is the pools, the heap
+(a handful of pending events) and the clocks; the job's event log goes to a sink, and by default is
+scored by healthd.goodput (the same accounting real jobs get) and dropped.
+
+What stands for healthd is a `Remediation` (the controller seam): it is told each fault's agent input
+when the fault happens, asked what was done when the job knows it is dead (which nodes were taken out
+of service, when the action was applied), told when a node comes back from repair, and asked for its
+tally of actions taken and refused by gate. `LabRule` is the goodput lab's rule with no controller: a
+cause marked `repair` takes its nodes out at detection. healthd.sim.control adapts the real
+controller (healthd.sim.fleet.SimController on healthd.sim.slurm.SimSlurm) to the same seam.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from healthd import goodput
+from healthd.sim.faults import Fault, FaultClocks, agent_inputs, burst_nodes, stream
+from healthd.sim.job import T0, JobModel, RESTART, WAIT
+from healthd.sim.scenario import Cause, Scenario
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What healthd did about one interruption."""
+
+    removed: tuple[str, ...]
+    """Nodes taken out of service (drained, down): they go to repair."""
+    decided_at: float
+    """Virtual seconds when the action that ends the run was applied (>= detection)."""
+    false_positive: bool = False
+    """The removal was wrong (a healthy node drained): charged to the false-positive tax."""
+
+
+@dataclass
+class Tally:
+    """Actions taken and refused, over one run."""
+
+    taken: Counter[str] = field(default_factory=Counter)
+    """Action kind -> count applied."""
+    refused: Counter[str] = field(default_factory=Counter)
+    """Gate -> decisions it refused."""
+    would: Counter[str] = field(default_factory=Counter)
+    """Action kind -> count recorded only (observe mode)."""
+
+
+class Remediation(Protocol):
+    """The controller seam: what stands for healthd in a run."""
+
+    name: str
+
+    def fault(self, now: float, fault: Fault) -> None:
+        """The fault's agent input appears on its nodes at `now`."""
+
+    def detected(self, now: float, fault: Fault) -> Decision:
+        """The job is known to be dead at `now`: what was done (and when it was applied)."""
+
+    def repaired(self, now: float, node: str) -> bool:
+        """The node is back from repair at `now`; True when it may serve again."""
+
+    def tally(self) -> Tally:
+        """Actions taken and refused so far."""
+
+    def close(self) -> None:
+        """Release what the run held."""
+
+
+class LabRule:
+    """The goodput lab's rule, no controller: a cause marked `repair` takes its nodes out when the job
+    detects the fault; nothing else is removed."""
+
+    name = "lab-rule"
+
+    def __init__(self) -> None:
+        self._tally = Tally()
+
+    def fault(self, now: float, fault: Fault) -> None:
+        return None
+
+    def detected(self, now: float, fault: Fault) -> Decision:
+        if fault.cause.repair and fault.nodes:
+            self._tally.taken["remove"] += len(fault.nodes)
+            return Decision(fault.nodes, now)
+        return Decision((), now)
+
+    def repaired(self, now: float, node: str) -> bool:
+        return True
+
+    def tally(self) -> Tally:
+        return self._tally
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One seeded run, as healthd.goodput accounted its log."""
+
+    scenario: str
+    seed: int
+    remediation: str
+    goodput: float
+    held_gpu_s: float
+    gpu_s: Mapping[str, float]
+    """Category -> GPU-seconds (healthd.goodput's categories; they sum to held_gpu_s)."""
+    cost_by_cause: Mapping[str, float]
+    """Cause -> interruption cost in GPU-seconds."""
+    interruptions: int
+    mtbi_s: float | None
+    faults: tuple[tuple[float, str, tuple[str, ...]], ...]
+    """(time, cause, nodes) of every interruption, when asked for (`keep_faults`); else empty."""
+    taken: Mapping[str, int]
+    refused: Mapping[str, int]
+    would: Mapping[str, int]
+    partial: tuple[str, ...] = ()
+    """healthd.goodput's problems with the log (empty: the simulator's log read whole)."""
+
+
+Sink = Callable[[str], None]
+
+
+class Engine:
+    """One run of `scenario` on `seed`. `run()` once."""
+
+    def __init__(self, scenario: Scenario, seed: int, *, remediation: Remediation | None = None,
+                 sink: Sink | None = None, keep_faults: bool = False, extra_nodes: int = 0):
+        """`sink` also receives every log line; `extra_nodes` adds healthy nodes that never fail and are
+        never used (for metamorphic tests)."""
+        self.s = scenario
+        self.seed = seed
+        self.rem = remediation if remediation is not None else LabRule()
+        self._sink = sink
+        self._lines: list[str] = []
+        self._keep_faults = keep_faults
+        self._faults: list[tuple[float, str, tuple[str, ...]]] = []
+        self.horizon = scenario.days * 86400
+        self.tau = scenario.interval_seconds()
+        self.ckpt = scenario.job.checkpoint_minutes * 60
+        self.durable_after = scenario.job.durable_after_minutes * 60
+        self.restart = scenario.job.restart_minutes * 60
+        self.fleet: list[str] = []
+        mtbf: dict[str, float] = {}
+        for g in scenario.fleet.groups:
+            for _ in range(g.count):
+                name = f"gpu{len(self.fleet) + 1:04d}"
+                self.fleet.append(name)
+                mtbf[name] = g.mtbf_hours
+        self.extra = [f"idle{i + 1:04d}" for i in range(extra_nodes)]
+        self.clocks = FaultClocks(scenario, seed, self.fleet, mtbf)
+        self.in_job: dict[str, None] = dict.fromkeys(self.fleet[:scenario.job.nodes])
+        self.spares: set[str] = set(self.fleet[scenario.job.nodes:])
+        self.in_repair: set[str] = set()
+        self.job = JobModel(scenario.job.name, scenario.job.nodes * scenario.job.gpus_per_node,
+                            scenario.job.step_seconds, scenario.job.hold_while_waiting, self._write)
+        self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self._gen = 0
+        self._run_start = 0.0
+        self._fault: Fault | None = None
+        self._incidents = 0
+        self._detect_rngs: dict[str, object] = {}
+        self._repair_rngs: dict[str, object] = {}
+        self._burst_rng = stream(seed, "burst-nodes")
+        self._gpu_rng = stream(seed, "gpu")
+        self._ran = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _write(self, line: str) -> None:
+        self._lines.append(line)
+        if self._sink is not None:
+            self._sink(line)
+
+    def _at(self, t: float, fn: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def _detect_s(self, cause: Cause) -> float:
+        lo, hi = cause.detect_minutes
+        if lo == hi:
+            return lo * 60
+        rng = self._detect_rngs.get(cause.name)
+        if rng is None:
+            rng = self._detect_rngs[cause.name] = stream(self.seed, "detect", cause.name)
+        return rng.uniform(lo, hi) * 60  # type: ignore[attr-defined]
+
+    def _repair_s(self, node: str, cause: Cause) -> float:
+        mean = (cause.repair_hours or self.s.fleet.repair_hours) * 3600
+        law = cause.repair_law or self.s.fleet.repair_law
+        if law == "fixed":
+            return mean
+        rng = self._repair_rngs.get(node)
+        if rng is None:
+            rng = self._repair_rngs[node] = stream(self.seed, "repair", node)
+        return rng.expovariate(1 / mean)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ the job's life
+
+    def _arm(self, t: float) -> None:
+        """The job computes from `t`: the next save and the next fault."""
+        self._run_start = t
+        gen = self._gen
+        self._at(t + self.tau, self._checkpoint_start, gen)
+        dt, which, node, idx = self.clocks.next(self.in_job)
+        if dt != float("inf"):
+            self._at(t + dt, self._fault_fires, gen, which, node, idx)
+
+    def _checkpoint_start(self, gen: int) -> None:
+        if gen != self._gen:
+            return
+        step = self.job.checkpoint_start(self.now)
+        self._at(self.now + self.ckpt, self._checkpoint_end, gen, step)
+
+    def _checkpoint_end(self, gen: int, step: int) -> None:
+        if gen != self._gen:
+            return
+        self.job.checkpoint_end(self.now)
+        if self.durable_after > 0:
+            self._at(self.now + self.durable_after, self._durable, gen, step)
+        else:
+            self.job.made_durable(self.now, step)
+        self._at(self.now + self.tau, self._checkpoint_start, gen)
+
+    def _durable(self, gen: int, step: int) -> None:
+        if gen == self._gen:
+            self.job.made_durable(self.now, step)
+
+    def _fault_fires(self, gen: int, which: str, node: str | None, idx: int) -> None:
+        if gen != self._gen:
+            return
+        self.clocks.advance(self.in_job, self.now - self._run_start)
+        self.clocks.fired(which, node, idx)
+        self._gen += 1
+        if which == "node" and node is not None:
+            cause, nodes, burst = self.s.node_causes[idx], (node,), None
+        elif which == "job":
+            cause, nodes, burst = self.s.job_causes[idx], (), None
+        else:
+            b = self.s.bursts[idx]
+            cause, burst = self.s.cause(b.cause), b.name
+            nodes = burst_nodes(b, self.s, self.fleet, list(self.in_job), self._burst_rng)
+        gpu = self._gpu_rng.randrange(self.s.job.gpus_per_node) if nodes else None
+        inputs = tuple(i for n in nodes for i in agent_inputs(cause, n, gpu or 0))
+        fault = Fault(self.now, cause, nodes, self._detect_s(cause), inputs, burst, gpu)
+        self._fault = fault
+        self._incidents += 1
+        if self._keep_faults:
+            self._faults.append((self.now, cause.name, nodes))
+        first = next((n for n in nodes if n in self.in_job), nodes[0] if nodes else None)
+        self.job.interrupt(self.now, f"sim-{self._incidents}", burst or cause.name, first,
+                           f"{first}/gpu{gpu}" if first is not None and gpu is not None else None)
+        self.rem.fault(self.now, fault)
+        self._at(self.now + fault.detect_s, self._detected, self._gen)
+
+    def _detected(self, gen: int) -> None:
+        if gen != self._gen or self._fault is None:
+            return
+        fault = self._fault
+        self.job.detected(self.now)
+        decision = self.rem.detected(self.now, fault)
+        at = max(self.now, decision.decided_at)
+        if at > self.now:
+            self._at(at, self._decided, gen, decision)
+        else:
+            self._decided(gen, decision)
+
+    def _decided(self, gen: int, decision: Decision) -> None:
+        if gen != self._gen or self._fault is None:
+            return
+        fault = self._fault
+        for n in decision.removed:
+            if n in self.in_repair or n in self.extra:
+                continue
+            self.in_job.pop(n, None)
+            self.spares.discard(n)
+            self.in_repair.add(n)
+            self._at(self.now + self._repair_s(n, fault.cause), self._repaired, n)
+        self._state = "NODE_FAIL" if decision.removed else "FAILED"
+        self.job.decided(self.now, self._state)
+        self._fill()
+
+    def _fill(self) -> None:
+        need = self.s.job.nodes - len(self.in_job)
+        if need > len(self.spares):
+            return
+        for n in sorted(self.spares)[:need]:
+            self.spares.discard(n)
+            self.in_job[n] = None
+        self.job.nodes_ready(self.now, list(self.in_job), self._state)
+        self._at(self.now + self.restart, self._restarted, self._gen)
+
+    def _repaired(self, node: str) -> None:
+        self.in_repair.discard(node)
+        if self.rem.repaired(self.now, node):
+            self.spares.add(node)
+            if self.job.phase == WAIT:
+                self._fill()
+
+    def _restarted(self, gen: int) -> None:
+        if gen != self._gen or self.job.phase != RESTART:
+            return
+        self.job.restarted(self.now)
+        self._arm(self.now)
+
+    # ------------------------------------------------------------------ run
+
+    now = 0.0
+    _state = "FAILED"
+
+    def run(self) -> RunResult:
+        if self._ran:
+            raise RuntimeError("an Engine runs once")
+        self._ran = True
+        self.job.begin(0.0, list(self.in_job))
+        self._arm(0.0)
+        heap = self._heap
+        try:
+            while heap and heap[0][0] < self.horizon:
+                t, _, fn, args = heapq.heappop(heap)
+                self.now = t
+                fn(*args)
+            self.now = self.horizon
+            self.job.finish(self.horizon, self._state)
+            tally = self.rem.tally()
+        finally:
+            self.rem.close()
+        text = "\n".join(self._lines) + "\n"
+        self._lines = []
+        acc = goodput.account(goodput.parse_log(text, self.s.job.name), now=T0 + self.horizon)
+        cost: Counter[str] = Counter()
+        for inc in acc.incidents:
+            cost[inc.cause] += inc.cost_gpu_s
+        return RunResult(self.s.name, self.seed, self.rem.name, acc.goodput or 0.0, acc.held_gpu_s, dict(acc.gpu_s),
+                         dict(cost), acc.interruptions, acc.mtbi_s, tuple(self._faults), dict(tally.taken),
+                         dict(tally.refused), dict(tally.would), acc.problems)
+
+
+def run(scenario: Scenario, seed: int, **kw: object) -> RunResult:
+    """One seeded run (see Engine)."""
+    return Engine(scenario, seed, **kw).run()  # type: ignore[arg-type]
