@@ -15,6 +15,7 @@ from typing import Any
 
 from healthd.config import ConfigError, build, convert, read_config_text, yaml_mapping
 from healthd.controller.goodput_jobs import GoodputSettings
+from healthd.controller.history import HistorySettings
 from healthd.controller.policy import MODES, ControllerPolicySettings
 from healthd.controller.reintegrate import ReintegrationSettings
 from healthd.settings import DetectorSettings
@@ -94,6 +95,8 @@ class ControllerSettings:
     goodput: GoodputSettings = field(default_factory=GoodputSettings)
     """The jobs' goodput logs gathered from the agents, their accounting and the goodput SLO (see
     GoodputSettings)."""
+    history: HistorySettings = field(default_factory=HistorySettings)
+    """The rounds' inputs kept for replay (see HistorySettings)."""
 
 
 # ControllerPolicySettings uses types the generic mapper does not know (Literal, frozenset values):
@@ -196,6 +199,11 @@ def parse_controller_settings(text: str, file: str = "<controller config>") -> C
     _check_hostport(file, "metrics_listen", settings.metrics_listen)
     _check_detector(file, settings.inband.detector)
     _check_goodput(file, settings.goodput)
+    for key in ("keep_days", "flush_s"):
+        if not 0 < getattr(settings.history, key) < float("inf"):
+            raise ConfigError(file, f"history.{key}", "a positive number", getattr(settings.history, key))
+    if settings.history.path is not None and not settings.history.path.startswith("/"):
+        raise ConfigError(file, "history.path", "an absolute path or null (beside the ledger)", settings.history.path)
     if not 0 <= settings.report_processes <= MAX_REPORT_PROCESSES:
         raise ConfigError(file, "report_processes", f"0 (in-process) to {MAX_REPORT_PROCESSES}", settings.report_processes)
     if not 0.5 <= settings.fleet_refresh_s <= 300:

@@ -17,6 +17,7 @@ import grp
 import logging
 import re
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -28,15 +29,16 @@ from healthd import munge, sdnotify
 from healthd.controller import admin, goodput_gather, inband
 from healthd.controller.config import ControllerSettings, load_controller_settings
 from healthd.controller.executor import ExecResult, Executor
-from healthd.controller.fleetcache import FleetCache
+from healthd.controller.fleetcache import FleetCache, SlurmSnapshot
 from healthd.controller.gates import GateResult
 from healthd.controller.goodput_jobs import GoodputAccountant
+from healthd.controller.history import History
 from healthd.controller.incidents import MAX_OPEN_INCIDENTS_PER_NODE as MAX_OPEN_INCIDENTS_PER_NODE
 from healthd.controller.intake import DrainRequest, Intake, NodeAddresses, answer
 from healthd.controller.intake import slurm_node_addrs as slurm_node_addrs
 from healthd.controller.ledger import Ledger, LedgerError
 from healthd.controller.metrics import ControllerMetrics, RoundFigures
-from healthd.controller.policy import parse_topology_conf
+from healthd.controller.policy import NodeReport, parse_topology_conf
 from healthd.controller.reconcile import Reconciler
 from healthd.controller.recorder import Recorder
 from healthd.controller.reintegrate import Reintegrator
@@ -115,6 +117,30 @@ class Controller:
         self.inband_round = inband.InbandRound()
         """What the latest round made of the in-band data (the round gauges and `healthctl inband` read it)."""
         self._inband_started = False
+        self.history = self._open_history()
+        """The rounds' inputs kept for replay (healthd.controller.history); None when not kept."""
+
+    def _open_history(self) -> History | None:
+        keep = self.settings.history
+        if not keep.enabled or self.dry_run or str(self.ledger.path) == ":memory:":
+            return None
+        path = keep.file(str(self.ledger.path))
+        try:
+            return History(path, keep_days=keep.keep_days, flush_s=keep.flush_s)
+        except (sqlite3.Error, OSError) as exc:
+            _log.error("the rounds' inputs are not kept for replay: %s: %s", path, exc)
+            return None
+
+    def _record(self, now: float, received: Mapping[str, NodeReport], snap: SlurmSnapshot) -> None:
+        if self.history is None:
+            return
+        try:
+            skipped = self.history.record(now, received, snap.nodes, snap.version)
+        except Exception as exc:  # keeping for replay never stops a round
+            self._limited.warning("history", "the round's inputs were not kept for replay: %s", exc)
+            return
+        if skipped:
+            self._limited.warning("history-node", "not kept for replay this round: %s", "; ".join(skipped[:3]))
 
     # -- node addresses and the fleet view -------------------------------------------------------------
 
@@ -215,11 +241,13 @@ class Controller:
             snap = usable_snapshot(self.fleet, self._fleet_period_s, self.clock(), self._limited)
             if snap is None:
                 return None
+            received = self.intake.snapshot()
             state = run(self.parts, RoundState(
-                now=now, started=started, policy=self.policy, snapshot=snap, received=self.intake.snapshot(),
+                now=now, started=started, policy=self.policy, snapshot=snap, received=received,
                 read_at=snap.read_at if self._fleet_period_s is not None else None, only=only, jobs=jobs,
                 inband_round=self.inband_round, inband_started=self._inband_started))
             self.inband_round, self._inband_started = state.inband_round, state.inband_started
+            self._record(now, received, snap)
             if state.stopped is not None:
                 raise state.stopped
             return list(state.results)
@@ -262,6 +290,11 @@ class Controller:
             _log.error("recover: %s", exc)
 
     def close(self) -> None:
+        if self.history is not None:
+            try:
+                self.history.close(self.clock())
+            except (sqlite3.Error, OSError) as exc:
+                _log.warning("the rounds' inputs kept for replay were not flushed at stop: %s", exc)
         self.fleet.stop()
         self.intake.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
