@@ -290,9 +290,10 @@ class Controller:
             _log.error("recover: %s", exc)
 
     def close(self) -> None:
-        if self.history is not None:
+        history, self.history = self.history, None
+        if history is not None:
             try:
-                self.history.close(self.clock())
+                history.close(self.clock())
             except (sqlite3.Error, OSError) as exc:
                 _log.warning("the rounds' inputs kept for replay were not flushed at stop: %s", exc)
         self.fleet.stop()
