@@ -4,7 +4,9 @@ healthd runs as three programs: the node agent (healthd.agent), the Slurm hooks 
 the head-node controller (healthd.controller). They never import each other. What more than one of
 them uses lives in the shared floor: the top-level modules of the package, which import only the
 standard library, each other and the declared dependencies. healthd.slurm, the one edge to Slurm,
-serves the hooks and the controller and imports only the floor.
+serves the hooks and the controller and imports only the floor. The simulator (healthd.sim) runs
+the controller's and the agent's own code on a virtual clock, so it may import any room; no room
+imports it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "healthd"
-ROOMS = ("agent", "hooks", "controller", "slurm")
+ROOMS = ("agent", "hooks", "controller", "slurm", "sim")
 DECLARED = {"yaml", "prometheus_client", "pynvml", "systemd", "pyslurm", "ClusterShell"}
 """Third-party imports the floor and the rooms may use (pyproject's dependencies and extras)."""
 
@@ -95,6 +97,12 @@ def test_the_rules_see_every_room():
 def test_the_three_processes_never_import_each_other(room):
     wrong = [f"{i.module}:{i.line} imports {t}" for i in ALL if room_of(i.module) == room
              for t in healthd_targets(i) if room_of(t) in {"agent", "hooks", "controller"} - {room}]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_room_imports_the_simulator():
+    wrong = [f"{i.module}:{i.line} imports {t}" for i in ALL if room_of(i.module) != "sim"
+             for t in healthd_targets(i) if room_of(t) == "sim"]
     assert not wrong, "\n".join(wrong)
 
 
