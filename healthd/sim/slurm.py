@@ -47,9 +47,14 @@ Counting: `calls` is every call that reached slurmctld (the contract's proof tha
 made none); `writes` counts every write that landed, by call, and `write_count` is their sum;
 `on_write(call, args)` is told of each.
 
-Speed (measured by tests/sim/test_sim_slurm.py::test_a_fleet_read_costs_microseconds on this
-machine's 2 cores): a read of all 128 nodes with nothing changed costs about 1 us, a read after one
-node changed about 2 us, a drain of one node about 25 us (validation with ClusterShell is most of it).
+Speed (tests/sim/test_sim_slurm.py::test_a_fleet_read_costs_microseconds prints it; best of 7 runs
+of 2,000 calls on the 2-core development machine with a load average of 10): a read of all 128
+nodes with nothing changed costs 0.4-0.7 us (a copy of the cached list), a read after one node
+changed 6-18 us (that node's NodeInfo is built again), `node(name)` 0.2-0.3 us, a drain of one node
+named plainly 7-16 us; a write given a hostlist expression costs 0.2-0.5 ms, ClusterShell's
+expansion and the validators (the fleet's plain names skip them: they were validated once, when the
+fleet was built). One read per 60-second round over 140 runs of 28 days is 5.6 million reads,
+about 3 s.
 """
 
 from __future__ import annotations

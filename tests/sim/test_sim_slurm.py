@@ -327,27 +327,30 @@ def test_writes_are_counted_and_told(sim):
 
 def test_a_fleet_read_costs_microseconds():
     """The simulator reads its 128-node fleet every round: with nothing changed the read is a list
-    copy, after one change it rebuilds one node (the figures in healthd/sim/slurm.py's docstring)."""
-    clock = Clock()
-    sim = SimSlurm("gpu[001-128]", clock=clock)
-    n = 2000
-    started = time.perf_counter()
-    for _ in range(n):
-        sim.nodes()
-    unchanged = (time.perf_counter() - started) / n
-    started = time.perf_counter()
-    for i in range(n):
-        sim.reboot_done(f"gpu{i % 128 + 1:03d}")
-        sim.nodes()
-    changed = (time.perf_counter() - started) / n
-    started = time.perf_counter()
-    for i in range(n):
-        sim.drain(f"gpu{i % 128 + 1:03d}", "healthd: x")
-    drain = (time.perf_counter() - started) / n
-    print(f"128-node read: {unchanged * 1e6:.1f} us unchanged, {changed * 1e6:.1f} us after one change; "
-          f"drain {drain * 1e6:.1f} us")
+    copy, after one change it builds that node again (the figures in healthd/sim/slurm.py's docstring:
+    best of 7 runs of 2,000 calls)."""
+    sim = SimSlurm("gpu[001-128]", clock=Clock())
+    names = [f"gpu{i:03d}" for i in range(1, 129)]
+
+    def best(call, n=2000):
+        runs = []
+        for _ in range(7):
+            started = time.perf_counter()
+            for i in range(n):
+                call(i)
+            runs.append((time.perf_counter() - started) / n)
+        return min(runs)
+
+    unchanged = best(lambda i: sim.nodes())
+    change = best(lambda i: sim.reboot_done(names[i % 128]))
+    changed = best(lambda i: (sim.reboot_done(names[i % 128]), sim.nodes())) - change
+    one = best(lambda i: sim.node(names[i % 128]))
+    drain = best(lambda i: sim.drain(names[i % 128], "healthd: x"))
+    hostlist = best(lambda i: sim.drain("gpu[001-002]", "healthd: x"), 200)
+    print(f"128-node read: {unchanged * 1e6:.2f} us unchanged, {changed * 1e6:.2f} us after one change; "
+          f"node() {one * 1e6:.2f} us; drain {drain * 1e6:.2f} us, by hostlist {hostlist * 1e6:.0f} us")
     # generous bounds (a busy CI machine); the claim is microseconds, not milliseconds
-    assert unchanged < 50e-6 and changed < 100e-6 and drain < 1e-3
+    assert unchanged < 20e-6 and changed < 100e-6 and one < 20e-6 and drain < 200e-6
 
 
 # ----------------------------------------------------------------------------- hostile input, hypothesis
