@@ -28,20 +28,30 @@ Measured and modelled, said in every result:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
+import sqlite3
+import sys
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from healthd.controller.config import ControllerSettings
-from healthd.controller.history import History, Span
-from healthd.controller.ledger import Ledger
+import yaml
+
+from healthd.config import ConfigError, read_config_text, yaml_mapping
+from healthd.controller.config import ControllerSettings, parse_controller_settings
+from healthd.controller.history import History, HistoryError, Span
+from healthd.controller.ledger import Ledger, LedgerError
 from healthd.controller.policy import NodeReport
 from healthd.reason import is_healthd_reason
 from healthd.sim.fleet import Outcome, SimController
 from healthd.sim.slurm import SimSlurm
 from healthd.slurm.backend import NodeInfo, SlurmError
+from healthd.text import parse_time, stamp
 
 WRITES = frozenset({"drain", "drain-and-requeue", "reboot-asap", "resume", "release", "requeue"})
 """Decision kinds that write to Slurm when allowed (a `none` decision records only)."""
@@ -358,3 +368,110 @@ def _ago(earlier_s: float) -> str:
 
 def _gpu_h(earlier_s: float, gpus: int) -> float | None:
     return round(earlier_s * gpus / 3600.0, 3) if gpus else None
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _when(text: str) -> float:
+    """RFC 3339 with a time zone, or a number of days or hours before now (7d, 12h)."""
+    if text[-1:] in ("d", "h"):
+        try:
+            return time.time() - float(text[:-1]) * (86400 if text.endswith("d") else 3600)
+        except ValueError:
+            pass
+    at = parse_time(text)
+    if at is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RFC 3339 with a time zone, or days or hours (7d, 12h)")
+    return at
+
+
+def _override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. policy.breaker_min_nodes=3")
+    return key, yaml.safe_load(value)
+
+
+def candidate_settings(config: str | None, mode: str | None, overrides: Sequence[tuple[str, Any]]) -> ControllerSettings:
+    """The controller's configuration (`config`, a YAML file; None: the defaults) with `mode` and each
+    dotted KEY=VALUE put on top, read by the controller's own config parser (a bad key or value is
+    its error)."""
+    raw: dict[str, Any] = {}
+    if config is not None:
+        text = read_config_text(config, must_exist=True) or ""
+        raw = yaml_mapping(text, config)
+    for key, value in [*overrides, *((("policy.mode", mode),) if mode else ())]:
+        here = raw
+        *path, last = key.split(".")
+        for part in path:
+            nxt = here.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(config or "<overrides>", key, "a mapping above it", nxt)
+            here = nxt
+        here[last] = value
+    return parse_controller_settings(yaml.safe_dump(raw), config or "<overrides>")
+
+
+def table(result: ReplayResult) -> list[str]:
+    """The replay as a person reads it."""
+    lines = [f"replay {stamp(result.start)} .. {stamp(result.end)}: {result.rounds} rounds, candidate mode "
+             f"{result.mode}",
+             "candidate: " + (", ".join(f"{k} {v}" for k, v in result.candidate.items()) or "no decision"),
+             "record:    " + (", ".join(f"{k} {v}" for k, v in result.recorded.items()) or "no decision, nothing by hand")]
+    if not result.differences:
+        lines.append("no decision differs from the record")
+    else:
+        rows = [("NODE", "DECISION", "CANDIDATE", "AT", "RECORD", "AT", "EARLIER", "GPU-H (model)")]
+        for d in result.differences:
+            rows.append((d.node, d.kind, d.candidate, stamp(d.candidate_at) if d.candidate_at else "-",
+                         d.recorded, stamp(d.recorded_at) if d.recorded_at else "-",
+                         f"{d.earlier_s / 60:+.0f} min" if d.earlier_s is not None else "-",
+                         f"{d.gpu_hours:+.1f}" if d.gpu_hours is not None else "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines.append("evidence:")
+        lines += [f"  {d.node} {d.kind}: {'; '.join(d.evidence[:2]) or '-'}" for d in result.differences]
+    lines += [f"note: {n}" for n in result.notes]
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="healthd-sim replay", description="What another configuration would have "
+                                 "done with what a real controller saw (its history and ledger).")
+    ap.add_argument("--history", required=True, help="the controller's history.sqlite (history.path)")
+    ap.add_argument("--ledger", default=None, help="the controller's ledger, to compare its decisions (read-only)")
+    ap.add_argument("--config", default=None, help="the configuration to replay under (a controller.yaml; "
+                    "default: the built-in defaults)")
+    ap.add_argument("--mode", choices=("observe", "supervised", "auto"), default=None, help="policy.mode on top")
+    ap.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting on top, dotted: policy.breaker_min_nodes=3 (repeatable)")
+    ap.add_argument("--since", type=_when, default=None, help="from (RFC 3339, or 7d / 12h ago)")
+    ap.add_argument("--until", type=_when, default=None, help="to (default: the end of the record)")
+    ap.add_argument("--tick", type=float, default=60.0, help="seconds between rounds when nothing changes (default 60)")
+    ap.add_argument("--format", choices=("table", "json"), default="table")
+    args = ap.parse_args(argv)
+    try:
+        settings = candidate_settings(args.config, args.mode, args.overrides)
+        if not os.path.exists(args.history):
+            raise ReplayError(f"{args.history}: no history there (history.enabled, beside the ledger)")
+        history = History(args.history)
+        ledger = Ledger.open_readonly(args.ledger) if args.ledger else None
+        try:
+            result = replay(history, settings, recorded=ledger, start=args.since, end=args.until, tick_s=args.tick)
+        finally:
+            history.close()
+            if ledger is not None:
+                ledger.close()
+    except (ReplayError, ConfigError, HistoryError, LedgerError, sqlite3.Error, OSError) as exc:
+        print(f"healthd-sim replay: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    else:
+        print("\n".join(table(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

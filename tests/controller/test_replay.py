@@ -6,6 +6,9 @@ configuration that made the record changes nothing."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -98,3 +101,28 @@ def test_an_empty_window_is_a_clear_error(record):
     settings, history, ledger = record
     with pytest.raises(ReplayError, match="nothing kept between"):
         replay(history, settings, recorded=ledger, start=0, end=1)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "healthd.sim.replay", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_command_replays_under_a_mode_and_a_setting_given_on_its_line(record):
+    _, history, ledger = record
+    args = ["--history", str(history.path), "--ledger", str(ledger.path), "--mode", "auto"]
+    out = _cli(*args, "--set", "policy.breaker_min_nodes=3", "--set", "policy.breaker_nodes=3", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["mode"] == "auto" and {(d["node"], d["candidate"]) for d in doc["differences"]} == {
+        ("node02", "applied"), ("node03", "applied")}
+    text = _cli(*args)
+    assert text.returncode == 0 and "refused by breaker" in text.stdout and "note: measured" in text.stdout
+
+
+def test_the_command_says_what_is_wrong_with_a_bad_setting_or_file(record, tmp_path):
+    _, history, _ = record
+    bad = _cli("--history", str(history.path), "--set", "policy.breaker_min_nodes=lots")
+    assert bad.returncode == 2 and "policy.breaker_min_nodes" in bad.stderr and "Traceback" not in bad.stderr
+    missing = _cli("--history", str(tmp_path / "none.sqlite"))
+    assert missing.returncode == 2 and "no history there" in missing.stderr
