@@ -17,14 +17,16 @@ What it models, after slurmctld 22.05-26.05:
   no job; `reboot_s` virtual seconds later the node boots (`boot_time`) and takes its next state:
   RESUME returns it to service (no drain, not down, no reason), DOWN leaves it down with the
   reason. `reboot_s=None` leaves the boot to the engine (`reboot_done`).
-- A node that fails (`node_down`): DOWN + NOT_RESPONDING; its reason is kept when it has one (as
-  slurmctld keeps a drain reason over "Not responding"), else it becomes the one given, by SlurmUser.
-  Its jobs end: a batch job that may be requeued goes back to PENDING with one more restart (run
-  state NODE_FAIL in accounting), any other ends NODE_FAIL. `node_up` is the node registering again:
-  with ReturnToService=1 (`return_to_service=True`) a node that was down only for not responding
-  is idle again, its failure's reason cleared; otherwise it stays DOWN until a RESUME. A RESUME of a
-  node still not responding leaves it idle + NOT_RESPONDING, and slurmctld marks it DOWN again
-  `slurmd_timeout_s` later.
+- A node that fails (`node_down`): DOWN + NOT_RESPONDING; its reason is kept when it has one other
+  than "Not responding" (slurmctld's set_node_down keeps a drain reason), else it becomes the one
+  given (default "Not responding"), by SlurmUser. Its jobs end: a batch job that may be requeued goes
+  back to PENDING with one more restart (run state NODE_FAIL in accounting), any other ends
+  NODE_FAIL. `node_up` is slurmd registering again, under ReturnToService (`return_to_service`,
+  default 1): with 1 a DOWN node returns only when its reason is "Not responding", with 2 any DOWN
+  node returns, with 0 none does; a returned node is idle (still drained, with its reason, when it
+  was), its reason cleared when it was not drained. A node that does not return stays DOWN until a
+  RESUME; a RESUME of a node still not responding leaves it idle + NOT_RESPONDING, and slurmctld
+  marks it DOWN again "Not responding" `slurmd_timeout_s` later.
 - Jobs: started by the engine (`start_job`: the scheduler's choice), never on a drained, down,
   rebooting or reserved node. `requeue` takes a running or finished batch job back to PENDING with
   the same id and one more restart (refused for a pending job, an unknown one, a non-batch one and
@@ -102,6 +104,8 @@ FINISHED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NOD
 """How a job can end (end_job); a finished batch job can still be requeued while slurmctld holds it."""
 SIM_VERSION = "26.05.5"
 """The Slurm version SimSlurm answers with: the one whose RESUME it models (the reason is cleared)."""
+NOT_RESPONDING = "Not responding"
+"""slurmctld's reason for a node it marks down when slurmd stops answering."""
 SLURM_USER = "slurm"
 """Who slurmctld's own reasons are by (SlurmUser): a node marked down for not responding."""
 
@@ -118,8 +122,7 @@ class _Node:
     """One node's state as slurmctld holds it (mutable; `info` caches its NodeInfo until it changes)."""
 
     __slots__ = ("name", "partitions", "gres", "address", "boot_time", "down", "responding", "drain", "reboot",
-                 "next_state", "reason", "reason_user", "reason_time", "jobs", "resv", "down_for_response",
-                 "info")
+                 "next_state", "reason", "reason_user", "reason_time", "jobs", "resv", "info")
 
     def __init__(self, name: str, partitions: tuple[str, ...], gres: str, address: str, boot_time: float):
         self.name = name
@@ -137,7 +140,6 @@ class _Node:
         self.reason_time: float | None = None
         self.jobs: dict[str, bool] = {}  # job id -> holds the whole node (exclusive)
         self.resv: set[str] = set()
-        self.down_for_response = False  # DOWN only because it stopped responding (ReturnToService=1)
         self.info: NodeInfo | None = None
 
     def build(self) -> NodeInfo:
@@ -206,7 +208,7 @@ class _SimCore:
     def __init__(self, nodes: str | Iterable[str], *, clock: Callable[[], float],
                  partitions: Mapping[str, str | Iterable[str]] | None = None,
                  topology: Mapping[str, str] | None = None, gres: str = "gpu:8", reboot_s: float | None = 300.0,
-                 slurmd_timeout_s: float = 300.0, return_to_service: bool = True, min_job_age_s: float = 300.0,
+                 slurmd_timeout_s: float = 300.0, return_to_service: int = 1, min_job_age_s: float = 300.0,
                  accounting: bool = True, user: str = "root", version: str = SIM_VERSION):
         names = list(validate_nodes(nodes)) if isinstance(nodes, str) else [validate_node_name(n) for n in nodes]
         if len(set(names)) != len(names):
@@ -229,6 +231,8 @@ class _SimCore:
         """Who the Protocol's writes are made by (the controller runs as root)."""
         self.reboot_s = reboot_s
         self.slurmd_timeout_s = slurmd_timeout_s
+        if return_to_service not in (0, 1, 2):
+            raise ValueError(f"return_to_service is Slurm's ReturnToService: 0, 1 or 2, not {return_to_service!r}")
         self.return_to_service = return_to_service
         self.min_job_age_s = min_job_age_s
         self.accounting = accounting
@@ -449,7 +453,7 @@ class _SimCore:
         for node in self._known(names, "resume"):
             node.drain, node.reboot, node.next_state = False, "", None
             if node.down:
-                node.down = node.down_for_response = False
+                node.down = False
                 if not node.responding:  # slurmd still silent: down again at its timeout
                     self._at(self.clock() + self.slurmd_timeout_s, "silent", node.name)
             node.set_reason("", None, None)
@@ -503,7 +507,7 @@ class _SimCore:
     def _timer_silent(self, name: str) -> None:
         node = self._nodes[name]
         if not node.responding and not node.down:
-            self._fail(node, "Not responding")
+            self._fail(node, NOT_RESPONDING)
 
     # -- the engine's side: hardware --------------------------------------------------------------
 
@@ -518,12 +522,12 @@ class _SimCore:
             if node.next_state == "DOWN":
                 node.down, node.drain = True, False
             else:
-                node.drain = node.down = node.down_for_response = False
+                node.drain = node.down = False
                 node.set_reason("", None, None)
             node.reboot, node.next_state = "", None
         self._changed(node)
 
-    def node_down(self, name: str, reason: str = "Not responding") -> None:
+    def node_down(self, name: str, reason: str = NOT_RESPONDING) -> None:
         """The node fails (slurmd stops answering): DOWN + NOT_RESPONDING, its jobs end (a requeueable
         batch job goes back to PENDING). A reason already there is kept."""
         validate_reason(reason)
@@ -532,10 +536,8 @@ class _SimCore:
         self._fail(node, reason)
 
     def _fail(self, node: _Node, reason: str) -> None:
-        if not node.down:
-            node.down_for_response = True
         node.down = True
-        if not node.reason:
+        if not node.reason or node.reason.startswith(NOT_RESPONDING):
             node.set_reason(reason, SLURM_USER, self._stamp())
         self._changed(node)
         self._node_failed(node)
@@ -544,13 +546,13 @@ class _SimCore:
         """The jobs on a failed node end (SimSlurm: NODE_FAIL, or requeued)."""
 
     def node_up(self, name: str) -> None:
-        """The node answers again (slurmd registers). With return_to_service, a node that was down
-        only for not responding is back in service (idle, its failure's reason cleared); a drained one
-        stays drained with its reason."""
+        """The node answers again (slurmd registers); a DOWN node returns as ReturnToService says (see
+        the module docstring): idle, still drained with its reason when it was."""
         node = self._nodes[name]
         node.responding = True
-        if node.down and node.down_for_response and self.return_to_service:
-            node.down = node.down_for_response = False
+        rts = self.return_to_service
+        if node.down and (rts == 2 or (rts == 1 and node.reason == NOT_RESPONDING)):
+            node.down = False
             if not node.drain:
                 node.set_reason("", None, None)
         self._changed(node)
@@ -884,4 +886,4 @@ class SimSlurm(_SimCore):
         return step_result(rest, {"PATH": STEP_PATH, "LANG": "C", "SLURMD_NODENAME": node}, float(timeout_s))
 
 
-__all__ = ["FINISHED_STATES", "SIM_VERSION", "SLURM_USER", "SimReservation", "SimSlurm"]
+__all__ = ["FINISHED_STATES", "NOT_RESPONDING", "SIM_VERSION", "SLURM_USER", "SimReservation", "SimSlurm"]

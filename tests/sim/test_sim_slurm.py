@@ -190,26 +190,35 @@ def test_a_failed_node_requeues_its_requeueable_jobs_and_ends_the_others(sim, cl
     assert sim.jobs_on("gpu004")[0].restarts == 1
 
 
-def test_a_drained_node_that_fails_keeps_its_reason_and_stays_drained_when_back(sim, clock):
-    sim.drain("gpu001", "healthd: xid 79 [#4]")
-    sim.node_down("gpu001")
-    assert sim.node("gpu001").reason == "healthd: xid 79 [#4]" and sim.node("gpu001").state == "down"
-    sim.node_up("gpu001")
-    node = sim.node("gpu001")
-    assert node.state == "idle" and node.drained and node.reason == "healthd: xid 79 [#4]"
-
-
-def test_return_to_service(clock):
-    sim = SimSlurm(["n1", "n2"], clock=clock)
+@pytest.mark.parametrize("rts", [0, 1, 2])
+def test_a_drained_node_that_fails_keeps_its_reason_and_returns_as_return_to_service_says(clock, rts):
+    sim = SimSlurm(["n1", "n2"], clock=clock, return_to_service=rts)
+    sim.drain("n1", "healthd: xid 79 [#4]")
     sim.node_down("n1")
+    node = sim.node("n1")
+    assert node.state == "down" and node.drain_requested and node.reason == "healthd: xid 79 [#4]"
+    assert node.reason_user == "root"
     sim.node_up("n1")
-    assert sim.node("n1").state == "idle" and sim.node("n1").reason == ""
-    strict = SimSlurm(["n1"], clock=clock, return_to_service=False)
-    strict.node_down("n1", "hardware gone")
-    strict.node_up("n1")
-    assert strict.node("n1").state == "down" and strict.node("n1").responding
-    strict.resume("n1")
-    assert strict.node("n1").state == "idle" and strict.node("n1").reason == ""
+    node = sim.node("n1")
+    # ReturnToService=1 returns only a node whose reason is "Not responding"
+    assert node.state == ("idle" if rts == 2 else "down") and node.responding
+    assert node.drain_requested and node.reason == "healthd: xid 79 [#4]"
+    sim.resume("n1")
+    assert sim.node("n1").state == "idle" and not sim.node("n1").flags and sim.node("n1").reason == ""
+
+
+@pytest.mark.parametrize("rts", [0, 1, 2])
+def test_a_node_down_for_not_responding_returns_as_return_to_service_says(clock, rts):
+    sim = SimSlurm(["n1", "n2"], clock=clock, return_to_service=rts)
+    sim.node_down("n1")
+    sim.node_down("n2", "admin: PSU swap")
+    sim.node_up("n1")
+    sim.node_up("n2")
+    states = {n.name: (n.state, n.reason) for n in sim.nodes()}
+    assert states["n1"] == (("down", "Not responding") if rts == 0 else ("idle", ""))
+    assert states["n2"] == (("idle", "") if rts == 2 else ("down", "admin: PSU swap"))
+    with pytest.raises(ValueError, match="ReturnToService"):
+        SimSlurm(["n1"], clock=clock, return_to_service=3)
 
 
 def test_a_resumed_node_that_still_does_not_answer_goes_down_again(sim, clock):
