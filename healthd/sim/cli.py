@@ -1,7 +1,7 @@
 """healthd-sim: run scenarios over seeds and print goodput with its spread, or compare two.
 
-    healthd-sim run SCENARIO... [--seeds N] [--first-seed S] [--format table|json|html] [-o FILE]
-    healthd-sim compare A B [--seeds N] [--first-seed S] [--format table|json|html] [-o FILE]
+    healthd-sim run SCENARIO... [--seeds N] [--first-seed S] [--healthd MODE] [--format table|json|html] [-o FILE]
+    healthd-sim compare A B [--seeds N] [--first-seed S] [--healthd MODE] [--format table|json|html] [-o FILE]
     healthd-sim list
 
 A SCENARIO is a YAML file or the name of a packaged one (`healthd-sim list`). Exit 0; 2 for a bad
@@ -11,12 +11,13 @@ scenario or arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
 from healthd.sim import report
 from healthd.sim.engine import RunResult, run
-from healthd.sim.scenario import Scenario, ScenarioError, load, packaged
+from healthd.sim.scenario import MODES, Scenario, ScenarioError, load, packaged
 
 
 def _runs(s: Scenario, seeds: int, first: int) -> list[RunResult]:
@@ -39,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sp.add_argument("scenarios", nargs="+" if name == "run" else 2, metavar="SCENARIO")
         sp.add_argument("--seeds", type=int, default=20, help="runs per scenario (default 20)")
         sp.add_argument("--first-seed", type=int, default=1, help="seeds are FIRST..FIRST+N-1 (default 1)")
+        sp.add_argument("--healthd", choices=MODES, help="run with healthd in this mode instead of the scenario's "
+                        "(none: the lab's rule; observe, supervised, auto: the real controller)")
         sp.add_argument("--format", choices=("table", "json", "html"), default="table")
         sp.add_argument("-o", "--output", help="write to this file instead of stdout")
     sub.add_parser("list")
@@ -52,10 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--seeds: 1 to 100000")
     try:
         scenarios = [load(ref) for ref in a.scenarios]
+        if a.healthd is not None:
+            scenarios = [dataclasses.replace(s, healthd=dataclasses.replace(s.healthd, mode=a.healthd)) for s in scenarios]
+        results = [_runs(s, a.seeds, a.first_seed) for s in scenarios]
     except ScenarioError as e:
         print(f"healthd-sim: {e}", file=sys.stderr)
         return 2
-    results = [_runs(s, a.seeds, a.first_seed) for s in scenarios]
     if a.cmd == "run":
         summaries = [report.summarize(r) for r in results]
         text = {"table": report.table, "json": report.as_json, "html": report.as_html}[a.format](summaries)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,11 +63,20 @@ class Remediation(Protocol):
     def fault(self, now: float, fault: Fault) -> None:
         """The fault's agent input appears on its nodes at `now`."""
 
-    def detected(self, now: float, fault: Fault) -> Decision:
+    def detected(self, now: float, fault: Fault, in_job: Sequence[str]) -> Decision:
         """The job is known to be dead at `now`: what was done (and when it was applied)."""
 
+    def usable(self, node: str) -> bool:
+        """May the job run on `node` now (not drained, not down)?"""
+
+    def job_started(self, now: float, nodes: Sequence[str]) -> None:
+        """The job's next run starts on `nodes`."""
+
     def repaired(self, now: float, node: str) -> bool:
-        """The node is back from repair at `now`; True when it may serve again."""
+        """The node is back from repair at `now`; True when it may serve again at once."""
+
+    def poll(self, now: float) -> float | None:
+        """Whatever is due by `now`; when to look again (None: nothing pending)."""
 
     def tally(self) -> Tally:
         """Actions taken and refused so far."""
@@ -88,14 +97,23 @@ class LabRule:
     def fault(self, now: float, fault: Fault) -> None:
         return None
 
-    def detected(self, now: float, fault: Fault) -> Decision:
+    def detected(self, now: float, fault: Fault, in_job: Sequence[str]) -> Decision:
         if fault.cause.repair and fault.nodes:
             self._tally.taken["remove"] += len(fault.nodes)
             return Decision(fault.nodes, now)
         return Decision((), now)
 
+    def usable(self, node: str) -> bool:
+        return True
+
+    def job_started(self, now: float, nodes: Sequence[str]) -> None:
+        return None
+
     def repaired(self, now: float, node: str) -> bool:
         return True
+
+    def poll(self, now: float) -> float | None:
+        return None
 
     def tally(self) -> Tally:
         return self._tally
@@ -135,12 +153,12 @@ class Engine:
     """One run of `scenario` on `seed`. `run()` once."""
 
     def __init__(self, scenario: Scenario, seed: int, *, remediation: Remediation | None = None,
-                 sink: Sink | None = None, keep_faults: bool = False, extra_nodes: int = 0):
-        """`sink` also receives every log line; `extra_nodes` adds healthy nodes that never fail and are
-        never used (for metamorphic tests)."""
+                 sink: Sink | None = None, keep_faults: bool = False):
+        """`sink` also receives every log line; `keep_faults` keeps (time, cause, nodes) of every
+        interruption in the result."""
         self.s = scenario
         self.seed = seed
-        self.rem = remediation if remediation is not None else LabRule()
+        self._remediation = remediation
         self._sink = sink
         self._lines: list[str] = []
         self._keep_faults = keep_faults
@@ -151,16 +169,29 @@ class Engine:
         self.durable_after = scenario.job.durable_after_minutes * 60
         self.restart = scenario.job.restart_minutes * 60
         self.fleet: list[str] = []
+        pool: list[str] = []
         mtbf: dict[str, float] = {}
         for g in scenario.fleet.groups:
             for _ in range(g.count):
                 name = f"gpu{len(self.fleet) + 1:04d}"
                 self.fleet.append(name)
                 mtbf[name] = g.mtbf_hours
-        self.extra = [f"idle{i + 1:04d}" for i in range(extra_nodes)]
+                if g.pool:
+                    pool.append(name)
+        self.pool = frozenset(pool)
+        if remediation is None and scenario.healthd.mode != "none":
+            from healthd.sim.control import ControllerSeam  # here: the controller's imports only where it runs
+
+            width = scenario.fleet.leaf_size
+            index = {n: i for i, n in enumerate(self.fleet)}
+            remediation = ControllerSeam(scenario, self.fleet, pool[:scenario.job.nodes],
+                                         lambda n: f"leaf{index[n] // width + 1:03d}")
+        self.rem: Remediation = remediation if remediation is not None else LabRule()
+        self._returning: set[str] = set()
+        self._polling = False
         self.clocks = FaultClocks(scenario, seed, self.fleet, mtbf)
-        self.in_job: dict[str, None] = dict.fromkeys(self.fleet[:scenario.job.nodes])
-        self.spares: set[str] = set(self.fleet[scenario.job.nodes:])
+        self.in_job: dict[str, None] = dict.fromkeys(pool[:scenario.job.nodes])
+        self.spares: set[str] = set(pool[scenario.job.nodes:])
         self.in_repair: set[str] = set()
         self.job = JobModel(scenario.job.name, scenario.job.nodes * scenario.job.gpus_per_node,
                             scenario.job.step_seconds, scenario.job.hold_while_waiting, self._write)
@@ -268,7 +299,7 @@ class Engine:
             return
         fault = self._fault
         self.job.detected(self.now)
-        decision = self.rem.detected(self.now, fault)
+        decision = self.rem.detected(self.now, fault, list(self.in_job))
         at = max(self.now, decision.decided_at)
         if at > self.now:
             self._at(at, self._decided, gen, decision)
@@ -280,32 +311,63 @@ class Engine:
             return
         fault = self._fault
         for n in decision.removed:
-            if n in self.in_repair or n in self.extra:
+            if n in self.in_repair:
                 continue
             self.in_job.pop(n, None)
             self.spares.discard(n)
             self.in_repair.add(n)
             self._at(self.now + self._repair_s(n, fault.cause), self._repaired, n)
         self._state = "NODE_FAIL" if decision.removed else "FAILED"
+        if decision.false_positive:
+            self.job.false_positive(self.now)
         self.job.decided(self.now, self._state)
         self._fill()
+        self._schedule_poll()
 
     def _fill(self) -> None:
         need = self.s.job.nodes - len(self.in_job)
-        if need > len(self.spares):
+        ready = sorted(n for n in self.spares if self.rem.usable(n))
+        if need > len(ready):
             return
-        for n in sorted(self.spares)[:need]:
+        for n in ready[:need]:
             self.spares.discard(n)
             self.in_job[n] = None
         self.job.nodes_ready(self.now, list(self.in_job), self._state)
+        self.rem.job_started(self.now, list(self.in_job))
         self._at(self.now + self.restart, self._restarted, self._gen)
 
     def _repaired(self, node: str) -> None:
         self.in_repair.discard(node)
+        if node not in self.pool:
+            return
         if self.rem.repaired(self.now, node):
             self.spares.add(node)
             if self.job.phase == WAIT:
                 self._fill()
+        else:
+            self._returning.add(node)
+            self._schedule_poll()
+
+    def _schedule_poll(self) -> None:
+        """While a node waits for healthd to return it, or the job waits for nodes, look again at the
+        controller's next deadline."""
+        if self._polling or not (self._returning or self.job.phase == WAIT):
+            return
+        at = self.rem.poll(self.now)
+        if at is not None:
+            self._polling = True
+            self._at(max(at, self.now + 1.0), self._poll)
+
+    def _poll(self) -> None:
+        self._polling = False
+        self.rem.poll(self.now)
+        for n in sorted(self._returning):
+            if self.rem.usable(n):
+                self._returning.discard(n)
+                self.spares.add(n)
+        if self.job.phase == WAIT:
+            self._fill()
+        self._schedule_poll()
 
     def _restarted(self, gen: int) -> None:
         if gen != self._gen or self.job.phase != RESTART:

@@ -99,6 +99,11 @@ class JobModel:
         self._line(**ev.event("detected", self._t(t), incident=self._incident))
         self.phase = WAIT
 
+    def false_positive(self, t: float) -> None:
+        """The incident's action was wrong (a healthy node taken out): its whole cost is the
+        false-positive tax."""
+        self._line(**ev.event("false_positive", self._t(t), incident=self._incident))
+
     def decided(self, t: float, state: str) -> None:
         """The action that ends the run was applied at `t` (a drain, a requeue)."""
         self._line(**ev.event("decided", self._t(t), incident=self._incident))

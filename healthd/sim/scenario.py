@@ -84,6 +84,9 @@ class NodeGroup:
     mtbf_hours: float
     """Mean running hours between node-attributable interruptions, per node."""
     label: str = "default"
+    pool: bool = True
+    """False: the nodes are in the fleet (another partition) but never run this job nor serve as its
+    spares."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,11 @@ class Fleet:
     def size(self) -> int:
         return sum(g.count for g in self.groups)
 
+    @property
+    def pool_size(self) -> int:
+        """Nodes that may run the job (its nodes and its spares)."""
+        return sum(g.count for g in self.groups if g.pool)
+
 
 @dataclass(frozen=True)
 class Healthd:
@@ -178,11 +186,11 @@ class Scenario:
 
     @property
     def spares(self) -> int:
-        return self.fleet.size - self.job.nodes
+        return self.fleet.pool_size - self.job.nodes
 
     def nominal_mtbi_hours(self) -> float:
         """The job's expected MTBI on nodes drawn evenly from the fleet (bursts left out)."""
-        per_node = sum(g.count / g.mtbf_hours for g in self.fleet.groups) / self.fleet.size
+        per_node = sum(g.count / g.mtbf_hours for g in self.fleet.groups if g.pool) / self.fleet.pool_size
         return 1 / (self.job.nodes * per_node + 1 / self.job_mtbi_hours)
 
     def interval_seconds(self) -> float:
@@ -350,8 +358,8 @@ def _build(raw: dict[str, Any], where: str) -> Scenario:
                                "job_causes", "bursts", "healthd"))
     job = _job(_Fields(top.mapping_("job"), f"{where}: job", tuple(Job.__dataclass_fields__)))
     fleet = _fleet(top.doc.get("fleet"), f"{where}: fleet")
-    if fleet.size < job.nodes:
-        raise ScenarioError(f"{where}: fleet has {fleet.size} nodes, the job needs {job.nodes}")
+    if fleet.pool_size < job.nodes:
+        raise ScenarioError(f"{where}: fleet has {fleet.pool_size} nodes in the job's pool, the job needs {job.nodes}")
     node_causes = _causes(top.mapping_("node_causes"), f"{where}: node_causes")
     job_causes = _causes(top.mapping_("job_causes"), f"{where}: job_causes")
     if not node_causes:
@@ -363,6 +371,8 @@ def _build(raw: dict[str, Any], where: str) -> Scenario:
                    for name, spec in top.mapping_("bursts").items())
     h = _Fields(top.mapping_("healthd"), f"{where}: healthd", ("mode", "settings", "round_seconds"))
     settings = h.mapping_("settings")
+    if settings:
+        _check_controller_settings(settings, f"{where}: healthd.settings")
     healthd = Healthd(h.str_("mode", "none", choices=MODES), settings, h.num_("round_seconds", 30.0, hi=86400.0))
     s = Scenario(
         name=top.str_("name"), description=top.str_("description", ""),
@@ -373,6 +383,16 @@ def _build(raw: dict[str, Any], where: str) -> Scenario:
     if job_causes and not math.isfinite(s.job_mtbi_hours):
         raise ScenarioError(f"{where}: job_causes need job_mtbi_hours")
     return s
+
+
+def _check_controller_settings(settings: dict[str, Any], where: str) -> None:
+    """The overrides as the controller's own config reader takes them (its errors, as ScenarioError)."""
+    from healthd.controller.config import parse_controller_settings  # here: only a scenario with overrides needs it
+
+    try:
+        parse_controller_settings(yaml.safe_dump(settings), where)
+    except (ValueError, TypeError, yaml.YAMLError) as e:
+        raise ScenarioError(f"{where}: {e}"[:500]) from None
 
 
 def _job(f: _Fields) -> Job:
@@ -396,8 +416,9 @@ def _fleet(doc: Any, where: str) -> Fleet:
         raise ScenarioError(f"{where}.groups: a list of node groups ({{count, mtbf_hours, label}})")
     groups = []
     for i, g in enumerate(groups_raw):
-        gf = _Fields(g, f"{where}.groups[{i}]", ("count", "mtbf_hours", "label"))
-        groups.append(NodeGroup(gf.int_("count"), gf.num_("mtbf_hours", hi=1e9), gf.str_("label", "default")))
+        gf = _Fields(g, f"{where}.groups[{i}]", ("count", "mtbf_hours", "label", "pool"))
+        groups.append(NodeGroup(gf.int_("count"), gf.num_("mtbf_hours", hi=1e9), gf.str_("label", "default"),
+                                gf.bool_("pool", True)))
     fleet = Fleet(tuple(groups), f.int_("leaf_size", 16), f.int_("pdu_size", 8), f.num_("repair_hours", 48.0, hi=1e6),
                   f.str_("repair_law", "exponential", choices=REPAIR_LAWS))
     if fleet.size > MAX_NODES:

@@ -1,0 +1,144 @@
+"""The real controller behind healthd-sim's seam (healthd.sim.engine.Remediation).
+
+`ControllerSeam` runs healthd.sim.fleet.SimController (the real agent classification and the real
+control round: reconcile, decide, gates, executor, a real SQLite ledger) against
+healthd.sim.slurm.SimSlurm on the engine's virtual clock. The engine tells it each fault's agent input
+and the job's life (started on which nodes, requeued); what healthd did is read back from Slurm's node
+states: a node drained or down is out of service, and goes to repair. Nothing here decides what a
+fault means.
+
+How a fault reaches healthd: a kernel line through the node's real agent (`report`), an NVML reading
+likewise; a host fault takes the node down in SimSlurm and silences its agent. Input the simulated
+agent cannot read yet (an InfiniBand port reading, the in-band ring) reaches nothing, so such a fault
+is found by Slurm or by nobody. Rounds run when a fault appears, when the job is known dead, when a
+node comes back, and at the controller's own deadlines (`next_deadline`) up to each of those.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import yaml
+
+from healthd.controller.config import parse_controller_settings
+from healthd.sim.agentinput import GpuReading, KernelLines, NvmlReading
+from healthd.sim.engine import Decision, Tally
+from healthd.sim.faults import Fault
+from healthd.sim.fleet import RoundResult, SimController
+from healthd.sim.job import T0
+from healthd.sim.scenario import Scenario
+from healthd.sim.slurm import SimSlurm
+from healthd.slurm.backend import SlurmRefused, StepResult
+
+JOB_ID = "1"
+MAX_CATCH_UP = 10_000
+"""Rounds at the controller's deadlines between two engine events, at most (a guard, never reached in
+the shipped scenarios)."""
+
+
+def _validation_passes(node: str, argv: list[str], timeout_s: float) -> StepResult:
+    return StepResult(0, "validation passed (simulated)")
+
+
+class ControllerSeam:
+    """healthd's real controller in `scenario.healthd.mode` for one run."""
+
+    def __init__(self, scenario: Scenario, fleet: Sequence[str], job_nodes: Sequence[str],
+                 leaf_of: Callable[[str], str]):
+        mode = scenario.healthd.mode
+        raw = dict(scenario.healthd.settings)
+        policy = raw.get("policy") or {}
+        raw["policy"] = {**(policy if isinstance(policy, dict) else {}), "mode": mode}
+        self.settings = parse_controller_settings(yaml.safe_dump(raw), f"{scenario.name}: healthd.settings")
+        self.name = f"controller ({mode})"
+        self._t = T0
+        self.slurm = SimSlurm(list(fleet), clock=self._clock, topology={n: leaf_of(n) for n in fleet})
+        self.slurm.step = _validation_passes
+        logging.getLogger("healthd").setLevel(logging.ERROR)
+        self.sim = SimController(self.settings, self.slurm, self._clock, topology_text=self.slurm.topology_conf(),
+                                 gpus_per_node=scenario.job.gpus_per_node)
+        self._tally = Tally()
+        self._seen: set[int] = set()
+        self.slurm.start_job(JOB_ID, list(job_nodes), requeue_ok=True)
+
+    def _clock(self) -> float:
+        return self._t
+
+    def _round(self, t: float) -> None:
+        for _ in range(MAX_CATCH_UP):
+            d = self.sim.next_deadline()
+            if d is None or d >= t:
+                break
+            self._t = max(self._t, d)
+            self._count(self.sim.round(self._t))
+        self._t = max(self._t, t)
+        self._count(self.sim.round(self._t))
+
+    def _count(self, r: RoundResult) -> None:
+        for o in r.applied:
+            self._tally.taken[o.kind] += 1
+        for o in r.would_do:
+            self._tally.would[o.kind] += 1
+        # a refusal is recorded once in the ledger, however many rounds repeat it
+        for d in r.recorded:
+            if d.outcome in ("refused", "waiting-approval") and d.kind != "none" and d.id not in self._seen:
+                self._seen.add(d.id)
+                self._tally.refused[d.refused_gate or d.outcome] += 1
+
+    def usable(self, node: str) -> bool:
+        info = self.slurm.node(node)
+        return info.state != "down" and not ({"DRAIN", "NOT_RESPONDING"} & set(info.flags))
+
+    def fault(self, now: float, fault: Fault) -> None:
+        t = T0 + now
+        self._t = max(self._t, t)
+        for i in fault.inputs:
+            if i.kind == "kernel" and i.line is not None:
+                self.sim.report(i.node, [KernelLines((i.line,))], t)
+            elif i.kind == "nvml":
+                self.sim.report(i.node, [NvmlReading(gpus=(GpuReading(i.gpu or 0, dict(i.fields)),))], t)
+            elif i.kind == "host_down":
+                self.slurm.node_down(i.node)
+                self.sim.silence(i.node)
+        self._round(t)
+
+    def detected(self, now: float, fault: Fault, in_job: Sequence[str]) -> Decision:
+        t = T0 + now
+        self._round(t)
+        job = self.slurm.job(JOB_ID)
+        if job is not None and job.state == "RUNNING":
+            self.slurm.requeue(JOB_ID)  # the job's own restart (its launcher, or the user)
+        removed = tuple(n for n in dict.fromkeys((*fault.nodes, *in_job)) if not self.usable(n))
+        wrong = tuple(n for n in removed if n not in fault.nodes or not fault.cause.repair)
+        return Decision(removed, now, false_positive=bool(wrong))
+
+    def job_started(self, now: float, nodes: Sequence[str]) -> None:
+        self._t = max(self._t, T0 + now)
+        try:
+            self.slurm.start_job(JOB_ID, list(nodes), requeue_ok=True)
+        except SlurmRefused:
+            # a node healthd took out between the engine's choice and the start: the next fault or
+            # round shows it; the job model keeps the nodes it chose
+            self._tally.refused["slurm-start"] += 1
+
+    def repaired(self, now: float, node: str) -> bool:
+        t = T0 + now
+        self._t = max(self._t, t)
+        if self.slurm.node(node).state == "down":
+            self.slurm.node_up(node)
+        self.sim.reboot(node, t)
+        self._round(t)
+        return self.usable(node)
+
+    def poll(self, now: float) -> float | None:
+        """Rounds due by `now`; the engine's time of the next deadline (None: none)."""
+        self._round(T0 + now)
+        d = self.sim.next_deadline()
+        return None if d is None else d - T0
+
+    def tally(self) -> Tally:
+        return self._tally
+
+    def close(self) -> None:
+        self.sim.close()

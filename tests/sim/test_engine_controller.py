@@ -1,0 +1,50 @@
+"""healthd-sim through the controller seam: the real agent classification and control round
+(healthd.sim.fleet.SimController on healthd.sim.slurm.SimSlurm) decide which nodes leave the job."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from healthd.sim import engine, scenario
+
+
+def mode(s: scenario.Scenario, m: str, days: float = 5.0) -> scenario.Scenario:
+    return dataclasses.replace(s, days=days, healthd=dataclasses.replace(s.healthd, mode=m))
+
+
+def test_in_auto_mode_the_real_controller_takes_out_what_the_lab_removes_so_goodput_is_the_labs():
+    # The lab's causes that send a node to repair show as an Xid 79, an Xid 48, a fatal NVLink Xid 74
+    # (healthd drains each: tier 1) or a host that goes down (Slurm marks it down); a collective hang
+    # or a job-level fault shows nothing on a node. So the same nodes leave, at the same times.
+    base = scenario.load("baseline")
+    for seed in (1, 2):
+        lab = engine.run(mode(base, "none"), seed, keep_faults=True)
+        auto = engine.run(mode(base, "auto"), seed, keep_faults=True)
+        assert auto.remediation == "controller (auto)"
+        assert auto.faults == lab.faults and auto.partial == ()
+        assert auto.goodput == pytest.approx(lab.goodput, abs=1e-12)
+        drained = auto.taken.get("drain", 0) + auto.taken.get("drain-and-requeue", 0)
+        by_healthd = sum(1 for _, cause, _ in lab.faults if cause in ("gpu_xid79", "gpu_memory", "fabric_link"))
+        assert drained == by_healthd > 0
+
+
+def test_user_code_xids_interrupt_the_job_but_never_drain_a_node():
+    # Xid 13 is user code in healthd's catalog (tier 3): each one is the job's own crash, charged to the
+    # job; the real agent and round take no node out.
+    base = scenario.load("baseline")
+    user = scenario.Cause(name="user_xid13", share=1.0, detect_minutes=(1.0, 1.0), repair=False, attribution="user",
+                          input=scenario.AgentInputSpec("xid", 13))
+    s = dataclasses.replace(mode(base, "auto", days=3), node_causes=(user,), job_causes=(),
+                            job_mtbi_hours=float("inf"),
+                            fleet=dataclasses.replace(base.fleet, groups=(scenario.NodeGroup(132, 300.0),)))
+    r = engine.run(s, 1)
+    assert r.interruptions >= 3 and r.partial == ()
+    assert not r.taken and not r.would and r.gpu_s["false_positive"] == 0 and r.gpu_s["waiting"] == 0
+
+
+def test_bad_controller_settings_in_a_scenario_are_a_scenario_error():
+    text = "base: baseline\nname: x\nhealthd: {mode: auto, settings: {policy: {no_such_key: 1}}}\n"
+    with pytest.raises(scenario.ScenarioError, match="no_such_key"):
+        scenario.load_text(text, "x.yaml")
