@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sqlite3
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from healthd.controller.ledger.accounted import ACCOUNTED_NAME, recorded_jobs
 from healthd.controller.ledger import (CLOSED_INCIDENT_STATUSES, INBAND_SLOW_STATUS, REMEDIATION_KINDS, Incident,
                                       Ledger, LedgerError)
 from healthd.controller.config import CONTROLLER_CONFIG_PATH, load_controller_settings
+from healthd.controller.history import HistorySettings
 from healthd.slurm.backend import SlurmError, validate_job_id
 from healthd.slurm.scontrol import ScontrolBackend
 from healthd.text import natural_key, parse_time, stamp, table
@@ -513,6 +515,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sacct", action="store_true",
                    help="with --job: the job's runs from Slurm's accounting (sacct, where the site runs slurmdbd; "
                         "slurm.conf from the controller's config), as the controller accounts them")
+    s = sub.add_parser("what-if", help="what another mode or setting would have done with what the controller saw "
+                       "(its history and ledger, replayed by healthd-sim replay)")
+    s.add_argument("--since", default="30d", metavar="T", help="from (RFC 3339, or 7d / 12h ago; default 30d)")
+    s.add_argument("--until", default=None, metavar="T", help="to (default: now)")
+    s.add_argument("--mode", choices=("observe", "supervised", "auto"), default="auto", help="default auto")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting on top of the controller's, dotted: policy.breaker_min_nodes=3 (repeatable)")
+    s.add_argument("--history", default=None, help="the controller's history (default: history.path of its config, "
+                   "else history.sqlite beside --ledger)")
     s = sub.add_parser("inband", help="the training jobs' in-band view: ranks, slow ranks, hangs (from the controller)")
     s.add_argument("--job", default=None, help="only this job")
     s = sub.add_parser("breaker", help="the circuit breaker")
@@ -895,6 +906,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inband(args)
         if args.cmd == "goodput":
             return _goodput(args)
+        if args.cmd == "what-if":
+            return _what_if(args)
         requests = _change_requests(args)
         if len(requests) > 1:
             return _change_many(args, requests)
@@ -914,6 +927,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.json:
         print(reply.get("message", "ok"))
     return EXIT_OK
+
+
+def _what_if(args: argparse.Namespace) -> int:
+    """`healthd-sim replay` over the live controller's record, under its own configuration with
+    --mode and --set on top. The replay runs the controller's round in a process of its own (the
+    simulator is not part of the controller); its output and exit status are healthctl's."""
+    config = args.config or (CONTROLLER_CONFIG_PATH if os.path.exists(CONTROLLER_CONFIG_PATH) else None)
+    history = args.history
+    if history is None:
+        keep = load_controller_settings(config).history if config else HistorySettings()
+        history = str(keep.file(args.ledger))
+    argv = [sys.executable, "-m", "healthd.sim.replay", "--history", history, "--ledger", args.ledger,
+            "--mode", args.mode, "--since", args.since, "--format", "json" if args.json else "table"]
+    if config:
+        argv += ["--config", config]
+    if args.until:
+        argv += ["--until", args.until]
+    for item in args.overrides:
+        argv += ["--set", item]
+    return subprocess.run(argv, check=False).returncode
 
 
 def _inband(args: argparse.Namespace) -> int:

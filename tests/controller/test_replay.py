@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -126,3 +127,14 @@ def test_the_command_says_what_is_wrong_with_a_bad_setting_or_file(record, tmp_p
     assert bad.returncode == 2 and "policy.breaker_min_nodes" in bad.stderr and "Traceback" not in bad.stderr
     missing = _cli("--history", str(tmp_path / "none.sqlite"))
     assert missing.returncode == 2 and "no history there" in missing.stderr
+
+
+def test_healthctl_what_if_replays_the_live_controllers_record(record):
+    _, history, ledger = record
+    out = subprocess.run([sys.executable, "-m", "healthd.controller.healthctl", "--ledger", str(ledger.path), "--json",
+                          "what-if", "--since", "1d", "--set", "policy.breaker_min_nodes=3",
+                          "--set", "policy.breaker_nodes=3"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "HEALTHCTL_CONFIG": ""})
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["mode"] == "auto" and {d["node"] for d in doc["differences"]} == {"node02", "node03"}
