@@ -636,6 +636,21 @@ def _read_boot_id() -> str | None:
 # --------------------------------------------------------------------------- the follower
 
 
+def fold_lines(lines: "list[tuple[str, float]] | tuple[tuple[str, float], ...]", detail: str = "replayed lines",
+               max_events: int = 1024) -> KernelSample:
+    """Messages read elsewhere (a replayed journal, the simulator), each with its epoch time, parsed
+    and folded exactly as a read of the follower folds them: one KernelSample, no cursor. Past
+    `max_events` distinct lines the rest are left out, as a read leaves them for the next."""
+    folder, batch = _Folder(max(1, int(max_events))), _Batch()
+    for msg, ts in lines:
+        if folder.full(batch, msg):
+            break
+        batch.lines += 1
+        folder.add(batch, msg, folder.parse(msg), ts, None)
+    return KernelSample(status="ok", detail=detail, events=tuple(acc.freeze() for acc in batch.events.values()),
+                        identities=dict(batch.identities), lines_read=batch.lines, malformed=batch.malformed)
+
+
 class KernelLogFollower:
     """Follows the kernel log; see the module docstring. Not thread-safe: one reader thread."""
 
