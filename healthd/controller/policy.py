@@ -18,8 +18,6 @@ from itertools import compress
 from types import MappingProxyType
 from typing import Any, Literal
 
-from ClusterShell.NodeSet import NodeSet, NodeSetException
-from ClusterShell.RangeSet import RangeSetException
 
 from healthd.report_schema import ReportInvalid, validate_finding, validate_report
 from healthd.model import is_cleared
@@ -30,6 +28,7 @@ from healthd.controller.ownership import Hold, owned
 from healthd.model import ACTION_SEVERITY, Finding
 from healthd.reason import build_reason, printable
 from healthd.slurm.backend import NodeInfo
+from healthd.slurm.topology import parse_topology
 
 Mode = Literal["observe", "supervised", "auto"]
 MODES: tuple[str, ...] = ("observe", "supervised", "auto")
@@ -172,63 +171,10 @@ class NodeReport:
 # --------------------------------------------------------------------------- topology
 
 
-def _expand(hostlist: str, where: str) -> list[str]:
-    try:
-        return list(NodeSet(hostlist))
-    except (NodeSetException, RangeSetException, ValueError, IndexError, TypeError) as exc:
-        raise ValueError(f"{where}: invalid hostlist {hostlist!r}: {exc}") from None
-
-
 def parse_topology_conf(text: str) -> dict[str, frozenset[str]]:
-    """Slurm topology.conf (topology/tree; `BlockName=` of topology/block too) -> switch -> nodes.
-
-    A leaf switch lists `Nodes=`; an upper switch lists `Switches=` and gets the union of its
-    children's nodes. Keys are matched case-insensitively, `#` starts a comment, a trailing `\\`
-    continues a line. Raises ValueError naming the line for what cannot be read."""
-    direct: dict[str, set[str]] = {}
-    children: dict[str, list[str]] = {}
-    logical: list[tuple[int, str]] = []
-    pending, start = "", 0
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].rstrip()
-        if not pending:
-            start = lineno
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line = pending + line
-        pending = ""
-        if line.strip():
-            logical.append((start, line))
-    if pending.strip():
-        logical.append((start, pending))
-    for lineno, line in logical:
-        where = f"topology.conf line {lineno}"
-        fields: dict[str, str] = {}
-        for token in line.split():
-            key, sep, value = token.partition("=")
-            if not sep:
-                raise ValueError(f"{where}: expected KEY=VALUE, found {token!r}")
-            fields[key.lower()] = value
-        name = fields.get("switchname") or fields.get("blockname")
-        if not name:
-            raise ValueError(f"{where}: no SwitchName= (or BlockName=) in {line.strip()!r}")
-        if "nodes" in fields:
-            direct.setdefault(name, set()).update(_expand(fields["nodes"], where))
-        else:
-            direct.setdefault(name, set())
-        if "switches" in fields:
-            children.setdefault(name, []).extend(_expand(fields["switches"], where))
-
-    def nodes_of(name: str, seen: frozenset[str]) -> set[str]:
-        if name in seen:
-            raise ValueError(f"topology.conf: switch {name!r} contains itself (through {', '.join(sorted(seen))})")
-        out = set(direct.get(name, ()))
-        for child in children.get(name, ()):
-            out |= nodes_of(child, seen | {name})
-        return out
-
-    return {name: frozenset(nodes_of(name, frozenset())) for name in direct}
+    """Slurm topology.conf (topology/tree; `BlockName=` of topology/block too) -> switch -> every node
+    under it (healthd.slurm.topology). Raises ValueError naming the line for what cannot be read."""
+    return dict(parse_topology(text).groups)
 
 
 @functools.lru_cache(maxsize=4)
