@@ -12,11 +12,14 @@ What it models, after slurmctld 22.05-26.05:
   flags DRAIN, NOT_RESPONDING, REBOOT_REQUESTED, REBOOT_ISSUED; a reason with its user and time (whole
   seconds of the clock) only while DRAIN or DOWN holds it: RESUME clears it, as 22.05 and 26.05 do.
   RESUME acts on drained, down or reboot-pending nodes and is skipped elsewhere; cancel_reboot acts
-  on a requested (not yet issued) reboot and drops the drain and reason the reboot set.
-- Reboot ASAP: DRAIN + REBOOT_REQUESTED with the next state; issued (REBOOT_ISSUED) once the node has
-  no job; `reboot_s` virtual seconds later the node boots (`boot_time`) and takes its next state:
+  on a requested (not yet issued) reboot and drops the drain and reason the reboot set; a node
+  drained before the reboot stays drained, with the reboot's reason (seen on 22.05).
+- Reboot ASAP: DRAIN + REBOOT_REQUESTED with the next state; issued once the node has no job: then
+  DOWN + DRAIN + REBOOT_ISSUED with " : reboot issued" appended to the reason by SlurmUser (seen on
+  22.05). `reboot_s` virtual seconds later the node boots (`boot_time`) and takes its next state:
   RESUME returns it to service (no drain, not down, no reason), DOWN leaves it down with the
-  reason. `reboot_s=None` leaves the boot to the engine (`reboot_done`).
+  reason. `reboot_s=None` leaves the boot to the engine (`reboot_done`). A RESUME while the reboot is
+  issued leaves the node idle + NOT_RESPONDING until it has booted (seen on 22.05).
 - A node that fails (`node_down`): DOWN + NOT_RESPONDING; its reason is kept when it has one other
   than "Not responding" (slurmctld's set_node_down keeps a drain reason), else it becomes the one
   given (default "Not responding"), by SlurmUser. Its jobs end: a batch job that may be requeued goes
@@ -33,17 +36,18 @@ What it models, after slurmctld 22.05-26.05:
   one submitted --no-requeue); `end_job` ends one; a finished job is known to `job()` for
   `min_job_age_s` (MinJobAge) and to `job_runs()` (accounting, one run per start) always.
 - Reservations: create (refused for a duplicate name, unknown nodes, nodes running jobs without
-  IGNORE_JOBS, and nodes in another reservation unless MAINT or OVERLAP), update of the nodes,
-  delete (already gone is done; refused while a job runs in it), and expiry after the duration.
-  A node in a reservation takes jobs of that reservation only.
+  IGNORE_JOBS, and nodes in another reservation unless MAINT or OVERLAP; slurmctld's words, seen on
+  22.05), update of the nodes, delete (already gone is done; refused while a job runs in it), and
+  expiry after the duration. A node in a reservation takes jobs of that reservation only, and none
+  while a second reservation holds it too. Reserved nodes show no flag of it (22.05 shows them IDLE).
 - Partitions (node membership; default: every node in `gpu`) and an optional topology: node -> leaf
   switch, also as the text of Slurm's topology.conf (`topology_conf()`, tree plugin).
 - slurmctld down (`ctld_down()`): every call raises SlurmUnavailable, nothing changes; `ctld_up()`
   starts it again (a new `ctld_started_at`), state as saved.
 
 Not modelled: FAIL, FUTURE and power-saving states, node features and GRES per job, job arrays,
-the MAINT/RESERVED flags slurmctld shows on reserved nodes, and a slurmctld that loses writes
-since its last state save.
+COMPLETING, the MAINT/RESERVED flags later Slurm versions may show on reserved nodes, ResumeTimeout
+(a reboot that never completes), and a slurmctld that loses writes since its last state save.
 
 Counting: `calls` is every call that reached slurmctld (the contract's proof that a refused input
 made none); `writes` counts every write that landed, by call, and `write_count` is their sum;
@@ -104,6 +108,8 @@ FINISHED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NOD
 """How a job can end (end_job); a finished batch job can still be requeued while slurmctld holds it."""
 SIM_VERSION = "26.05.5"
 """The Slurm version SimSlurm answers with: the one whose RESUME it models (the reason is cleared)."""
+ISSUED_SUFFIX = " : reboot issued"
+"""What slurmctld appends to a node's reason when it issues a requested reboot (22.05)."""
 NOT_RESPONDING = "Not responding"
 """slurmctld's reason for a node it marks down when slurmd stops answering."""
 SLURM_USER = "slurm"
@@ -122,7 +128,8 @@ class _Node:
     """One node's state as slurmctld holds it (mutable; `info` caches its NodeInfo until it changes)."""
 
     __slots__ = ("name", "partitions", "gres", "address", "boot_time", "down", "responding", "drain", "reboot",
-                 "next_state", "reason", "reason_user", "reason_time", "jobs", "resv", "info")
+                 "next_state", "reason", "reason_user", "reason_time", "jobs", "resv", "info", "dead", "booting",
+                 "drain_by_reboot")
 
     def __init__(self, name: str, partitions: tuple[str, ...], gres: str, address: str, boot_time: float):
         self.name = name
@@ -134,6 +141,9 @@ class _Node:
         self.responding = True
         self.drain = False
         self.reboot = ""  # "", "REQUESTED" or "ISSUED"
+        self.drain_by_reboot = False  # the DRAIN is the reboot's own (cancel_reboot drops it)
+        self.booting = False  # an issued reboot has not completed (even after a RESUME)
+        self.dead = False  # the engine's node_down: slurmd answers nothing until node_up
         self.next_state: str | None = None
         self.reason = ""
         self.reason_user: str | None = None
@@ -418,7 +428,7 @@ class _SimCore:
         self._reach()
         targets, when = self._known(nodes, "drain"), self._stamp()
         for node in targets:
-            node.drain = True
+            node.drain, node.drain_by_reboot = True, False
             node.set_reason(reason, self.user, when)
             self._changed(node)
         self._landed("drain", nodes=[n.name for n in targets], reason=reason)
@@ -451,10 +461,12 @@ class _SimCore:
             return
         self._reach()
         for node in self._known(names, "resume"):
-            node.drain, node.reboot, node.next_state = False, "", None
+            node.drain, node.drain_by_reboot, node.reboot, node.next_state = False, False, "", None
+            if node.booting:  # slurmctld waits for the rebooting node to register (seen on 22.05)
+                node.responding = False
             if node.down:
                 node.down = False
-                if not node.responding:  # slurmd still silent: down again at its timeout
+                if not node.responding and not node.booting:  # still silent: down again at its timeout
                     self._at(self.clock() + self.slurmd_timeout_s, "silent", node.name)
             node.set_reason("", None, None)
             self._changed(node)
@@ -466,7 +478,9 @@ class _SimCore:
         self._reach()
         targets, when = self._known(nodes, "reboot"), self._stamp()
         for node in targets:
-            node.drain, node.next_state = True, next_state
+            if not node.drain:
+                node.drain = node.drain_by_reboot = True
+            node.next_state = next_state
             if node.reboot != "ISSUED":
                 node.reboot = "REQUESTED"
             node.set_reason(reason, self.user, when)
@@ -475,8 +489,9 @@ class _SimCore:
         self._landed("reboot_asap", nodes=[n.name for n in targets], reason=reason, next_state=next_state)
 
     def cancel_reboot(self, nodes: str | Sequence[str]) -> None:
-        """Cancel a requested (not yet issued) reboot with the drain and reason it set; nodes without
-        one are skipped."""
+        """Cancel a requested (not yet issued) reboot; nodes without one are skipped. The drain the
+        reboot set goes with its reason; a node drained before the reboot stays drained, with the
+        reboot's reason (seen on 22.05)."""
         self._guarded("cancel_reboot", nodes, lambda n: "REBOOT_REQUESTED" in n.flags, self._cancel_reboot)
 
     def _cancel_reboot(self, names: list[str]) -> None:
@@ -485,46 +500,51 @@ class _SimCore:
             return
         self._reach()
         for node in self._known(names, "cancel_reboot"):
-            node.reboot, node.next_state, node.drain = "", None, False
-            if not node.down:
-                node.set_reason("", None, None)
+            node.reboot, node.next_state = "", None
+            if node.drain_by_reboot:
+                node.drain = node.drain_by_reboot = False
+                if not node.down:
+                    node.set_reason("", None, None)
             self._changed(node)
         self._landed("cancel_reboot", nodes=names)
 
     def _maybe_issue(self, node: _Node) -> None:
-        """A requested reboot is issued once the node runs no job and answers."""
+        """A requested reboot is issued once the node runs no job and answers: slurmctld marks it DOWN
+        and appends " : reboot issued" to the reason, as SlurmUser (seen on 22.05)."""
         if node.reboot == "REQUESTED" and not node.jobs and node.responding:
-            node.reboot = "ISSUED"
+            node.reboot, node.booting, node.down = "ISSUED", True, True
+            if ISSUED_SUFFIX not in node.reason:
+                node.set_reason(node.reason + ISSUED_SUFFIX, SLURM_USER, self._stamp())
             self._changed(node)
             if self.reboot_s is not None:
                 self._at(self.clock() + self.reboot_s, "boot", node.name)
 
     def _timer_boot(self, name: str) -> None:
         node = self._nodes[name]
-        if node.reboot == "ISSUED" and node.responding:
+        if node.booting and not node.dead:
             self.reboot_done(name)
 
     def _timer_silent(self, name: str) -> None:
         node = self._nodes[name]
-        if not node.responding and not node.down:
+        if not node.responding and not node.down and not node.booting:
             self._fail(node, NOT_RESPONDING)
 
     # -- the engine's side: hardware --------------------------------------------------------------
 
     def reboot_done(self, name: str) -> None:
-        """The node has rebooted (an issued reboot completes; any other boot is just a boot): it
-        takes its next state: RESUME returns it to service (no drain, not down, no reason), DOWN
-        leaves it down with the reason."""
+        """The node has booted and slurmd registers (an issued reboot completes; any other boot is just
+        a boot): it takes its next state: RESUME returns it to service (no drain, not down, no
+        reason), DOWN leaves it down with the reason."""
         node = self._nodes[name]
         node.boot_time = self._stamp()
-        node.responding = True
+        node.responding, node.booting, node.dead = True, False, False
         if node.reboot == "ISSUED":
             if node.next_state == "DOWN":
                 node.down, node.drain = True, False
             else:
                 node.drain = node.down = False
                 node.set_reason("", None, None)
-            node.reboot, node.next_state = "", None
+            node.reboot, node.next_state, node.drain_by_reboot = "", None, False
         self._changed(node)
 
     def node_down(self, name: str, reason: str = NOT_RESPONDING) -> None:
@@ -532,7 +552,7 @@ class _SimCore:
         batch job goes back to PENDING). A reason already there is kept."""
         validate_reason(reason)
         node = self._nodes[name]
-        node.responding = False
+        node.responding, node.dead = False, True
         self._fail(node, reason)
 
     def _fail(self, node: _Node, reason: str) -> None:
@@ -549,7 +569,10 @@ class _SimCore:
         """The node answers again (slurmd registers); a DOWN node returns as ReturnToService says (see
         the module docstring): idle, still drained with its reason when it was."""
         node = self._nodes[name]
-        node.responding = True
+        if node.booting:
+            self.reboot_done(name)
+            return
+        node.responding, node.dead = True, False
         rts = self.return_to_service
         if node.down and (rts == 2 or (rts == 1 and node.reason == NOT_RESPONDING)):
             node.down = False
@@ -740,8 +763,8 @@ class SimSlurm(_SimCore):
             why = "busy"
         elif reservation is not None and reservation not in node.resv:
             why = f"not in reservation {reservation!r}"
-        elif reservation is None and node.resv:
-            why = f"reserved ({', '.join(sorted(node.resv))})"
+        elif node.resv - {reservation}:  # another reservation holds it too (a MAINT one over it)
+            why = f"reserved ({', '.join(sorted(node.resv - {reservation}))})"
         if why:
             raise SlurmRefused(f"node {node.name} cannot take the job: {why}")
 
@@ -796,11 +819,13 @@ class SimSlurm(_SimCore):
                      users=list(users), flags=list(flags))
 
     def _check_reservable(self, targets: list[_Node], flags: set[str], name: str, argv: list[str]) -> None:
+        """slurmctld's refusals, in its words (seen on 22.05)."""
         busy = [n.name for n in targets if n.jobs] if "IGNORE_JOBS" not in flags else []
         taken = [n.name for n in targets if n.resv - {name}] if not flags & {"MAINT", "OVERLAP"} else []
-        if busy or taken:
-            raise SlurmRefused(f"reservation {name}: Requested nodes are busy: {', '.join((busy + taken)[:5])}",
-                               argv, 1, "Requested nodes are busy")
+        for nodes, words in ((busy, "Requested nodes are busy"),
+                             (taken, "Requested reservation overlaps with another reservation")):
+            if nodes:
+                raise SlurmRefused(f"reservation {name}: {words}: {', '.join(nodes[:5])}", argv, 1, words)
 
     def update_reservation(self, name: str, nodes: str | Sequence[str]) -> None:
         """Set the reservation's nodes (`scontrol update ReservationName=NAME Nodes=...`): a spare

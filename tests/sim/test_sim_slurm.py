@@ -1,7 +1,20 @@
 """SimSlurm (healthd/sim/slurm.py) held to the SlurmBackend contract the real backends pass on a real
 slurmctld (tests/slurm/contract.py), then to what the simulator needs beyond it: Slurm's node states
 on a virtual clock, jobs, reservations, topology, the engine's side, speed, and invariants kept by
-random sequences of calls (hypothesis)."""
+random sequences of calls (hypothesis).
+
+Where the contract says nothing, the model follows what a local Slurm 22.05.8 cluster
+(tests/support/slurm_cluster.py, ReturnToService=1, RebootProgram=/bin/true) answered when these
+were run by hand: `scontrol requeue` of a pending job: "Job is pending execution"; of a --no-requeue
+job: "Requested operation is presently disabled"; of a COMPLETED job: accepted, PENDING, Restarts=1.
+A reservation over a busy node without IGNORE_JOBS: "Requested nodes are busy"; over a reserved node:
+"Requested reservation overlaps with another reservation", but accepted with MAINT,IGNORE_JOBS; the
+reserved node still shows IDLE. A drained node whose slurmd dies: DOWN+DRAIN+NOT_RESPONDING, the
+drain reason kept, its --no-requeue job NODE_FAIL; slurmd back: DOWN+DRAIN (ReturnToService=1 returns
+only "Not responding"), while an undrained node that died comes back IDLE with no reason. An issued
+reboot (idle node): DOWN+DRAIN+REBOOT_ISSUED, reason "<reason> : reboot issued" by SlurmUser; RESUME
+then: IDLE+NOT_RESPONDING. cancel_reboot of a node drained before `reboot ASAP`: still DRAIN, with
+the reboot's reason. These are not re-run by this file (it boots no Slurm)."""
 
 from __future__ import annotations
 
@@ -138,7 +151,9 @@ def test_topology_conf_is_read_by_the_topology_parser(sim):
 def test_reboot_asap_of_an_idle_node_is_issued_and_boots_on_the_clock(sim, clock):
     sim.reboot_asap("gpu001", "healthd: pending row remap [#1]")
     node = sim.node("gpu001")
-    assert "REBOOT_ISSUED" in node.flags and node.drain_requested and node.next_state == "RESUME"
+    # as slurmctld 22.05 shows an issued reboot (tests/sim/test_sim_slurm.py's module docstring)
+    assert node.state == "down" and node.flags == {"DRAIN", "REBOOT_ISSUED"} and node.next_state == "RESUME"
+    assert (node.reason, node.reason_user) == ("healthd: pending row remap [#1] : reboot issued", SLURM_USER)
     clock.advance(299)
     assert "REBOOT_ISSUED" in sim.node("gpu001").flags
     clock.advance(1)
@@ -156,9 +171,33 @@ def test_reboot_of_a_busy_node_waits_for_its_job_and_next_state_down_leaves_it_d
     assert "REBOOT_ISSUED" in sim.node("gpu002").flags
     clock.advance(300)
     node = sim.node("gpu002")
-    assert node.state == "down" and not node.reboot_requested and node.reason == "healthd: reboot then down"
+    assert node.state == "down" and not node.reboot_requested
+    assert node.reason == "healthd: reboot then down : reboot issued"
     sim.resume("gpu002")
     assert sim.node("gpu002").state == "idle"
+
+
+def test_a_resume_while_the_reboot_is_issued_waits_for_the_boot(sim, clock):
+    sim.reboot_asap("gpu003", "healthd: r")
+    clock.advance(100)
+    sim.resume("gpu003")
+    node = sim.node("gpu003")
+    assert node.state == "idle" and node.flags == {"NOT_RESPONDING"} and node.reason == ""
+    with pytest.raises(SlurmRefused):
+        sim.start_job(None, "gpu003")
+    clock.advance(200)  # booted: answers again, never marked down meanwhile
+    node = sim.node("gpu003")
+    assert node.state == "idle" and not node.flags and node.boot_time == clock.now
+
+
+def test_cancel_reboot_keeps_a_drain_that_was_there_before(sim):
+    """Seen on 22.05: an administrator's drain survives the cancelled reboot, with the reboot's reason."""
+    sim.start_job(None, "gpu001")
+    sim.drain("gpu001", "admin: mine")
+    sim.reboot_asap("gpu001", "healthd: reboot")
+    sim.cancel_reboot("gpu001")
+    node = sim.node("gpu001")
+    assert node.drain_requested and not node.reboot_requested and node.reason == "healthd: reboot"
 
 
 def test_reboot_left_to_the_engine(clock):
@@ -281,7 +320,7 @@ def test_reservations_busy_overlap_update_expiry_and_delete(sim, clock):
     with pytest.raises(SlurmRefused, match="busy"):
         sim.create_reservation("plain", "gpu001", 10, flags=[])
     sim.create_reservation("spares", "gpu[002-003]", 60, flags=[])
-    with pytest.raises(SlurmRefused, match="busy"):
+    with pytest.raises(SlurmRefused, match="overlaps with another reservation"):
         sim.create_reservation("other", "gpu003", 10, flags=[])
     sim.create_reservation("maint", "gpu[001,003]", 10)  # MAINT+IGNORE_JOBS: over a job and another reservation
     assert sim.reservations()["maint"].nodes == ("gpu001", "gpu003")
@@ -290,6 +329,8 @@ def test_reservations_busy_overlap_update_expiry_and_delete(sim, clock):
     sim.start_job(None, "gpu002")  # released from the pool: schedulable again
     with pytest.raises(SlurmRefused, match="invalid"):
         sim.update_reservation("nope", "gpu001")
+    with pytest.raises(SlurmRefused, match="reserved"):  # in a MAINT reservation too
+        sim.start_job(None, "gpu003", reservation="spares")
     in_resv = sim.start_job(None, "gpu004", reservation="spares")
     with pytest.raises(SlurmRefused, match="busy"):
         sim.delete_reservation("spares")
