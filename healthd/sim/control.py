@@ -60,6 +60,7 @@ class ControllerSeam:
                                  gpus_per_node=scenario.job.gpus_per_node)
         self._tally = Tally()
         self._seen: set[int] = set()
+        self._would: set[tuple[str, str, str]] = set()
         self.slurm.start_job(JOB_ID, list(job_nodes), requeue_ok=True)
 
     def _clock(self) -> float:
@@ -79,12 +80,15 @@ class ControllerSeam:
         for o in r.applied:
             self._tally.taken[o.kind] += 1
         for o in r.would_do:
-            self._tally.would[o.kind] += 1
+            # observe mode proposes the same write every round until the fault clears: count it once
+            if (o.node, o.kind, o.incident) not in self._would:
+                self._would.add((o.node, o.kind, o.incident))
+                self._tally.would[o.kind] += 1
         # a refusal is recorded once in the ledger, however many rounds repeat it
         for d in r.recorded:
-            if d.outcome in ("refused", "waiting-approval") and d.kind != "none" and d.id not in self._seen:
+            if d.outcome in ("refused", "waiting") and d.kind != "none" and d.id not in self._seen:
                 self._seen.add(d.id)
-                self._tally.refused[d.refused_gate or d.outcome] += 1
+                self._tally.refused[d.refused_gate or ("mode" if d.outcome == "waiting" else d.outcome)] += 1
 
     def usable(self, node: str) -> bool:
         info = self.slurm.node(node)
@@ -122,11 +126,18 @@ class ControllerSeam:
             # round shows it; the job model keeps the nodes it chose
             self._tally.refused["slurm-start"] += 1
 
+    def operator_drain(self, now: float, node: str) -> None:
+        self._t = max(self._t, T0 + now)
+        self.slurm.drain(node, "operator: kept failing the job")
+        self._tally.taken["operator-drain"] += 1
+
     def repaired(self, now: float, node: str) -> bool:
         t = T0 + now
         self._t = max(self._t, t)
         if self.slurm.node(node).state == "down":
             self.slurm.node_up(node)
+        if (self.slurm.node(node).reason or "").startswith("operator:"):
+            self.slurm.resume(node)  # the person who drained it returns it after the repair
         self.sim.reboot(node, t)
         self._round(t)
         return self.usable(node)

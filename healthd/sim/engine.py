@@ -27,7 +27,7 @@ from typing import Protocol
 
 from healthd import goodput
 from healthd.sim.faults import Fault, FaultClocks, agent_inputs, burst_nodes, stream
-from healthd.sim.job import T0, JobModel, RESTART, WAIT
+from healthd.sim.job import RESTART, T0, WAIT, JobModel
 from healthd.sim.scenario import Cause, Scenario
 
 
@@ -72,6 +72,9 @@ class Remediation(Protocol):
     def job_started(self, now: float, nodes: Sequence[str]) -> None:
         """The job's next run starts on `nodes`."""
 
+    def operator_drain(self, now: float, node: str) -> None:
+        """A person takes `node` out of service (it kept failing the job and healthd did not)."""
+
     def repaired(self, now: float, node: str) -> bool:
         """The node is back from repair at `now`; True when it may serve again at once."""
 
@@ -108,6 +111,9 @@ class LabRule:
 
     def job_started(self, now: float, nodes: Sequence[str]) -> None:
         return None
+
+    def operator_drain(self, now: float, node: str) -> None:
+        self._tally.taken["operator-drain"] += 1
 
     def repaired(self, now: float, node: str) -> bool:
         return True
@@ -188,6 +194,12 @@ class Engine:
                                          lambda n: f"leaf{index[n] // width + 1:03d}")
         self.rem: Remediation = remediation if remediation is not None else LabRule()
         self._returning: set[str] = set()
+        self._broken: dict[str, tuple[Cause, int | None]] = {}
+        """Nodes a fault broke that nobody has taken out yet: they fail the job whenever it runs."""
+        self.operator_s = None if scenario.healthd.operator_minutes is None else scenario.healthd.operator_minutes * 60
+        self._operator_drains = 0
+        self._operator_due: set[str] = set()
+        self._tally_recur = 0
         self._polling = False
         self.clocks = FaultClocks(scenario, seed, self.fleet, mtbf)
         self.in_job: dict[str, None] = dict.fromkeys(pool[:scenario.job.nodes])
@@ -242,6 +254,10 @@ class Engine:
         """The job computes from `t`: the next save and the next fault."""
         self._run_start = t
         gen = self._gen
+        broken = sorted(n for n in self.in_job if n in self._broken)
+        if broken:
+            self._at(t, self._recur, gen, broken[0])
+            return
         self._at(t + self.tau, self._checkpoint_start, gen)
         dt, which, node, idx = self.clocks.next(self.in_job)
         if dt != float("inf"):
@@ -282,6 +298,31 @@ class Engine:
             cause, burst = self.s.cause(b.cause), b.name
             nodes = burst_nodes(b, self.s, self.fleet, list(self.in_job), self._burst_rng)
         gpu = self._gpu_rng.randrange(self.s.job.gpus_per_node) if nodes else None
+        if cause.repair:
+            for n in nodes:
+                if n not in self._broken:
+                    self._broken[n] = (cause, gpu)
+                    if self.operator_s is not None:
+                        self._at(self.now + self.operator_s, self._operator, n)
+        self._interrupt(cause, nodes, burst, gpu)
+
+    def _recur(self, gen: int, node: str) -> None:
+        """A node left broken in the job fails the job again as soon as it runs."""
+        if gen != self._gen or node not in self._broken or node not in self.in_job:
+            return
+        self.clocks.advance(self.in_job, self.now - self._run_start)
+        self._gen += 1
+        cause, gpu = self._broken[node]
+        self._tally_recur += 1
+        self._interrupt(cause, (node,), None, gpu)
+
+    def _operator(self, node: str) -> None:
+        """A person takes out a node that has stayed broken this long (what healthd did not), at the
+        job's next detection."""
+        if node in self._broken:
+            self._operator_due.add(node)
+
+    def _interrupt(self, cause: Cause, nodes: tuple[str, ...], burst: str | None, gpu: int | None) -> None:
         inputs = tuple(i for n in nodes for i in agent_inputs(cause, n, gpu or 0))
         fault = Fault(self.now, cause, nodes, self._detect_s(cause), inputs, burst, gpu)
         self._fault = fault
@@ -310,14 +351,20 @@ class Engine:
         if gen != self._gen or self._fault is None:
             return
         fault = self._fault
-        for n in decision.removed:
+        due = sorted(n for n in self._operator_due if n in self._broken and n not in decision.removed)
+        self._operator_due.clear()
+        for n in due:
+            self.rem.operator_drain(self.now, n)
+            self._operator_drains += 1
+        for n in (*decision.removed, *due):
+            self._broken.pop(n, None)
             if n in self.in_repair:
                 continue
             self.in_job.pop(n, None)
             self.spares.discard(n)
             self.in_repair.add(n)
             self._at(self.now + self._repair_s(n, fault.cause), self._repaired, n)
-        self._state = "NODE_FAIL" if decision.removed else "FAILED"
+        self._state = "NODE_FAIL" if decision.removed or due else "FAILED"
         if decision.false_positive:
             self.job.false_positive(self.now)
         self.job.decided(self.now, self._state)

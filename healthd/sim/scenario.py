@@ -163,8 +163,10 @@ class Healthd:
     observe, supervised, auto: the real controller in that mode, through the controller seam."""
     settings: Mapping[str, Any] = field(default_factory=dict)
     """Controller settings overrides (breaker, rate limit, capacity floor, ...), as in its config file."""
-    round_seconds: float = 30.0
-    """Virtual seconds between control rounds."""
+    operator_minutes: float | None = 240.0
+    """A node a fault broke that nobody took out (healthd in observe mode, or a fault healthd cannot
+    see) fails the job each time it runs; this long after the fault a person drains it, at the job's
+    next detection. None: nobody does."""
 
 
 @dataclass(frozen=True)
@@ -369,11 +371,13 @@ def _build(raw: dict[str, Any], where: str) -> Scenario:
         raise ScenarioError(f"{where}: a cause name is in both node_causes and job_causes")
     bursts = tuple(_burst(name, spec, f"{where}: bursts.{name}", {c.name for c in node_causes}, fleet)
                    for name, spec in top.mapping_("bursts").items())
-    h = _Fields(top.mapping_("healthd"), f"{where}: healthd", ("mode", "settings", "round_seconds"))
+    h = _Fields(top.mapping_("healthd"), f"{where}: healthd", ("mode", "settings", "operator_minutes"))
     settings = h.mapping_("settings")
     if settings:
         _check_controller_settings(settings, f"{where}: healthd.settings")
-    healthd = Healthd(h.str_("mode", "none", choices=MODES), settings, h.num_("round_seconds", 30.0, hi=86400.0))
+    operator = h.doc.get("operator_minutes", 240.0)
+    healthd = Healthd(h.str_("mode", "none", choices=MODES), settings,
+                      None if operator is None else h.num_("operator_minutes", 240.0, hi=1e6))
     s = Scenario(
         name=top.str_("name"), description=top.str_("description", ""),
         days=top.num_("days", 28.0, hi=MAX_DAYS), job=job, fleet=fleet,

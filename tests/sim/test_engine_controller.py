@@ -48,3 +48,27 @@ def test_bad_controller_settings_in_a_scenario_are_a_scenario_error():
     text = "base: baseline\nname: x\nhealthd: {mode: auto, settings: {policy: {no_such_key: 1}}}\n"
     with pytest.raises(scenario.ScenarioError, match="no_such_key"):
         scenario.load_text(text, "x.yaml")
+
+
+def test_observe_mode_drains_nothing_records_what_auto_would_do_and_the_broken_nodes_cost_goodput():
+    base = scenario.load("baseline")
+    auto = engine.run(mode(base, "auto", days=10), 1, keep_faults=True)
+    observe = engine.run(mode(base, "observe", days=10), 1, keep_faults=True)
+    assert not {"drain", "drain-and-requeue"} & set(observe.taken)
+    assert set(observe.would) <= {"drain", "drain-and-requeue"} and sum(observe.would.values()) >= 1
+    # each write observe mode would have made is recorded once, refused by the mode gate
+    assert observe.refused.get("mode") == sum(observe.would.values())
+    # a node left broken fails the job each time it restarts, until a person drains it
+    assert observe.taken["operator-drain"] >= 1
+    assert observe.interruptions > auto.interruptions and observe.goodput < auto.goodput
+    assert observe.faults[0] == auto.faults[0]
+
+
+def test_without_an_operator_a_broken_node_fails_the_job_until_the_end():
+    base = scenario.load("baseline")
+    s = mode(base, "observe", days=5)
+    s = dataclasses.replace(s, healthd=dataclasses.replace(s.healthd, operator_minutes=None))
+    r = engine.run(s, 1)
+    with_operator = engine.run(mode(base, "observe", days=5), 1)
+    assert "operator-drain" not in r.taken and r.partial == ()
+    assert r.goodput <= with_operator.goodput

@@ -1,0 +1,84 @@
+"""healthd-sim's speed and memory: 140 runs of the 28-day, 128-node baseline scenario (seeds 1-140)
+in `--jobs` processes (default 2: this machine's cores), each run's log scored by healthd.goodput,
+timed on the wall clock and in CPU (the processes' own, summed); and the
+peak RSS of a child process running 20 runs of 7 days against one running 20 runs of 28 days (memory
+flat in run length: the engine keeps no history, only the run's log until it is scored).
+
+    .venv/bin/python bench/sim.py [--runs 140] [--jobs 2] [--scenario baseline]
+
+Writes bench/results/sim.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import dataclasses
+import json
+import multiprocessing
+import resource
+import subprocess
+import sys
+import time
+
+from common import save
+
+from healthd.sim import engine, scenario
+
+
+def child(name: str, days: float, runs: int) -> None:
+    s = dataclasses.replace(scenario.load(name), days=days)
+    for seed in range(1, runs + 1):
+        engine.run(s, seed)
+    print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+
+
+def _one(args: tuple[str, int]) -> tuple[float, float]:
+    name, seed = args
+    t = time.process_time()
+    r = engine.run(scenario.load(name), seed)
+    return r.goodput, time.process_time() - t
+
+
+def rss_of(name: str, days: float, runs: int) -> int:
+    out = subprocess.run([sys.executable, __file__, "--child", name, str(days), str(runs)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["maxrss_kib"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=140)
+    ap.add_argument("--scenario", default="baseline")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--child", nargs=3, metavar=("SCENARIO", "DAYS", "RUNS"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.child[0], float(a.child[1]), int(a.child[2]))
+        return
+    s = scenario.load(a.scenario)
+    wall0 = time.perf_counter()
+    with multiprocessing.Pool(a.jobs) as pool:
+        results = pool.map(_one, [(a.scenario, seed) for seed in range(1, a.runs + 1)], chunksize=1)
+    wall = time.perf_counter() - wall0
+    cpu = sum(c for _, c in results)
+    rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    rss7, rss28 = rss_of(a.scenario, 7, 20), rss_of(a.scenario, 28, 20)
+    doc = {
+        "scenario": a.scenario, "runs": a.runs, "jobs": a.jobs, "load_average_1m": round(os.getloadavg()[0], 1),
+        "days": s.days, "job_nodes": s.job.nodes, "fleet_nodes": s.fleet.size,
+        "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "cpu_ms_per_run": round(cpu / a.runs * 1000, 1),
+        "peak_rss_mib": round(rss / 1024, 1),
+        "child_20_runs_peak_rss_mib": {"7_days": round(rss7 / 1024, 1), "28_days": round(rss28 / 1024, 1)},
+        "mean_goodput": round(sum(g for g, _ in results) / len(results), 4),
+    }
+    print(f"{a.runs} runs of {s.days:g} days x {s.job.nodes} nodes ({a.scenario}) in {a.jobs} processes: wall {wall:.1f} s, "
+          f"CPU {cpu:.1f} s "
+          f"({doc['cpu_ms_per_run']} ms a run), peak RSS {doc['peak_rss_mib']} MiB, load average {doc['load_average_1m']}")
+    print(f"peak RSS of 20 runs: 7 days {doc['child_20_runs_peak_rss_mib']['7_days']} MiB, "
+          f"28 days {doc['child_20_runs_peak_rss_mib']['28_days']} MiB")
+    save("sim", doc)
+
+
+if __name__ == "__main__":
+    main()
