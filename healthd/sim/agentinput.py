@@ -51,7 +51,7 @@ def bus_id(gpu: int) -> str:
     """GPU `gpu`'s PCI bus id as NVML gives it (`00000000:18:00.0`); past the 8 listed, made up alike."""
     if 0 <= gpu < len(GPU_BUS_IDS):
         return GPU_BUS_IDS[gpu]
-    return f"00000001:{gpu % 256:02X}:00.0"
+    return f"{1 + gpu // 256:08X}:{gpu % 256:02X}:00.0"
 
 
 def xid_line(xid: int, gpu: int, text: str = "", *, pid: int | None = None, process: str | None = None) -> str:

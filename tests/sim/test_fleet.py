@@ -380,3 +380,45 @@ def test_the_decisions_equal_the_daemons_round_on_the_same_reports(quiet, tmp_pa
     assert sim_writes == daemon_writes
     assert any(row[2] == "refused" for rnd in sim_out for row in rnd), "the scenario has a refusal"
     assert len(sim_writes) >= 2
+
+
+# ------------------------------------------------------------------------------ deadlines and the agent
+
+
+def test_a_silenced_nodes_report_goes_stale_at_the_deadline_the_controller_names(quiet):
+    sim, be, clock = make(n=32)
+    try:
+        sim.round(T0)
+        assert sim.next_deadline() is None  # nothing can change without new input
+        sim.silence("gpu0005")
+        clock.t = T0 + 10
+        sim.round(clock.t)
+        ttl = sim.controller.policy.report_ttl_s
+        assert sim.next_deadline() == T0 + ttl + 1
+        clock.t = sim.next_deadline()
+        (o,) = sim.round(clock.t).outcomes
+        assert (o.node, o.kind) == ("gpu0005", "none") and "old" in o.reason
+    finally:
+        sim.close()
+
+
+def test_a_repaired_node_returns_through_the_real_reintegration_with_rounds_only_at_deadlines(quiet):
+    sim, be, clock = make(n=32)
+    try:
+        sim.report("gpu0007", [NvmlReading(gpus=(GpuReading(2, {"lost": True}),))], T0)
+        sim.round(T0)
+        assert "DRAIN" in node_state(be, "gpu0007").flags
+        clock.t = T0 + DAY
+        sim.reboot("gpu0007", clock.t)  # repaired: the agent starts on a new boot, the GPU back
+        sim.round(clock.t)
+        rounds = 0
+        while (deadline := sim.next_deadline()) is not None and rounds < 100:
+            clock.t = deadline
+            sim.round(deadline)
+            rounds += 1
+        (r,) = sim.ledger.reintegrations(node="gpu0007")
+        assert r.state == "passed" and r.probation_until is not None and clock.t >= r.probation_until
+        assert not node_state(be, "gpu0007").flags and not sim.ledger.holds()
+        assert rounds < 20, f"{rounds} rounds for one reintegration"
+    finally:
+        sim.close()
