@@ -17,8 +17,8 @@ nothing else, because the agent's rules say so.
 Time is the simulator's: each `feed` runs one tick of the agent at the `now` it is given, and the
 kernel lines carry that time. A reboot (`SimAgent.reboot`) gives the agent a new boot id, which is
 how a real agent learns of one (its history of Xid occurrences stays, as it does across a reboot).
-The in-band rings (healthd.inband_layout) are not fed: the agent reads them from files a job writes,
-which this module does not write yet.
+The in-band rings (healthd.inband_layout) are not fed: the agent reads them from files a job's ranks
+write, and this module writes none.
 """
 
 from __future__ import annotations
@@ -172,9 +172,12 @@ def agent_settings(node: str, gpus: int, run_dir: str) -> Settings:
 class SimAgent:
     """One node's real agent, fed simulated input on the simulator's clock."""
 
-    def __init__(self, node: str, *, gpus: int = 8, catalog: Catalog | None = None, run_dir: str | None = None):
+    def __init__(self, node: str, *, gpus: int = 8, catalog: Catalog | None = None, run_dir: str | None = None,
+                 now: float = 0.0):
+        """`run_dir`: an empty directory for the agent's hooks' files (none is read); `now`: when the
+        agent starts."""
         self.node = node
-        self.now = 0.0
+        self.now = float(now)
         self.boots = 0
         self.kernel = _Kernel()
         self.nvml = _Nvml(gpus)
