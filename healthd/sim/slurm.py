@@ -116,6 +116,11 @@ SLURM_USER = "slurm"
 """Who slurmctld's own reasons are by (SlurmUser): a node marked down for not responding."""
 
 
+def _job_order(job_id: str) -> tuple[int, ...]:
+    """squeue's order: by job id, an array task after its array's id."""
+    return tuple(int(part) for part in job_id.split("_"))
+
+
 def _never_run(argv: list[str], env: dict[str, str], timeout_s: float) -> CommandResult:
     raise AssertionError(f"SimSlurm runs no Slurm client: {argv}")
 
@@ -693,7 +698,7 @@ class SimSlurm(_SimCore):
         if found is None:
             raise SlurmRefused(f"squeue: Invalid node name specified: {name}", ["squeue", f"--nodelist={name}"], 1,
                                "Invalid node name specified")
-        return [self._jobs[j].info() for j in sorted(found.jobs, key=int)]
+        return [self._jobs[j].info() for j in sorted(found.jobs, key=_job_order)]
 
     def job(self, job_id: int | str) -> JobInfo | None:
         text = validate_job_id(job_id)
@@ -772,7 +777,10 @@ class SimSlurm(_SimCore):
         """The job ends (a pending one is cancelled); slurmctld forgets it min_job_age_s later."""
         if state not in FINISHED_STATES:
             raise ValueError(f"a job ends {', '.join(sorted(FINISHED_STATES))}, not {state!r}")
-        job = self._jobs[validate_job_id(job_id)]
+        text = validate_job_id(job_id)
+        job = self._jobs.get(text)
+        if job is None:
+            raise ValueError(f"SimSlurm holds no job {text}")
         if job.state in FINISHED_STATES:
             raise ValueError(f"job {job.job_id} has ended already ({job.state})")
         self._tick()

@@ -292,6 +292,11 @@ def test_start_job_refuses_nodes_slurm_would_not_schedule(sim):
         sim.end_job(shared)
     with pytest.raises(ValueError):
         sim.end_job(sim.start_job(None, "gpu006"), "GONE")
+    with pytest.raises(ValueError, match="no job 4242"):
+        sim.end_job(4242)
+    sim.start_job("30_2", "gpu007", partition="debug", exclusive=False)
+    sim.start_job("9", "gpu007", partition="debug", exclusive=False)
+    assert [j.job_id for j in sim.jobs_on("gpu007")] == ["9", "30_2"]
     sim.ctld_down()
     with pytest.raises(SlurmUnavailable):
         sim.start_job(None, "gpu008")
