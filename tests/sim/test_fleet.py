@@ -422,3 +422,18 @@ def test_a_repaired_node_returns_through_the_real_reintegration_with_rounds_only
         assert rounds < 20, f"{rounds} rounds for one reintegration"
     finally:
         sim.close()
+
+
+def test_with_slurmctld_down_the_round_decides_nothing_and_asks_to_look_again(quiet):
+    sim, be, clock = make(n=8)
+    try:
+        sim.report("gpu0001", [xid(79)], T0)
+        be.ctld_down()
+        r = sim.round(T0)
+        assert not r.ran and not r.outcomes and not r.holds
+        assert sim.next_deadline() == T0 + sim.recheck_s
+        be.ctld_up()
+        clock.t = T0 + 10
+        assert [o.node for o in sim.round(clock.t).applied] == ["gpu0001"]
+    finally:
+        sim.close()
