@@ -117,6 +117,15 @@ ACTIONS: Mapping[str, ActionKind] = MappingProxyType({a.kind: a for a in (
     ActionKind("reservation-delete", "delete_reservation", target="reservation", records=None, changes_node=False,
                removes_capacity=False, holds=False, approval="operator", budget="", gates=("mode",),
                proposed_by="the reintegrator: its reservation, once validation ended (or a leftover)"),
+    ActionKind("spare-reserve", "create_reservation", target="reservation", records=None, changes_node=False,
+               removes_capacity=False, holds=False, approval="operator", budget="", gates=("mode", "capacity"),
+               proposed_by="the spare pool (policy.spares): an idle healthy node put in a reservation of its own, "
+               "out of general scheduling; never below a capacity floor, the pool's spares counted as gone"),
+    ActionKind("spare-release", "delete_reservation", target="reservation", records=None, changes_node=False,
+               removes_capacity=False, holds=False, approval="operator", budget="", gates=("mode",),
+               proposed_by="the spare pool: a spare's reservation deleted, next to a node healthd removes (same "
+               "leaf switch, else rack group), or when it is no longer fit, over the pool's size or needed "
+               "for a capacity floor"),
     ActionKind("undo", "resume", target="node", records="resume", changes_node=True, removes_capacity=False,
                holds=False, approval="operator", budget="", gates=("mode",),
                proposed_by="`healthctl undo` of a drain (planned by the admin socket; the hold must still be "
@@ -134,7 +143,8 @@ ACTIONS: Mapping[str, ActionKind] = MappingProxyType({a.kind: a for a in (
 )})
 
 DecisionKind = Literal["drain", "drain-and-requeue", "reboot-asap", "requeue", "requeue-hang", "resume", "redrain",
-                       "reservation-create", "reservation-delete", "undo", "undo-reboot", "release", "none"]
+                       "reservation-create", "reservation-delete", "spare-reserve", "spare-release", "undo",
+                       "undo-reboot", "release", "none"]
 DECISION_KINDS: tuple[str, ...] = tuple(ACTIONS)
 ACTING_KINDS: frozenset[str] = frozenset(k for k, a in ACTIONS.items() if a.call is not None)
 """Kinds that write to Slurm."""

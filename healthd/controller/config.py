@@ -18,6 +18,7 @@ from healthd.controller.goodput_jobs import GoodputSettings
 from healthd.controller.history import HistorySettings
 from healthd.controller.policy import MODES, ControllerPolicySettings
 from healthd.controller.reintegrate import ReintegrationSettings
+from healthd.controller.spares import SparePool
 from healthd.settings import DetectorSettings
 from healthd.slurm import BACKENDS
 from healthd.controller.verifier import MAX_REPORT_PROCESSES
@@ -108,6 +109,15 @@ _POLICY_TYPE_OVERRIDES: dict[str, Any] = {
 }
 
 
+def _build_pool(raw: Any, file: str, key: str) -> SparePool:
+    try:
+        return build(SparePool, raw, file, key)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(file, key, "a valid spare pool", f"<{exc}>") from None
+
+
 def _build_policy(raw: Any, file: str, prefix: str) -> ControllerPolicySettings:
     if raw is None:
         return ControllerPolicySettings()
@@ -125,6 +135,9 @@ def _build_policy(raw: Any, file: str, prefix: str) -> ControllerPolicySettings:
     values: dict[str, Any] = {}
     for name, value in raw.items():
         tp = _POLICY_TYPE_OVERRIDES.get(name, hints[name])
+        if name == "spares" and isinstance(value, dict):  # each pool's own check names its partition
+            values[name] = {p: _build_pool(v, file, f"{prefix}.spares.{p}") for p, v in value.items()}
+            continue
         values[name] = convert(tp, value, file, f"{prefix}.{name}")
     if "mode" in values and values["mode"] not in MODES:
         raise ConfigError(file, f"{prefix}.mode", f"one of {', '.join(MODES)}", values["mode"])

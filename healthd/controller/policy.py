@@ -25,6 +25,7 @@ from healthd.controller.actions import Decision
 from healthd.controller.fleetcache import SlurmSnapshot
 from healthd.controller.inband import JobProgress, jobs_from_json
 from healthd.controller.ownership import Hold, owned
+from healthd.controller.spares import SparePool
 from healthd.model import ACTION_SEVERITY, Finding
 from healthd.reason import build_reason, printable
 from healthd.slurm.backend import NodeInfo
@@ -88,6 +89,8 @@ class ControllerPolicySettings:
     """PDU name -> the nodes it feeds (from config); a correlation group."""
     report_ttl_s: float = 120.0
     """A report older than this is stale: its findings decide nothing (the agent may be dead)."""
+    spares: Mapping[str, SparePool] = field(default_factory=dict)
+    """partition -> its hot spare pool (healthd.controller.spares); empty: no spares (the default)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -107,6 +110,7 @@ class ControllerPolicySettings:
         object.__setattr__(self, "capacity_floors", _frozen_map(self.capacity_floors))
         object.__setattr__(self, "racks", _frozen_map({k: frozenset(v) for k, v in dict(self.racks).items()}))
         object.__setattr__(self, "pdus", _frozen_map({k: frozenset(v) for k, v in dict(self.pdus).items()}))
+        object.__setattr__(self, "spares", _frozen_map(self.spares))
 
     def partition_limit(self, partition: str) -> int:
         return self.partition_rate_limits.get(partition, self.max_actions_per_partition_per_hour)

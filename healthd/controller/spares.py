@@ -1,0 +1,311 @@
+"""Hot spares: per partition, a few validated idle nodes held out of general scheduling in
+reservations healthd owns, released next to a node healthd removes so that a requeued job restarts in
+the same place in the network.
+
+Pure decisions over values, as policy's: nothing here reads Slurm, the ledger or the clock. Each is a
+`Decision` of the action table (healthd.controller.actions) carrying its evidence, gated like any other
+write (the mode gate: observe only records; the capacity gate on a reserve):
+
+- `keep_pool`: which idle healthy nodes to reserve so that each configured partition has its pool
+  (`policy.spares`), and which spares to give back: one no longer fit to be a spare (drained, down,
+  not responding, unhealthy, in use), one over the pool's size, and any while the partition is below
+  its capacity floor. A reserve never takes a partition (any partition the node is in) below its
+  floor: the spares held already count as out of service. Candidates are spread over the leaf
+  switches (a leaf without a spare first, then a rack group without one), then the most recently
+  validated, then by name.
+- `release_for`: the spare to release when healthd removes a node from a partition: one under the
+  same leaf switch (topology.conf), else in the same rack group (`policy.racks`), else none; the
+  decision (a `none` when there is no such spare) says which and why.
+- `revalidation_due`: the spares whose last validation pass is older than half of
+  `validated_within_h` (or that have none): revalidated before the pass they hold expires.
+
+One reservation per spare, `<reservation>_<node>`: releasing a spare is deleting its reservation, one
+existing backend call, and no other spare is ever out of its reservation meanwhile. The reservation
+lasts `validated_within_h`: should healthd stop, its spares return to service by themselves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from healthd.controller.actions import Decision
+from healthd.model import Evidence
+from healthd.slurm.backend import NodeInfo, validate_reservation_name
+from healthd.slurm.topology import Topology
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
+NOT_SPARE_FLAGS = frozenset({"DRAIN", "NOT_RESPONDING", "REBOOT_REQUESTED", "REBOOT_ISSUED", "COMPLETING",
+                             "POWERED_DOWN", "POWERING_DOWN", "POWERING_UP", "POWER_DOWN", "FAIL", "MAINT",
+                             "RESERVED", "PLANNED", "INVALID_REG", "CLOUD"})
+"""A node showing any of these is not taken as a spare (in a reservation already, on its way out of
+service, or not there); a spare of healthd's that shows one other than its own reservation's is
+given back."""
+_OWN_RESERVATION_FLAGS = frozenset({"MAINT", "RESERVED"})
+
+
+@dataclass(frozen=True)
+class SparePool:
+    """One partition's hot spares (`policy.spares.<partition>`)."""
+
+    size: int = 1
+    """How many spares to keep in the partition's pool (never taking it below its capacity floor)."""
+    validated_within_h: float = 24.0
+    """A spare is released for a removed node only when its last validation passed within this many
+    hours; it is revalidated once that pass is older than half of it. Its reservation lasts this long,
+    so spares return to service by themselves should healthd stop renewing them."""
+    reservation: str = ""
+    """Prefix of the reservations healthd keeps the pool's spares in, one per spare:
+    `<reservation>_<node>`. Empty: `healthd_spare_<partition>`. healthd owns exactly the reservations
+    its ledger records under this prefix."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or not 0 <= self.size <= 1024:
+            raise ValueError(f"spares size: expected an integer from 0 to 1024, found {self.size!r}")
+        if not 1 / 60 <= self.validated_within_h <= 8760:
+            raise ValueError(f"spares validated_within_h: expected 1 minute to 8760 hours, found {self.validated_within_h!r}")
+        if self.reservation and not _NAME.fullmatch(self.reservation):
+            raise ValueError(f"spares reservation {self.reservation!r}: 1-40 letters, digits and ._-, "
+                             "starting with a letter or digit")
+
+    def prefix(self, partition: str) -> str:
+        return self.reservation or f"healthd_spare_{partition}"
+
+    def reservation_for(self, partition: str, node: str) -> str:
+        return f"{self.prefix(partition)}_{node}"
+
+    @property
+    def minutes(self) -> int:
+        return max(1, int(self.validated_within_h * 60))
+
+
+@dataclass(frozen=True)
+class Spare:
+    """A node in one of healthd's spare reservations, as its ledger records it."""
+
+    node: str
+    partition: str
+    reservation: str
+    reserved_at: float
+    validated_at: float | None = None
+    """When its last validation passed; None: not validated yet (not released for a removed node)."""
+
+
+@dataclass(frozen=True)
+class SpareWorld:
+    """What the spare decisions read, as values."""
+
+    nodes: Mapping[str, NodeInfo]
+    """node -> Slurm's view of it."""
+    partitions: Mapping[str, frozenset[str]]
+    """partition -> its nodes."""
+    spares: Mapping[str, Spare] = field(default_factory=dict)
+    """node -> its spare record (healthd's by record)."""
+    healthy: frozenset[str] = frozenset()
+    """Nodes whose fresh report says healthy."""
+    busy: frozenset[str] = frozenset()
+    """Nodes healthd has business with (held, an open incident, a reintegration): never spares."""
+    out_of_service: frozenset[str] = frozenset()
+    """Nodes the capacity floor counts as gone besides the spares (drained, down, healthd's removals)."""
+    floors: Mapping[str, int] = field(default_factory=dict)
+    """partition -> its capacity floor (policy.capacity_floors)."""
+    validated: Mapping[str, float] = field(default_factory=dict)
+    """node -> when its latest validation passed (a reintegration, a spare's revalidation)."""
+    topology: Topology = Topology()
+    racks: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """rack group -> its nodes (policy.racks): the fallback where topology.conf names no leaf."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spares", MappingProxyType(dict(self.spares)))
+
+    def racks_of(self, node: str) -> tuple[str, ...]:
+        return tuple(sorted(r for r, members in self.racks.items() if node in members))
+
+    def partitions_of(self, node: str) -> tuple[str, ...]:
+        return tuple(sorted(p for p, members in self.partitions.items() if node in members))
+
+
+def _ev(text: str, **data: object) -> Evidence:
+    return Evidence("state", text, dict(data))
+
+
+def fit(node: str, world: SpareWorld) -> str:
+    """Why `node` cannot be a spare ('' when it can): idle (a spare already held may run root's
+    validation), no flag of NOT_SPARE_FLAGS but its own reservation's, a fresh healthy report, nothing
+    healthd is doing with it."""
+    info = world.nodes.get(node)
+    if info is None:
+        return "Slurm does not show it"
+    spare = node in world.spares
+    flags = sorted(info.flags & (NOT_SPARE_FLAGS - (_OWN_RESERVATION_FLAGS if spare else frozenset())))
+    if flags:
+        return f"it shows {'+'.join(flags)}"
+    # only root runs in a spare's reservation: a spare at work is being validated
+    if info.state != "idle" and not (spare and info.state in ("allocated", "mixed")):
+        return f"it is {info.state}"
+    if node in world.out_of_service:
+        return "it is out of service"
+    if node not in world.healthy:
+        return "no fresh healthy report"
+    if node in world.busy:
+        return "healthd holds it or has an incident or reintegration open on it"
+    return ""
+
+
+def _headroom(partition: str, world: SpareWorld, taken: frozenset[str]) -> int | None:
+    """How many more nodes the partition can lose before its floor (None: no floor)."""
+    floor = world.floors.get(partition)
+    if floor is None:
+        return None
+    members = world.partitions.get(partition, frozenset())
+    gone = members & (world.out_of_service | taken)
+    return len(members) - len(gone) - floor
+
+
+def _release(partition: str, spare: Spare, why: str, now: float, incident: str = "",
+             evidence: Iterable[Evidence] = ()) -> Decision:
+    return Decision(id=f"spare-release:{partition}:{spare.node}", kind="spare-release", node=spare.node,
+                    reason=f"healthd: spare released: {why}", tier=1, incident=incident, decided_at=now,
+                    target=spare.reservation, evidence=(*evidence, _ev(why, partition=partition)),
+                    detail={"partition": partition, "why": why})
+
+
+def keep_pool(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> tuple[Decision, ...]:
+    """The reserves that fill each pool and the releases that give back what must not stay a spare."""
+    out: list[Decision] = []
+    held = dict(world.spares)
+    for node, spare in sorted(world.spares.items(), key=lambda kv: (kv[1].partition, kv[0])):
+        unfit = fit(node, world)
+        why = (f"partition {spare.partition} has no spare pool configured" if spare.partition not in pools
+               else f"{node} can no longer be a spare: {unfit}" if unfit else "")
+        if why:
+            out.append(_release(spare.partition, spare, why, now))
+            del held[node]
+    for partition, pool in sorted(pools.items()):
+        mine = sorted((s for s in held.values() if s.partition == partition),
+                      key=lambda s: (s.validated_at is None, -(s.validated_at or 0.0), s.node))
+        taken = frozenset(held)
+        room = _headroom(partition, world, taken)
+        # below the floor, spares are capacity: give back as many as it takes, the least validated first
+        while mine and room is not None and room < 0:
+            s = mine.pop()
+            out.append(_release(partition, s, f"partition {partition} is below its capacity floor "
+                                f"{world.floors[partition]}", now))
+            del held[s.node]
+            room += 1
+        while len(mine) > pool.size:
+            s = mine.pop()
+            out.append(_release(partition, s, f"the pool of {partition} holds {len(mine) + 1}, more than its "
+                                f"size {pool.size}", now))
+            del held[s.node]
+        want = pool.size - len(mine)
+        refused: set[str] = set()
+        while want > 0:  # one at a time: each pick changes which leaf switches a spare covers
+            node = next((n for n in _candidates(partition, world, frozenset(held)) if n not in refused), None)
+            if node is None:
+                break
+            taken = frozenset(held) | {node}
+            if any((r := _headroom(p, world, taken)) is not None and r < 0 for p in world.partitions_of(node)):
+                refused.add(node)
+                continue
+            reservation = pool.reservation_for(partition, node)
+            try:
+                validate_reservation_name(reservation)
+            except ValueError:  # a node name too long for Slurm's reservation names: never a spare
+                refused.add(node)
+                continue
+            where = _place(node, world)
+            out.append(Decision(
+                id=f"spare-reserve:{partition}:{node}", kind="spare-reserve", node=node,
+                reason=f"healthd: hot spare for {partition}", tier=1, decided_at=now, target=reservation,
+                evidence=(_ev(f"{node} is idle and healthy{where}", partition=partition),
+                          _ev(f"pool of {partition}: {len(mine)} of {pool.size} spares",
+                              partition=partition, size=pool.size, held=len(mine))),
+                detail={"partition": partition, "minutes": pool.minutes,
+                        "validated_at": world.validated.get(node)}))
+            held[node] = Spare(node, partition, reservation, now, world.validated.get(node))
+            mine.append(held[node])
+            want -= 1
+    return tuple(out)
+
+
+def _place(node: str, world: SpareWorld) -> str:
+    leaf = world.topology.leaf_of(node)
+    if leaf:
+        return f", under leaf switch {leaf}"
+    racks = world.racks_of(node)
+    return f", in rack group {racks[0]}" if racks else ""
+
+
+def _candidates(partition: str, world: SpareWorld, held: frozenset[str]) -> list[str]:
+    """The partition's nodes that could be spares, best first: a leaf switch (else a rack group) no
+    spare covers yet, then the most recently validated, then by name."""
+    covered_leaves = {leaf for n in held for leaf in world.topology.leaves.get(n, ())}
+    covered_racks = {r for n in held for r in world.racks_of(n)}
+    out = []
+    for node in world.partitions.get(partition, frozenset()):
+        if node in held or node in world.spares or fit(node, world):  # a spare given back this round stays out
+            continue
+        leaves = world.topology.leaves.get(node, ())
+        new_leaf = bool(leaves) and not covered_leaves.intersection(leaves)
+        new_rack = bool(world.racks_of(node)) and not covered_racks.intersection(world.racks_of(node))
+        out.append((not new_leaf, not new_rack, -world.validated.get(node, float("-inf")), node))
+    return [node for *_, node in sorted(out)]
+
+
+def _usable(spare: Spare, pool: SparePool, world: SpareWorld, now: float) -> bool:
+    info = world.nodes.get(spare.node)
+    return (spare.validated_at is not None and now - spare.validated_at <= pool.validated_within_h * 3600
+            and not fit(spare.node, world) and info is not None and info.state == "idle")
+
+
+def release_for(removed: str, incident: str, pools: Mapping[str, SparePool], world: SpareWorld, now: float,
+                taken: frozenset[str] = frozenset()) -> Decision | None:
+    """The spare to release because healthd removes `removed` (under `incident`): same leaf switch,
+    else same rack group; a `none` decision saying why when the partition has a pool but no such spare.
+    None when no partition of `removed` has a pool. `taken`: spares released earlier in the round."""
+    parts = [p for p in world.partitions_of(removed) if p in pools]
+    if not parts:
+        return None
+    leaves = world.topology.leaves.get(removed, ())
+    racks = world.racks_of(removed)
+    best: tuple[tuple, Spare, str] | None = None
+    usable = 0
+    for spare in world.spares.values():
+        if spare.partition not in parts or spare.node in taken or spare.node == removed \
+                or not _usable(spare, pools[spare.partition], world, now):
+            continue
+        usable += 1
+        shared_leaf = set(leaves).intersection(world.topology.leaves.get(spare.node, ()))
+        shared_rack = set(racks).intersection(world.racks_of(spare.node))
+        if shared_leaf:
+            how, rank = f"under the same leaf switch {sorted(shared_leaf)[0]}", 0
+        elif shared_rack:
+            how, rank = f"in the same rack group {sorted(shared_rack)[0]}", 1
+        else:
+            continue
+        key = (rank, -(spare.validated_at or 0.0), spare.node)
+        if best is None or key < best[0]:
+            best = (key, spare, how)
+    if best is not None:
+        _, spare, how = best
+        return _release(spare.partition, spare, f"{removed} removed [#{incident}]; {spare.node} is {how}", now,
+                        incident, (_ev(f"{spare.node} last validated at {spare.validated_at:.0f}",
+                                       validated_at=spare.validated_at),))
+    where = (f"leaf switch {leaves[0]}" if leaves else "no leaf switch in topology.conf") + \
+        (f", rack group {racks[0]}" if racks else ", no rack group")
+    why = (f"no validated spare of {', '.join(parts)} shares {removed}'s place ({where}); "
+           f"{usable} validated spare(s) elsewhere are kept")
+    return Decision(id=f"spare-release:{parts[0]}:for:{removed}", kind="none", about="spare-release", node=removed,
+                    reason="", tier=1, incident=incident, decided_at=now, note=why, evidence=(_ev(why),),
+                    detail={"partition": parts[0], "why": why})
+
+
+def revalidation_due(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> tuple[Spare, ...]:
+    """The spares to validate again: never validated, or their last pass older than half of
+    `validated_within_h`; oldest first."""
+    due = [s for s in world.spares.values() if s.partition in pools and not fit(s.node, world)
+           and (s.validated_at is None or now - s.validated_at > pools[s.partition].validated_within_h * 1800)]
+    return tuple(sorted(due, key=lambda s: (s.validated_at or float("-inf"), s.node)))
