@@ -135,7 +135,7 @@ class Controller:
         if self.history is None:
             return
         try:
-            skipped = self.history.record(now, received, snap.nodes, snap.version)
+            skipped = self.history.record(now, received, snap.nodes, snap.version, self.policy.report_ttl_s)
         except Exception as exc:  # keeping for replay never stops a round
             self._limited.warning("history", "the round's inputs were not kept for replay: %s", exc)
             return
@@ -293,7 +293,7 @@ class Controller:
         history, self.history = self.history, None
         if history is not None:
             try:
-                history.close(self.clock())
+                history.close()
             except (sqlite3.Error, OSError) as exc:
                 _log.warning("the rounds' inputs kept for replay were not flushed at stop: %s", exc)
         self.fleet.stop()

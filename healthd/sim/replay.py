@@ -202,9 +202,11 @@ class _Slurm:
             pass  # the candidate's own write already put the node where Slurm refuses this one
 
 
-def _as_of(report: NodeReport, now: float) -> NodeReport:
-    """The kept report as the round at `now` had it: as fresh as the record says it stayed."""
-    return dataclasses.replace(report, received_at=min(report.received_at, now))
+def _as_of(span: Span, now: float) -> NodeReport:
+    """The kept report as the round at `now` had it: received just then while the node kept sending
+    it, else when it last did."""
+    report: NodeReport = span.value
+    return dataclasses.replace(report, received_at=now if span.fresh else min(report.received_at, now))
 
 
 def replay(history: History, settings: ControllerSettings, *, recorded: Ledger | None = None,
@@ -250,7 +252,7 @@ def replay(history: History, settings: ControllerSettings, *, recorded: Ledger |
             while ri < len(reports) and reports[ri].since <= now:
                 live[reports[ri].node] = reports[ri]
                 ri += 1
-            current = {n: _as_of(sp.value, now) for n, sp in live.items() if sp.until >= now}
+            current = {n: _as_of(sp, now) for n, sp in live.items() if sp.until >= now}
             with sim.controller.reports_lock:
                 sim.controller.reports.clear()
                 sim.controller.reports.update(current)
@@ -455,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = candidate_settings(args.config, args.mode, args.overrides)
         if not os.path.exists(args.history):
             raise ReplayError(f"{args.history}: no history there (history.enabled, beside the ledger)")
-        history = History(args.history)
+        history = History(args.history, readonly=True)
         ledger = Ledger.open_readonly(args.ledger) if args.ledger else None
         try:
             result = replay(history, settings, recorded=ledger, start=args.since, end=args.until, tick_s=args.tick)

@@ -80,9 +80,42 @@ def test_an_unchanged_report_makes_no_row_and_keeps_its_received_time(tmp_path):
                        fleet_version=0)
     history.flush(NOW + 500)
     (span,) = history.reports()
-    assert (span.since, span.until) == (NOW, NOW + 495)
-    assert span.value.received_at == NOW + 494  # the latest: a replay lets it expire when it really would
+    assert (span.since, span.until, span.fresh) == (NOW, NOW + 495, True)
     assert len(list(history.slurm_nodes())) == 1
+
+
+def test_a_report_that_stops_coming_goes_stale_in_the_record_when_it_did(tmp_path):
+    history = History(tmp_path / "h.sqlite")
+    r = report("node01", finding(), received_at=NOW - 1)
+    for i in range(60):  # sent once, then nothing: the controller goes on holding it
+        history.record(NOW + 5 * i, {"node01": r}, {"node01": info("node01")}, 0, stale_after_s=120.0)
+    again = report("node01", finding(), received_at=NOW + 300)
+    history.record(NOW + 300, {"node01": again}, {"node01": info("node01")}, 0, stale_after_s=120.0)
+    history.flush(NOW + 300)
+    first, second = history.reports()
+    assert (first.fresh, first.value.received_at, first.until) == (False, NOW - 1, NOW + 295)
+    assert (second.since, second.fresh) == (NOW + 300, True)
+
+
+def test_a_round_where_nothing_changed_writes_nothing(tmp_path):
+    history = History(tmp_path / "h.sqlite", flush_s=1e9)
+    reports = {"node01": report("node01", finding(), received_at=NOW)}
+    history.record(NOW, reports, {"node01": info("node01")}, 0)
+    statements = []
+    history._db.set_trace_callback(statements.append)  # noqa: SLF001 (what reaches SQLite)
+    for i in range(1, 50):
+        history.record(NOW + 5 * i, reports, {"node01": info("node01")}, 0)
+    assert statements == []
+
+
+def test_rows_a_stopped_controller_left_open_end_at_its_last_round_kept(tmp_path):
+    history = History(tmp_path / "h.sqlite", flush_s=30.0)
+    for i in range(10):
+        history.record(NOW + 5 * i, {"node01": report("node01", received_at=NOW + 5 * i)}, {"node01": info("node01")}, 0)
+    history._db.close()  # noqa: SLF001 (killed: no flush at stop)
+    again = History(tmp_path / "h.sqlite")
+    (span,) = again.reports()
+    assert (span.since, span.until) == (NOW, NOW + 30)  # the last flush: at most flush_s lost
 
 
 def test_rows_past_keep_days_are_removed_and_the_rest_kept(tmp_path):
@@ -104,7 +137,7 @@ def test_a_damaged_row_is_a_clear_error(tmp_path):
     with sqlite3.connect(path) as db:
         db.execute("UPDATE reports SET doc = ?", ('{"node": "node01", "verdict": "molten", "findings": []}',))
         db.execute("UPDATE slurm_nodes SET entry = ?", ("{not json",))
-    history = History(path)
+    history = History(path, readonly=True)
     with pytest.raises(HistoryError, match="node01"):
         list(history.reports())
     with pytest.raises(HistoryError, match="node01"):
@@ -142,3 +175,36 @@ def test_one_nodes_bad_report_is_skipped_and_the_others_kept(tmp_path):
     assert skipped == ["node01: RuntimeError: poisoned finding"]
     assert [s.node for s in history.reports()] == ["node02"]
     assert {s.node for s in history.slurm_nodes()} == {"node01", "node02"}
+
+
+def test_a_reader_changes_nothing_in_a_record_being_kept(tmp_path):
+    path = tmp_path / "h.sqlite"
+    keeper = History(path, flush_s=5.0)
+    for i in range(3):
+        keeper.record(NOW + 5 * i, {"node01": report("node01", received_at=NOW + 5 * i)}, {"node01": info("node01")}, 0)
+    before = path.read_bytes(), (tmp_path / "h.sqlite-wal").read_bytes()
+    reader = History(path, readonly=True)
+    assert [s.until for s in reader.reports()] == [NOW + 10]
+    reader.close()
+    assert (path.read_bytes(), (tmp_path / "h.sqlite-wal").read_bytes()) == before
+    with pytest.raises(sqlite3.OperationalError):
+        History(path, readonly=True).record(NOW + 20, {}, {}, 0)
+
+
+def test_a_large_fleet_is_taken_in_over_rounds_and_a_node_that_leaves_is_seen_whenever(tmp_path, monkeypatch):
+    from healthd.controller import history as module
+
+    monkeypatch.setattr(module, "NEW_ROWS_PER_ROUND", 3)
+    history = History(tmp_path / "h.sqlite")
+    nodes = [f"node{i:02d}" for i in range(1, 8)]
+    reports = {n: report(n, received_at=NOW) for n in nodes}
+    entries = {n: info(n) for n in nodes}
+    for i in range(3):  # 3 + 3 + 1 nodes taken in
+        history.record(NOW + 5 * i, reports, entries, i)
+    # node01 leaves while node08 comes: the counts are equal, the departure is still seen
+    reports = {**{n: r for n, r in reports.items() if n != "node01"}, "node08": report("node08", received_at=NOW)}
+    history.record(NOW + 15, reports, entries, 2)
+    history.flush()
+    kept = {s.node: (s.since, s.until) for s in history.reports()}
+    assert kept["node01"] == (NOW, NOW + 10) and kept["node08"] == (NOW + 15, NOW + 15)
+    assert [kept[n][0] for n in nodes] == [NOW] * 3 + [NOW + 5] * 3 + [NOW + 10]

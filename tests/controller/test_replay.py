@@ -50,7 +50,7 @@ def record(rig_factory, tmp_path):  # noqa: F811
     ledger_path = rig.ledger.path
     history_path = rig.controller.history.path
     rig.close()
-    return settings, History(history_path), Ledger.open_readonly(ledger_path)
+    return settings, History(history_path, readonly=True), Ledger.open_readonly(ledger_path)
 
 
 def _policy(settings, **changes):

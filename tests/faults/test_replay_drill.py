@@ -40,7 +40,7 @@ def drill(w):
     w.wait_rounds(3)
     settings = load_controller_settings(str(w.controller_config))
     w.stop_controller()  # a clean stop: the history's open rows are written
-    history = History(w.ledger.parent / "history.sqlite")
+    history = History(w.ledger.parent / "history.sqlite", readonly=True)
     ledger = Ledger.open_readonly(w.ledger)
     yield settings, history, ledger
     history.close()
