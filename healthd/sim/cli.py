@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -46,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sp.add_argument("-o", "--output", help="write to this file instead of stdout")
     sub.add_parser("list")
     a = p.parse_args(argv)
+    # the real controller logs and alerts on every decision of every simulated run: not the output here
+    logging.getLogger("healthd").setLevel(logging.CRITICAL + 1)
     if a.cmd == "list":
         for name in sorted(packaged()):
             s = load(name)

@@ -11,12 +11,13 @@ How a fault reaches healthd: a kernel line through the node's real agent (`repor
 likewise; a host fault takes the node down in SimSlurm and silences its agent. Input the simulated
 agent cannot read yet (an InfiniBand port reading, the in-band ring) reaches nothing, so such a fault
 is found by Slurm or by nobody. Rounds run when a fault appears, when the job is known dead, when a
-node comes back, and at the controller's own deadlines (`next_deadline`) up to each of those.
+node comes back, and at the controller's own deadlines (`next_deadline`) up to each of those. A
+person closes an open breaker at the first round `healthd.operator_minutes` after it opened (the
+ledger's own reset, as `healthctl breaker reset` makes it).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import yaml
@@ -55,12 +56,13 @@ class ControllerSeam:
         self._t = T0
         self.slurm = SimSlurm(list(fleet), clock=self._clock, topology={n: leaf_of(n) for n in fleet})
         self.slurm.step = _validation_passes
-        logging.getLogger("healthd").setLevel(logging.ERROR)
         self.sim = SimController(self.settings, self.slurm, self._clock, topology_text=self.slurm.topology_conf(),
                                  gpus_per_node=scenario.job.gpus_per_node)
         self._tally = Tally()
         self._seen: set[int] = set()
         self._would: set[tuple[str, str, str]] = set()
+        self._in_service: set[str] = set()
+        self.operator_s = None if scenario.healthd.operator_minutes is None else scenario.healthd.operator_minutes * 60
         self.slurm.start_job(JOB_ID, list(job_nodes), requeue_ok=True)
 
     def _clock(self) -> float:
@@ -75,6 +77,12 @@ class ControllerSeam:
             self._count(self.sim.round(self._t))
         self._t = max(self._t, t)
         self._count(self.sim.round(self._t))
+        breaker = self.sim.ledger.breaker_state()
+        if (breaker.open and self.operator_s is not None and breaker.opened_at is not None
+                and self._t >= breaker.opened_at + self.operator_s):
+            # the person who investigated closes it, as `healthctl breaker reset` does
+            self.sim.ledger.reset_breaker(by="operator", why="simulated: investigated", at=self._t)
+            self._tally.taken["breaker-reset"] += 1
 
     def _count(self, r: RoundResult) -> None:
         for o in r.applied:
@@ -97,6 +105,8 @@ class ControllerSeam:
     def fault(self, now: float, fault: Fault) -> None:
         t = T0 + now
         self._t = max(self._t, t)
+        # what was already out of service (in repair, drained before) is not this fault's doing
+        self._in_service = {n for n in fault.nodes if self.usable(n)}
         for i in fault.inputs:
             if i.kind == "kernel" and i.line is not None:
                 self.sim.report(i.node, [KernelLines((i.line,))], t)
@@ -113,7 +123,8 @@ class ControllerSeam:
         job = self.slurm.job(JOB_ID)
         if job is not None and job.state == "RUNNING":
             self.slurm.requeue(JOB_ID)  # the job's own restart (its launcher, or the user)
-        removed = tuple(n for n in dict.fromkeys((*fault.nodes, *in_job)) if not self.usable(n))
+        candidates = (*(n for n in fault.nodes if n in self._in_service), *in_job)
+        removed = tuple(n for n in dict.fromkeys(candidates) if not self.usable(n))
         wrong = tuple(n for n in removed if n not in fault.nodes or not fault.cause.repair)
         return Decision(removed, now, false_positive=bool(wrong))
 

@@ -298,7 +298,12 @@ class Engine:
             cause, burst = self.s.cause(b.cause), b.name
             nodes = burst_nodes(b, self.s, self.fleet, list(self.in_job), self._burst_rng)
         gpu = self._gpu_rng.randrange(self.s.job.gpus_per_node) if nodes else None
-        if cause.repair:
+        outage = self.s.bursts[idx].outage_hours if which == "burst" else None
+        if outage is not None:
+            for n in nodes:
+                self._broken.setdefault(n, (cause, gpu))
+            self._at(self.now + outage * 3600, self._outage_over, nodes)
+        elif cause.repair:
             for n in nodes:
                 if n not in self._broken:
                     self._broken[n] = (cause, gpu)
@@ -315,6 +320,11 @@ class Engine:
         cause, gpu = self._broken[node]
         self._tally_recur += 1
         self._interrupt(cause, (node,), None, gpu)
+
+    def _outage_over(self, nodes: tuple[str, ...]) -> None:
+        """The shared part is back: its nodes not taken out meanwhile work again."""
+        for n in nodes:
+            self._broken.pop(n, None)
 
     def _operator(self, node: str) -> None:
         """A person takes out a node that has stayed broken this long (what healthd did not), at the

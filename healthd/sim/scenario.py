@@ -103,6 +103,10 @@ class Burst:
     """The node cause (a key of node_causes) each hit node suffers."""
     size: int | None = None
     """For driver: how many nodes the rollout reaches (leaf and pdu take the fleet's sizes)."""
+    outage_hours: float | None = None
+    """The shared part (the switch, the PDU, the driver) is out this long: its nodes fail the job
+    whenever it runs on them until then, and work again after without a repair. None: the cause's own
+    behaviour (a `repair` cause breaks each node)."""
 
 
 @dataclass(frozen=True)
@@ -466,7 +470,7 @@ def _input(doc: Any, where: str) -> AgentInputSpec:
 
 
 def _burst(name: str, spec: Any, where: str, causes: set[str], fleet: Fleet) -> Burst:
-    f = _Fields(spec, where, ("kind", "mtbf_hours", "cause", "size"))
+    f = _Fields(spec, where, ("kind", "mtbf_hours", "cause", "size", "outage_hours"))
     kind = f.str_("kind", choices=BURST_KINDS)
     cause = f.str_("cause")
     if cause not in causes:
@@ -474,4 +478,5 @@ def _burst(name: str, spec: Any, where: str, causes: set[str], fleet: Fleet) -> 
     size = f.int_("size", lo=1, hi=fleet.size) if f.doc.get("size") is not None else None
     if kind == "driver" and size is None:
         raise ScenarioError(f"{where}.size: required for a driver burst")
-    return Burst(name, kind, f.num_("mtbf_hours", hi=1e9), cause, size)
+    outage = f.num_("outage_hours", hi=1e6) if f.doc.get("outage_hours") is not None else None
+    return Burst(name, kind, f.num_("mtbf_hours", hi=1e9), cause, size, outage)

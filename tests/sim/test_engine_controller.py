@@ -72,3 +72,15 @@ def test_without_an_operator_a_broken_node_fails_the_job_until_the_end():
     with_operator = engine.run(mode(base, "observe", days=5), 1)
     assert "operator-drain" not in r.taken and r.partial == ()
     assert r.goodput <= with_operator.goodput
+
+
+def test_a_leaf_switch_burst_costs_no_false_positive_with_the_breaker_and_drains_healthy_nodes_without():
+    with_breaker = dataclasses.replace(scenario.load("leaf-burst"), days=14)
+    without = dataclasses.replace(scenario.load("leaf-burst-no-breaker"), days=14)
+    seed = next(s for s in range(1, 20)
+                if any(c == "leaf_link" for _, c, _ in engine.run(dataclasses.replace(with_breaker, healthd=dataclasses.replace(
+                    with_breaker.healthd, mode="none")), s, keep_faults=True).faults))
+    a, b = engine.run(with_breaker, seed), engine.run(without, seed)
+    assert a.refused.get("breaker", 0) > 0 and a.gpu_s["false_positive"] == 0
+    assert b.gpu_s["false_positive"] > 0 and b.taken.get("drain", 0) + b.taken.get("drain-and-requeue", 0) >= 16
+    assert a.partial == () == b.partial
