@@ -1,4 +1,4 @@
-"""The real controller behind healthd-sim's seam (healthd.sim.engine.Remediation).
+"""The real controller behind healthd-sim's seam (healthd.sim.seam.Remediation).
 
 `ControllerSeam` runs healthd.sim.fleet.SimController (the real agent classification and the real
 control round: reconcile, decide, gates, executor, a real SQLite ledger) against
@@ -24,15 +24,18 @@ import yaml
 
 from healthd.controller.config import parse_controller_settings
 from healthd.sim.agentinput import GpuReading, KernelLines, NvmlReading
-from healthd.sim.engine import Decision, Tally
 from healthd.sim.faults import Fault
 from healthd.sim.fleet import RoundResult, SimController
 from healthd.sim.job import T0
 from healthd.sim.scenario import Scenario
+from healthd.sim.seam import Decision, Tally
 from healthd.sim.slurm import SimSlurm
 from healthd.slurm.backend import SlurmRefused, StepResult
 
 JOB_ID = "1"
+OUT_OF_SERVICE = frozenset({"DRAIN", "NOT_RESPONDING", "RESERVED", "REBOOT_REQUESTED", "REBOOT_ISSUED"})
+"""A node with any of these flags takes no job of ours (drained, silent, in healthd's validation
+reservation, rebooting)."""
 MAX_CATCH_UP = 10_000
 """Rounds at the controller's deadlines between two engine events, at most (a guard, never reached in
 the shipped scenarios)."""
@@ -100,7 +103,7 @@ class ControllerSeam:
 
     def usable(self, node: str) -> bool:
         info = self.slurm.node(node)
-        return info.state != "down" and not ({"DRAIN", "NOT_RESPONDING"} & set(info.flags))
+        return info.state != "down" and not (OUT_OF_SERVICE & info.flags)
 
     def fault(self, now: float, fault: Fault) -> None:
         t = T0 + now
@@ -135,7 +138,7 @@ class ControllerSeam:
         except SlurmRefused:
             # a node healthd took out between the engine's choice and the start: the next fault or
             # round shows it; the job model keeps the nodes it chose
-            self._tally.refused["slurm-start"] += 1
+            self._tally.slurm_refused += 1
 
     def operator_drain(self, now: float, node: str) -> None:
         self._t = max(self._t, T0 + now)

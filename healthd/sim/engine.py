@@ -8,7 +8,7 @@ same faults (common random numbers). The engine keeps no history: its state is t
 (a handful of pending events) and the clocks; the job's event log goes to a sink, and by default is
 scored by healthd.goodput (the same accounting real jobs get) and dropped.
 
-What stands for healthd is a `Remediation` (the controller seam): it is told each fault's agent input
+What stands for healthd is a `Remediation` (the controller seam, healthd.sim.seam): it is told each fault's agent input
 when the fault happens, asked what was done when the job knows it is dead (which nodes were taken out
 of service, when the action was applied), told when a node comes back from repair, and asked for its
 tally of actions taken and refused by gate. `LabRule` is the goodput lab's rule with no controller: a
@@ -21,111 +21,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from healthd import goodput
 from healthd.sim.faults import Fault, FaultClocks, agent_inputs, burst_nodes, stream
+from healthd.sim.seam import Decision, LabRule, Remediation
 from healthd.sim.job import RESTART, T0, WAIT, JobModel
 from healthd.sim.scenario import Cause, Scenario
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What healthd did about one interruption."""
-
-    removed: tuple[str, ...]
-    """Nodes taken out of service (drained, down): they go to repair."""
-    decided_at: float
-    """Virtual seconds when the action that ends the run was applied (>= detection)."""
-    false_positive: bool = False
-    """The removal was wrong (a healthy node drained): charged to the false-positive tax."""
-
-
-@dataclass
-class Tally:
-    """Actions taken and refused, over one run."""
-
-    taken: Counter[str] = field(default_factory=Counter)
-    """Action kind -> count applied."""
-    refused: Counter[str] = field(default_factory=Counter)
-    """Gate -> decisions it refused."""
-    would: Counter[str] = field(default_factory=Counter)
-    """Action kind -> count recorded only (observe mode)."""
-
-
-class Remediation(Protocol):
-    """The controller seam: what stands for healthd in a run."""
-
-    name: str
-
-    def fault(self, now: float, fault: Fault) -> None:
-        """The fault's agent input appears on its nodes at `now`."""
-
-    def detected(self, now: float, fault: Fault, in_job: Sequence[str]) -> Decision:
-        """The job is known to be dead at `now`: what was done (and when it was applied)."""
-
-    def usable(self, node: str) -> bool:
-        """May the job run on `node` now (not drained, not down)?"""
-
-    def job_started(self, now: float, nodes: Sequence[str]) -> None:
-        """The job's next run starts on `nodes`."""
-
-    def operator_drain(self, now: float, node: str) -> None:
-        """A person takes `node` out of service (it kept failing the job and healthd did not)."""
-
-    def repaired(self, now: float, node: str) -> bool:
-        """The node is back from repair at `now`; True when it may serve again at once."""
-
-    def poll(self, now: float) -> float | None:
-        """Whatever is due by `now`; when to look again (None: nothing pending)."""
-
-    def tally(self) -> Tally:
-        """Actions taken and refused so far."""
-
-    def close(self) -> None:
-        """Release what the run held."""
-
-
-class LabRule:
-    """The goodput lab's rule, no controller: a cause marked `repair` takes its nodes out when the job
-    detects the fault; nothing else is removed."""
-
-    name = "lab-rule"
-
-    def __init__(self) -> None:
-        self._tally = Tally()
-
-    def fault(self, now: float, fault: Fault) -> None:
-        return None
-
-    def detected(self, now: float, fault: Fault, in_job: Sequence[str]) -> Decision:
-        if fault.cause.repair and fault.nodes:
-            self._tally.taken["remove"] += len(fault.nodes)
-            return Decision(fault.nodes, now)
-        return Decision((), now)
-
-    def usable(self, node: str) -> bool:
-        return True
-
-    def job_started(self, now: float, nodes: Sequence[str]) -> None:
-        return None
-
-    def operator_drain(self, now: float, node: str) -> None:
-        self._tally.taken["operator-drain"] += 1
-
-    def repaired(self, now: float, node: str) -> bool:
-        return True
-
-    def poll(self, now: float) -> float | None:
-        return None
-
-    def tally(self) -> Tally:
-        return self._tally
-
-    def close(self) -> None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -150,6 +53,8 @@ class RunResult:
     would: Mapping[str, int]
     partial: tuple[str, ...] = ()
     """healthd.goodput's problems with the log (empty: the simulator's log read whole)."""
+    slurm_refused: int = 0
+    """Job starts Slurm refused (a node went out of service between the engine's choice and the start)."""
 
 
 Sink = Callable[[str], None]
@@ -462,7 +367,7 @@ class Engine:
             cost[inc.cause] += inc.cost_gpu_s
         return RunResult(self.s.name, self.seed, self.rem.name, acc.goodput or 0.0, acc.held_gpu_s, dict(acc.gpu_s),
                          dict(cost), acc.interruptions, acc.mtbi_s, tuple(self._faults), dict(tally.taken),
-                         dict(tally.refused), dict(tally.would), acc.problems)
+                         dict(tally.refused), dict(tally.would), acc.problems, tally.slurm_refused)
 
 
 def run(scenario: Scenario, seed: int, **kw: object) -> RunResult:

@@ -10,7 +10,7 @@ seed see the same faults on the same nodes at the same running times, whatever e
 
 A fault becomes agent input (`AgentInput`): an NVRM Xid kernel line in the format healthd's kernel
 log collector reads (healthd.agent.collectors.kernel_parse), an NVML or InfiniBand reading, a host that
-stops answering, a stalled in-band ring. The controller seam (healthd.sim.engine.Remediation) hands it
+stops answering, a stalled in-band ring. The controller seam (healthd.sim.seam.Remediation) hands it
 to whatever stands for healthd; the simulator itself never decides what a fault means.
 """
 

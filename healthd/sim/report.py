@@ -52,6 +52,8 @@ class Summary:
     would: dict[str, int]
     partial_runs: int
     """Runs whose log healthd.goodput could not read whole (0 expected)."""
+    slurm_refused: int = 0
+    """Job starts Slurm refused, over all seeds."""
 
 
 def summarize(results: Sequence[RunResult]) -> Summary:
@@ -75,7 +77,7 @@ def summarize(results: Sequence[RunResult]) -> Summary:
                    shares, dict(cost.most_common()),
                    statistics.fmean(r.gpu_s.get("false_positive", 0.0) for r in results) / 3600,
                    statistics.fmean(r.interruptions for r in results), dict(taken), dict(refused), dict(would),
-                   sum(1 for r in results if r.partial))
+                   sum(1 for r in results if r.partial), sum(r.slurm_refused for r in results))
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,8 @@ def table(summaries: Sequence[Summary]) -> str:
                    + (", ".join(f"{k} {v:.0f}" for k, v in s.cost_gpu_h.items()) or "none"))
         out.append(f"  false-positive tax {s.false_positive_gpu_h:.1f} GPU-h per run; actions taken: {_counts(s.taken)}; "
                    f"refused by gate: {_counts(s.refused)}" + (f"; recorded only: {_counts(s.would)}" if s.would else ""))
+        if s.slurm_refused:
+            out.append(f"  Slurm refused {s.slurm_refused} job start(s) on a node that had just gone out of service")
         if s.partial_runs:
             out.append(f"  PARTIAL: {s.partial_runs} run(s) whose log the accounting could not read whole")
     return "\n".join(out) + "\n"
