@@ -117,11 +117,11 @@ ACTIONS: Mapping[str, ActionKind] = MappingProxyType({a.kind: a for a in (
     ActionKind("reservation-delete", "delete_reservation", target="reservation", records=None, changes_node=False,
                removes_capacity=False, holds=False, approval="operator", budget="", gates=("mode",),
                proposed_by="the reintegrator: its reservation, once validation ended (or a leftover)"),
-    ActionKind("spare-reserve", "create_reservation", target="reservation", records=None, changes_node=False,
+    ActionKind("spare-reserve", "create_reservation", target="reservation", records="spare-reserve", changes_node=False,
                removes_capacity=False, holds=False, approval="operator", budget="", gates=("mode", "capacity"),
                proposed_by="the spare pool (policy.spares): an idle healthy node put in a reservation of its own, "
                "out of general scheduling; never below a capacity floor, the pool's spares counted as gone"),
-    ActionKind("spare-release", "delete_reservation", target="reservation", records=None, changes_node=False,
+    ActionKind("spare-release", "delete_reservation", target="reservation", records="spare-release", changes_node=False,
                removes_capacity=False, holds=False, approval="operator", budget="", gates=("mode",),
                proposed_by="the spare pool: a spare's reservation deleted, next to a node healthd removes (same "
                "leaf switch, else rack group), or when it is no longer fit, over the pool's size or needed "

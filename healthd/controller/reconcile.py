@@ -153,6 +153,14 @@ class Reconciler:
         if action.kind == "resume":
             hold = self.ledger.hold(action.node)
             return not info.resumable and not owned(hold, info)
+        if action.kind in ("spare-reserve", "spare-release"):  # a spare's reservation: there or gone
+            evidence = action.evidence if isinstance(action.evidence, dict) else {}
+            try:
+                exists = self.executor.backend.reservation_exists(str(evidence.get("reservation")))
+            except (SlurmError, ValueError) as exc:
+                _log.warning("reconcile: cannot read reservation %s (next round): %s", evidence.get("reservation"), exc)
+                raise _Unreadable from exc
+            return exists == (action.kind == "spare-reserve")
         if action.kind == "requeue":
             # Slurm counts a job's requeues: more than when it was planned means the requeue landed
             evidence = action.evidence if isinstance(action.evidence, dict) else {}

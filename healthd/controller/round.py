@@ -13,12 +13,14 @@ the next, run by one guarded loop (`run`), as the agent's classification runs it
     gate         the proposals, the breaker, the budgets spent      each proposal's outcome, the gate
                                                                     context after them
     act          the outcomes, the mode                             what the act step did (policy's)
+    spares       what the act step did, the fleet view, reports,    the gate context after the spare
+                 holds, the ledger's spare actions                  decisions (policy.spares only)
     reintegrate  the fleet view, holds, the gate context, flags     the gate context after its writes
     observe      the reports, the ledger's figures                  nothing: the metrics are set
 
 The guard, as before the round had steps: a step that fails stops the round there (a ledger that
 cannot record: nothing after it is applied; the controller raises it to the main loop), except the
-steps whose failure must not stop drains (reintegrate, observe): logged, and the round goes on with
+steps whose failure must not stop drains (spares, reintegrate, observe): logged, and the round goes on with
 the state it had. One node's bad data is each step's own to log and skip. A round whose fleet view is
 unusable (Slurm unreachable) never starts (`usable_snapshot`): nothing stale is acted on.
 """
@@ -35,8 +37,8 @@ from itertools import compress
 from types import MappingProxyType
 from typing import Literal
 
-from healthd.controller import incidents, inband
-from healthd.controller.actions import Decision
+from healthd.controller import incidents, inband, spares
+from healthd.controller.actions import REMOVING_KINDS, Decision
 from healthd.controller.config import ControllerSettings
 from healthd.controller.executor import UNDO_KINDS, UNDO_PREFIX, ExecResult, Executor
 from healthd.controller.fleetcache import FleetCache, SlurmSnapshot
@@ -52,6 +54,7 @@ from healthd.controller.recorder import Recorder, Verdicts, verdicts
 from healthd.controller.reintegrate import Reintegrator
 from healthd.lograte import RateLimitedLog
 from healthd.slurm.backend import SlurmError
+from healthd.slurm.topology import topology_of
 
 _log = logging.getLogger("healthd.controller")
 
@@ -280,6 +283,31 @@ def act(parts: RoundParts, s: RoundState) -> RoundState:
     return dataclasses.replace(s, results=results)
 
 
+def spare_pool(parts: RoundParts, s: RoundState) -> RoundState:
+    """Hot spares (`policy.spares`, healthd.controller.spares): a spare released next to each node the
+    act step removed (in observe, each removal only the mode gate refused), then each pool kept; every
+    decision gated with the round's context, recorded, and applied by the act step outside observe."""
+    if not s.policy.spares:
+        return s
+    assert s.context is not None
+    ledger, now = parts.ledger, moment(parts, s)
+    removals = [(o.decision.node, o.decision.incident) for o, done in s.results if o.decision.kind in REMOVING_KINDS
+                and ((done is not None and done.status == "applied") or (s.mode == "observe" and o.gate == "mode"))]
+    ttl = s.policy.report_ttl_s
+    reintegrations = ledger.reintegrations()
+    world = spares.world_of(
+        nodes=s.snapshot.nodes, partitions=s.fleet.partitions,
+        healthy=(n for n, r in s.reports.items() if r.verdict == "healthy" and s.now - r.received_at <= ttl),
+        busy={*s.ledger_view.holds, *(n for n, _ in s.open_incidents), *(r.node for r in reintegrations if r.active)},
+        out_of_service=s.snapshot.out_of_service | set(s.ledger_view.holds), floors=s.policy.capacity_floors,
+        actions=ledger.actions(status="applied"), topology=topology_of(parts.topology_text), racks=s.policy.racks,
+        validated={r.node: r.validated_at for r in sorted(reintegrations, key=lambda r: r.validated_at or 0.0)
+                   if r.validated_at is not None and r.state in ("probation", "passed")})
+    outcomes, ctx = gate_batch(spares.decide(s.policy.spares, world, removals, now), s.context)
+    carry_out(parts, s, outcomes)
+    return dataclasses.replace(s, context=ctx)
+
+
 def reintegrate(parts: RoundParts, s: RoundState) -> RoundState:
     """Nodes whose fault cleared queued (auto mode, breaker closed), then every reintegration moved on,
     each write it proposes gated with the round's context and applied by the act step."""
@@ -334,6 +362,7 @@ STEPS: tuple[Step, ...] = (
     Step("decide", propose),
     Step("gate", gate),
     Step("act", act),
+    Step("spares", spare_pool, full_only=True, survives="spare pool not kept this round"),
     Step("reintegrate", reintegrate, full_only=True, acting_only=True, survives="reintegration step failed"),
     Step("observe", observe, full_only=True, survives="controller metrics not updated this round"),
 )

@@ -26,10 +26,12 @@ lasts `validated_within_h`: should healthd stop, its spares return to service by
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, Protocol
 
 from healthd.controller.actions import Decision
 from healthd.model import Evidence
@@ -44,6 +46,9 @@ NOT_SPARE_FLAGS = frozenset({"DRAIN", "NOT_RESPONDING", "REBOOT_REQUESTED", "REB
 service, or not there); a spare of healthd's that shows one other than its own reservation's is
 given back."""
 _OWN_RESERVATION_FLAGS = frozenset({"MAINT", "RESERVED"})
+RELEASE_GRACE_S = 600.0
+"""A spare given back is not taken into a pool again for this long: the requeued job it was released
+for needs time to start on it (Slurm holds a requeued job before it runs again)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,8 @@ class SpareWorld:
     """partition -> its capacity floor (policy.capacity_floors)."""
     validated: Mapping[str, float] = field(default_factory=dict)
     """node -> when its latest validation passed (a reintegration, a spare's revalidation)."""
+    released_at: Mapping[str, float] = field(default_factory=dict)
+    """node -> when its latest spare reservation was given back (a new one is a new ledger series)."""
     topology: Topology = Topology()
     racks: Mapping[str, frozenset[str]] = field(default_factory=dict)
     """rack group -> its nodes (policy.racks): the fallback where topology.conf names no leaf."""
@@ -166,10 +173,12 @@ def _headroom(partition: str, world: SpareWorld, taken: frozenset[str]) -> int |
 
 def _release(partition: str, spare: Spare, why: str, now: float, incident: str = "",
              evidence: Iterable[Evidence] = ()) -> Decision:
+    # one series per spare episode: the node may be a spare again later
     return Decision(id=f"spare-release:{partition}:{spare.node}", kind="spare-release", node=spare.node,
                     reason=f"healthd: spare released: {why}", tier=1, incident=incident, decided_at=now,
                     target=spare.reservation, evidence=(*evidence, _ev(why, partition=partition)),
-                    detail={"partition": partition, "why": why})
+                    series=f"spare-release:{spare.reservation}@{spare.reserved_at:.0f}",
+                    detail={"partition": partition, "why": why, "reservation": spare.reservation})
 
 
 def keep_pool(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> tuple[Decision, ...]:
@@ -201,7 +210,7 @@ def keep_pool(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> 
                                 f"size {pool.size}", now))
             del held[s.node]
         want = pool.size - len(mine)
-        refused: set[str] = set()
+        refused = {n for n, t in world.released_at.items() if now - t < RELEASE_GRACE_S}
         while want > 0:  # one at a time: each pick changes which leaf switches a spare covers
             node = next((n for n in _candidates(partition, world, frozenset(held)) if n not in refused), None)
             if node is None:
@@ -220,10 +229,11 @@ def keep_pool(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> 
             out.append(Decision(
                 id=f"spare-reserve:{partition}:{node}", kind="spare-reserve", node=node,
                 reason=f"healthd: hot spare for {partition}", tier=1, decided_at=now, target=reservation,
+                series=f"spare-reserve:{reservation}@{world.released_at.get(node, 0.0):.0f}",
                 evidence=(_ev(f"{node} is idle and healthy{where}", partition=partition),
                           _ev(f"pool of {partition}: {len(mine)} of {pool.size} spares",
                               partition=partition, size=pool.size, held=len(mine))),
-                detail={"partition": partition, "minutes": pool.minutes,
+                detail={"partition": partition, "minutes": pool.minutes, "reservation": reservation,
                         "validated_at": world.validated.get(node)}))
             held[node] = Spare(node, partition, reservation, now, world.validated.get(node))
             mine.append(held[node])
@@ -301,6 +311,81 @@ def release_for(removed: str, incident: str, pools: Mapping[str, SparePool], wor
     return Decision(id=f"spare-release:{parts[0]}:for:{removed}", kind="none", about="spare-release", node=removed,
                     reason="", tier=1, incident=incident, decided_at=now, note=why, evidence=(_ev(why),),
                     detail={"partition": parts[0], "why": why})
+
+
+def decide(pools: Mapping[str, SparePool], world: SpareWorld, removals: Iterable[tuple[str, str]],
+           now: float) -> tuple[Decision, ...]:
+    """The round's spare decisions: first a release for each node healthd removes ((node, incident),
+    in order, each taking a different spare), then the pool kept over what is left (the removed nodes
+    counted out of service, so a released spare is replaced in the same round where a node allows)."""
+    out: list[Decision] = []
+    taken: set[str] = set()
+    removed: set[str] = set()
+    for node, incident in removals:
+        removed.add(node)
+        d = release_for(node, incident, pools, world, now, frozenset(taken))
+        if d is not None:
+            out.append(d)
+            if d.kind == "spare-release":
+                taken.add(d.node)
+    # a spare released for a removal is the requeued job's to take, not the pool's again
+    rest = dataclasses.replace(world, spares={n: s for n, s in world.spares.items() if n not in taken},
+                               out_of_service=world.out_of_service | removed, busy=world.busy | taken,
+                               released_at={**world.released_at, **dict.fromkeys(taken, now)})
+    return (*out, *keep_pool(pools, rest, now))
+
+
+def world_of(*, nodes: Mapping[str, NodeInfo], partitions: Mapping[str, frozenset[str]],
+             healthy: Iterable[str], busy: Iterable[str], out_of_service: Iterable[str],
+             floors: Mapping[str, int], actions: Iterable[_Recorded], validated: Mapping[str, float],
+             topology: Topology, racks: Mapping[str, frozenset[str]]) -> SpareWorld:
+    """The SpareWorld of a round, the spares read from the ledger's actions (recorded_spares)."""
+    spares, released = recorded_spares(actions, validated)
+    return SpareWorld(nodes=nodes, partitions=partitions, spares=spares, healthy=frozenset(healthy),
+                      busy=frozenset(busy), out_of_service=frozenset(out_of_service), floors=floors,
+                      validated=validated, released_at=released, topology=topology, racks=racks)
+
+
+# --------------------------------------------------------------------------- from the ledger
+
+
+class _Recorded(Protocol):
+    """What `recorded_spares` reads of a ledger action."""
+
+    node: str
+    kind: str
+    status: str
+    evidence: Any
+    applied_at: float | None
+    id: int
+
+
+def recorded_spares(actions: Iterable[_Recorded], validated: Mapping[str, float]) -> tuple[dict[str, Spare],
+                                                                                           dict[str, float]]:
+    """Ownership by record: the spares are the nodes whose latest applied spare action is a reserve
+    (node -> Spare, its validation the later of the reserve's and `validated`'s), and when each
+    node's latest spare was given back."""
+    spares: dict[str, Spare] = {}
+    released: dict[str, float] = {}
+    for a in sorted((a for a in actions if a.status == "applied" and a.kind in ("spare-reserve", "spare-release")),
+                    key=lambda a: (a.applied_at or 0.0, a.id)):
+        ev = a.evidence if isinstance(a.evidence, Mapping) else {}
+        if a.kind == "spare-release":
+            spares.pop(a.node, None)
+            released[a.node] = a.applied_at or 0.0
+            continue
+        reservation, partition = ev.get("reservation"), ev.get("partition")
+        if not isinstance(reservation, str) or not isinstance(partition, str):
+            continue  # a damaged record: not healthd's by record, so never touched
+        spares[a.node] = Spare(a.node, partition, reservation, a.applied_at or 0.0, _number(ev.get("validated_at")))
+    for node, spare in spares.items():
+        known = [t for t in (spare.validated_at, validated.get(node)) if t is not None]
+        spares[node] = Spare(spare.node, spare.partition, spare.reservation, spare.reserved_at, max(known, default=None))
+    return spares, released
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def revalidation_due(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> tuple[Spare, ...]:

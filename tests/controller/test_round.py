@@ -21,7 +21,7 @@ from tests.support.fake_slurm import FakeBackend
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = 1_800_000_000.0
-ORDER = ("reconcile", "in-band", "incidents", "decide", "gate", "act", "reintegrate", "observe")
+ORDER = ("reconcile", "in-band", "incidents", "decide", "gate", "act", "spares", "reintegrate", "observe")
 
 
 @pytest.fixture

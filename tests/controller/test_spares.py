@@ -116,6 +116,14 @@ def test_a_spare_running_its_validation_stays_a_spare():
     assert fit("n01", w) == ""
 
 
+def test_a_spare_given_back_is_left_to_its_job_for_a_while():
+    w = world(released_at={"n01": NOW - 60}, topology=parse_topology(""), racks={})
+    (d,) = keep_pool({"gpu": SparePool(size=1)}, w, NOW)
+    assert d.node == "n02"
+    (d,) = keep_pool({"gpu": SparePool(size=1)}, dataclasses.replace(w, released_at={"n01": NOW - 601}), NOW)
+    assert d.node == "n01"
+
+
 def test_unhealthy_or_busy_nodes_are_not_taken():
     w = world(healthy=frozenset({"n01", "n02"}), busy=frozenset({"n01"}))
     (d,) = keep_pool({"gpu": SparePool(size=3)}, w, NOW)

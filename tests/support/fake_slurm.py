@@ -14,10 +14,12 @@ from healthd.slurm.backend import (
     SlurmRefused,
     StepResult,
     filter_nodes,
+    reservation_args,
     slurm_hostlist,
     validate_admin_comment,
     validate_argv,
     validate_job_id,
+    validate_reservation_name,
 )
 from healthd.slurm.scontrol import STEP_PATH, parse_scontrol_node_line, step_result
 
@@ -172,6 +174,13 @@ class FakeBackend:
             return ["scontrol", "update", f"NodeName={slurm_hostlist(kw['nodes'])}", "State=RESUME"]
         if action == "requeue":
             return ["scontrol", "requeue", validate_job_id(kw["job_id"])]
+        if action == "create_reservation":  # as healthd.slurm.jobs writes it
+            name, hl, minutes, users, flags = reservation_args(kw["name"], kw["nodes"], kw["duration_min"],
+                                                               kw.get("users", ("root",)), kw.get("flags", ()))
+            return ["scontrol", "create", "reservation", f"ReservationName={name}", f"Nodes={hl}", "StartTime=now",
+                    f"Duration={minutes}", f"Users={','.join(users)}", *([f"Flags={','.join(flags)}"] if flags else [])]
+        if action == "delete_reservation":
+            return ["scontrol", "delete", f"ReservationName={validate_reservation_name(kw['name'])}"]
         raise ValueError(action)
 
 
