@@ -41,11 +41,13 @@ from healthd.slurm.topology import Topology
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
 NOT_SPARE_FLAGS = frozenset({"DRAIN", "NOT_RESPONDING", "REBOOT_REQUESTED", "REBOOT_ISSUED", "COMPLETING",
                              "POWERED_DOWN", "POWERING_DOWN", "POWERING_UP", "POWER_DOWN", "FAIL", "MAINT",
-                             "RESERVED", "PLANNED", "INVALID_REG", "CLOUD"})
+                             "MAINTENANCE", "RESERVED", "PLANNED", "INVALID_REG", "CLOUD"})
 """A node showing any of these is not taken as a spare (in a reservation already, on its way out of
 service, or not there); a spare of healthd's that shows one other than its own reservation's is
 given back."""
-_OWN_RESERVATION_FLAGS = frozenset({"MAINT", "RESERVED"})
+# what a node in healthd's MAINT reservation shows (Slurm 22.05: IDLE+MAINTENANCE+RESERVED, a few
+# seconds after the reservation is made, once slurmctld's periodic pass starts it)
+_OWN_RESERVATION_FLAGS = frozenset({"MAINT", "MAINTENANCE", "RESERVED"})
 RELEASE_GRACE_S = 600.0
 """A spare given back is not taken into a pool again for this long: the requeued job it was released
 for needs time to start on it (Slurm holds a requeued job before it runs again)."""

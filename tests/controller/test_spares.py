@@ -100,6 +100,7 @@ def test_a_spare_no_longer_fit_or_over_the_size_is_released():
 
 @pytest.mark.parametrize("node, why", [
     (idle("n01", "RESERVED"), "shows RESERVED"),  # someone else's reservation
+    (idle("n01", "MAINTENANCE", "RESERVED"), "shows MAINTENANCE+RESERVED"),  # a MAINT one, as Slurm 22.05 shows it
     (idle("n01", "DRAIN"), "shows DRAIN"),
     (idle("n01", state="allocated"), "is allocated"),
     (idle("n01", "NOT_RESPONDING", state="down"), "shows NOT_RESPONDING"),
