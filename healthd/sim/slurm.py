@@ -39,15 +39,17 @@ What it models, after slurmctld 22.05-26.05:
   IGNORE_JOBS, and nodes in another reservation unless MAINT or OVERLAP; slurmctld's words, seen on
   22.05), update of the nodes, delete (already gone is done; refused while a job runs in it), and
   expiry after the duration. A node in a reservation takes jobs of that reservation only, and none
-  while a second reservation holds it too. Reserved nodes show no flag of it (22.05 shows them IDLE).
+  while a second reservation holds it too. A reserved node shows RESERVED, and MAINTENANCE when a
+  MAINT reservation holds it (22.05's `scontrol show node`: IDLE+MAINTENANCE+RESERVED, a few seconds
+  after the reservation starts; here at once).
 - Partitions (node membership; default: every node in `gpu`) and an optional topology: node -> leaf
   switch, also as the text of Slurm's topology.conf (`topology_conf()`, tree plugin).
 - slurmctld down (`ctld_down()`): every call raises SlurmUnavailable, nothing changes; `ctld_up()`
   starts it again (a new `ctld_started_at`), state as saved.
 
 Not modelled: FAIL, FUTURE and power-saving states, node features and GRES per job, job arrays,
-COMPLETING, the MAINT/RESERVED flags later Slurm versions may show on reserved nodes, ResumeTimeout
-(a reboot that never completes), and a slurmctld that loses writes since its last state save.
+COMPLETING, ResumeTimeout (a reboot that never completes), and a slurmctld that loses writes since
+its last state save.
 
 Counting: `calls` is every call that reached slurmctld (the contract's proof that a refused input
 made none); `writes` counts every write that landed, by call, and `write_count` is their sum;
@@ -125,7 +127,7 @@ def _never_run(argv: list[str], env: dict[str, str], timeout_s: float) -> Comman
     raise AssertionError(f"SimSlurm runs no Slurm client: {argv}")
 
 
-_FLAGS: dict[tuple[bool, bool, str], frozenset[str]] = {}
+_FLAGS: dict[tuple[bool, bool, str, bool, bool], frozenset[str]] = {}
 """One frozenset per combination of flags, shared by every node that has it."""
 
 
@@ -154,15 +156,17 @@ class _Node:
         self.reason_user: str | None = None
         self.reason_time: float | None = None
         self.jobs: dict[str, bool] = {}  # job id -> holds the whole node (exclusive)
-        self.resv: set[str] = set()
+        self.resv: dict[str, bool] = {}  # the reservations holding it -> whether it is a MAINT one
         self.info: NodeInfo | None = None
 
     def build(self) -> NodeInfo:
-        key = (self.drain, self.responding, self.reboot)
+        maint = any(self.resv.values())
+        key = (self.drain, self.responding, self.reboot, bool(self.resv), maint)
         flags = _FLAGS.get(key)
         if flags is None:
             named = [("DRAIN", self.drain), ("NOT_RESPONDING", not self.responding),
-                     ("REBOOT_" + self.reboot, bool(self.reboot))]
+                     ("REBOOT_" + self.reboot, bool(self.reboot)), ("RESERVED", bool(self.resv)),
+                     ("MAINTENANCE", maint)]
             flags = _FLAGS[key] = frozenset(flag for flag, present in named if present)
         if self.down:
             state = "down"
@@ -768,8 +772,8 @@ class SimSlurm(_SimCore):
             why = "busy"
         elif reservation is not None and reservation not in node.resv:
             why = f"not in reservation {reservation!r}"
-        elif node.resv - {reservation}:  # another reservation holds it too (a MAINT one over it)
-            why = f"reserved ({', '.join(sorted(node.resv - {reservation}))})"
+        elif node.resv.keys() - {reservation}:  # another reservation holds it too (a MAINT one over it)
+            why = f"reserved ({', '.join(sorted(node.resv.keys() - {reservation}))})"
         if why:
             raise SlurmRefused(f"node {node.name} cannot take the job: {why}")
 
@@ -821,7 +825,7 @@ class SimSlurm(_SimCore):
                               now + duration_min * 60)
         self._resvs[name] = resv
         for node in targets:
-            node.resv.add(name)
+            self._hold(node, resv)
         self._at(resv.end, "resv_end", name)
         self._landed("create_reservation", name=name, nodes=list(resv.nodes), duration_min=duration_min,
                      users=list(users), flags=list(flags))
@@ -829,7 +833,7 @@ class SimSlurm(_SimCore):
     def _check_reservable(self, targets: list[_Node], flags: set[str], name: str, argv: list[str]) -> None:
         """slurmctld's refusals, in its words (seen on 22.05)."""
         busy = [n.name for n in targets if n.jobs] if "IGNORE_JOBS" not in flags else []
-        taken = [n.name for n in targets if n.resv - {name}] if not flags & {"MAINT", "OVERLAP"} else []
+        taken = [n.name for n in targets if n.resv.keys() - {name}] if not flags & {"MAINT", "OVERLAP"} else []
         for nodes, words in ((busy, "Requested nodes are busy"),
                              (taken, "Requested reservation overlaps with another reservation")):
             if nodes:
@@ -850,11 +854,11 @@ class SimSlurm(_SimCore):
         added = [n for n in targets if name not in n.resv]
         self._check_reservable(added, set(old.flags), name, argv)
         for n in old.nodes:
-            self._nodes[n].resv.discard(name)
+            self._release(self._nodes[n], name)
+        new = self._resvs[name] = SimReservation(name, tuple(n.name for n in targets), old.users, old.flags,
+                                                 old.start, old.end)
         for node in targets:
-            node.resv.add(name)
-        self._resvs[name] = SimReservation(name, tuple(n.name for n in targets), old.users, old.flags, old.start,
-                                           old.end)
+            self._hold(node, new)
         self._landed("update_reservation", name=name, nodes=[n.name for n in targets])
 
     def delete_reservation(self, name: str) -> None:
@@ -874,7 +878,15 @@ class SimSlurm(_SimCore):
     def _drop_reservation(self, resv: SimReservation) -> None:
         del self._resvs[resv.name]
         for n in resv.nodes:
-            self._nodes[n].resv.discard(resv.name)
+            self._release(self._nodes[n], resv.name)
+
+    def _hold(self, node: _Node, resv: SimReservation) -> None:
+        node.resv[resv.name] = "MAINT" in resv.flags
+        self._changed(node)
+
+    def _release(self, node: _Node, name: str) -> None:
+        node.resv.pop(name, None)
+        self._changed(node)
 
     def _timer_resv_end(self, name: str) -> None:
         resv = self._resvs.get(name)

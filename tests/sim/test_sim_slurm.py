@@ -8,9 +8,10 @@ Where the contract says nothing, the model follows what a local Slurm 22.05.8 cl
 were run by hand: `scontrol requeue` of a pending job: "Job is pending execution"; of a --no-requeue
 job: "Requested operation is presently disabled"; of a COMPLETED job: accepted, PENDING, Restarts=1.
 A reservation over a busy node without IGNORE_JOBS: "Requested nodes are busy"; over a reserved node:
-"Requested reservation overlaps with another reservation", but accepted with MAINT,IGNORE_JOBS; the
-reserved node still shows IDLE. A drained node whose slurmd dies: DOWN+DRAIN+NOT_RESPONDING, the
-drain reason kept, its --no-requeue job NODE_FAIL; slurmd back: DOWN+DRAIN (ReturnToService=1 returns
+"Requested reservation overlaps with another reservation", but accepted with MAINT,IGNORE_JOBS. A
+few seconds after it starts, a reserved node shows IDLE+RESERVED, in a MAINT one
+IDLE+MAINTENANCE+RESERVED. A drained node whose slurmd dies: DOWN+DRAIN+NOT_RESPONDING, the drain
+reason kept, its --no-requeue job NODE_FAIL; slurmd back: DOWN+DRAIN (ReturnToService=1 returns
 only "Not responding"), while an undrained node that died comes back IDLE with no reason. An issued
 reboot (idle node): DOWN+DRAIN+REBOOT_ISSUED, reason "<reason> : reboot issued" by SlurmUser; RESUME
 then: IDLE+NOT_RESPONDING. cancel_reboot of a node drained before `reboot ASAP`: still DRAIN, with
@@ -329,6 +330,9 @@ def test_reservations_busy_overlap_update_expiry_and_delete(sim, clock):
         sim.create_reservation("other", "gpu003", 10, flags=[])
     sim.create_reservation("maint", "gpu[001,003]", 10)  # MAINT+IGNORE_JOBS: over a job and another reservation
     assert sim.reservations()["maint"].nodes == ("gpu001", "gpu003")
+    flags = {n.name: n.flags for n in sim.nodes()}
+    assert flags["gpu001"] == flags["gpu003"] == {"MAINTENANCE", "RESERVED"} and flags["gpu002"] == {"RESERVED"}
+    assert sim.node("gpu001").state == "allocated" and not flags["gpu004"]
     sim.update_reservation("spares", "gpu[003-004]")
     assert sim.reservations()["spares"].nodes == ("gpu003", "gpu004")
     sim.start_job(None, "gpu002")  # released from the pool: schedulable again
@@ -340,10 +344,13 @@ def test_reservations_busy_overlap_update_expiry_and_delete(sim, clock):
     with pytest.raises(SlurmRefused, match="busy"):
         sim.delete_reservation("spares")
     sim.end_job(in_resv)
+    assert sim.node("gpu004").flags == {"RESERVED"}
     sim.delete_reservation("spares")
     sim.delete_reservation("spares")
+    assert not sim.node("gpu004").flags
     clock.advance(600)
     assert "maint" not in sim.reservations() and not sim.reservation_exists("maint")
+    assert not any(n.flags for n in sim.nodes())
     sim.end_job(job)
     assert sim.writes == {"create_reservation": 2, "update_reservation": 1, "delete_reservation": 1}
 
