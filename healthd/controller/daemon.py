@@ -117,13 +117,14 @@ class Controller:
         self.inband_round = inband.InbandRound()
         """What the latest round made of the in-band data (the round gauges and `healthctl inband` read it)."""
         self._inband_started = False
-        self.history = self._open_history()
-        """The rounds' inputs kept for replay (healthd.controller.history); None when not kept."""
+        self.history: History | None = None
+        """The rounds' inputs kept for replay (healthd.controller.history), opened at the first round
+        (a controller that ran none leaves no file); None when not kept."""
+        self._history_wanted = settings.history.enabled and not dry_run and str(ledger.path) != ":memory:"
 
     def _open_history(self) -> History | None:
         keep = self.settings.history
-        if not keep.enabled or self.dry_run or str(self.ledger.path) == ":memory:":
-            return None
+        self._history_wanted = False  # tried once: a file that cannot be opened is said once
         path = keep.file(str(self.ledger.path))
         try:
             return History(path, keep_days=keep.keep_days, flush_s=keep.flush_s)
@@ -132,6 +133,8 @@ class Controller:
             return None
 
     def _record(self, now: float, received: Mapping[str, NodeReport], snap: SlurmSnapshot) -> None:
+        if self.history is None and self._history_wanted:
+            self.history = self._open_history()
         if self.history is None:
             return
         try:

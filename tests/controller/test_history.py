@@ -208,3 +208,24 @@ def test_a_large_fleet_is_taken_in_over_rounds_and_a_node_that_leaves_is_seen_wh
     kept = {s.node: (s.since, s.until) for s in history.reports()}
     assert kept["node01"] == (NOW, NOW + 10) and kept["node08"] == (NOW + 15, NOW + 15)
     assert [kept[n][0] for n in nodes] == [NOW] * 3 + [NOW + 5] * 3 + [NOW + 10]
+
+
+def test_a_history_that_cannot_be_opened_is_said_once_and_the_rounds_go_on(tmp_path, caplog):
+    from healthd.controller.config import ControllerSettings
+    from healthd.controller.daemon import Controller
+    from healthd.controller.ledger import Ledger
+    from tests.support.fake_slurm import FakeBackend
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    settings = ControllerSettings(ledger=str(tmp_path / "ledger.sqlite"),
+                                  history=HistorySettings(path=str(tmp_path / "missing" / "history.sqlite")))
+    c = Controller(settings, ledger, FakeBackend(["node01"]), clock=lambda: NOW)
+    try:
+        for i in range(3):
+            assert c.evaluate(NOW + 5 * i) is not None
+        assert c.history is None
+        said = [r for r in caplog.records if "not kept for replay" in r.getMessage()]
+        assert len(said) == 1 and "missing" in said[0].getMessage()
+    finally:
+        c.close()
+        ledger.close()
