@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from ClusterShell.NodeSet import NodeSet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -434,19 +435,43 @@ def test_any_reason_is_refused_or_kept_byte_exact(reason):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet=st.sampled_from("abn01-_.[],; $`'\"\n=*~é"), max_size=20))
-def test_any_node_name_is_refused_before_any_call_or_names_nodes(name):
+@given(st.text(alphabet=st.sampled_from("abn01-_.[],; $`'\"\n=*~é"), max_size=20),
+       st.sampled_from(["drain", "reboot_asap", "resume", "cancel_reboot", "create_reservation", "nodes", "node",
+                        "jobs_on", "node_addresses"]))
+def test_any_node_name_is_refused_before_any_call_or_names_nodes(name, call):
+    """The fleet's own names skip ClusterShell: anything else still meets the validators first."""
     sim = SimSlurm(["n01", "n02"], clock=time.time)
-    calls = sim.calls
+    sim.drain("n02", "healthd: before")
+    before, calls = sim.nodes(), sim.calls
+    args = {"drain": (name, "healthd: x"), "reboot_asap": (name, "healthd: x"),
+            "create_reservation": ("healthd-x", name, 10), "nodes": ([name],), "node_addresses": ([name],)}
     try:
-        sim.drain(name, "healthd: x")
+        getattr(sim, call)(*args.get(call, (name,)))
     except ValueError:
-        assert sim.calls == calls and not any(n.drain_requested for n in sim.nodes())
+        assert sim.calls == calls and sim.nodes() == before
         return
     except SlurmRefused as exc:
-        assert "Invalid node name" in str(exc) and not any(n.drain_requested for n in sim.nodes())
+        assert "node" in str(exc) and sim.nodes() == before
         return
-    assert any(n.drain_requested for n in sim.nodes())
+    assert set(NodeSet(name)) <= {"n01", "n02"} or call in ("nodes", "node_addresses")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sets(st.integers(1, 12), min_size=1))
+def test_a_hostlist_and_its_names_drain_the_same_nodes(numbers):
+    """Metamorphic: the same nodes as one hostlist, as a list in any order, or one by one."""
+    names = [f"n{i:02d}" for i in sorted(numbers)]
+    results = []
+    for nodes in (f"n[{','.join(f'{i:02d}' for i in sorted(numbers))}]", list(reversed(names)), None):
+        sim = SimSlurm("n[01-12]", clock=lambda: 1_800_000_000.0)
+        if nodes is None:
+            for n in names:
+                sim.drain(n, "healthd: x")
+        else:
+            sim.drain(nodes, "healthd: x")
+        results.append(sim.nodes())
+    assert results[0] == results[1] == results[2]
+    assert {n.name for n in results[0] if n.drain_requested} == set(names)
 
 
 NAMES = ["n1", "n2", "n3", "n4"]
