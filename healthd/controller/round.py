@@ -298,6 +298,7 @@ def spare_pool(parts: RoundParts, s: RoundState) -> RoundState:
     world = spares.world_of(
         nodes=s.snapshot.nodes, partitions=s.fleet.partitions,
         healthy=(n for n, r in s.reports.items() if r.verdict == "healthy" and s.now - r.received_at <= ttl),
+        unhealthy=(n for n, r in s.reports.items() if r.verdict != "healthy" and s.now - r.received_at <= ttl),
         busy={*s.ledger_view.holds, *(n for n, _ in s.open_incidents), *(r.node for r in reintegrations if r.active)},
         out_of_service=s.snapshot.out_of_service | set(s.ledger_view.holds), floors=s.policy.capacity_floors,
         actions=ledger.actions(status="applied"), topology=topology_of(parts.topology_text), racks=s.policy.racks,

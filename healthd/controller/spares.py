@@ -112,6 +112,8 @@ class SpareWorld:
     """node -> its spare record (healthd's by record)."""
     healthy: frozenset[str] = frozenset()
     """Nodes whose fresh report says healthy."""
+    unhealthy: frozenset[str] = frozenset()
+    """Nodes whose fresh report says anything else (degraded, failed, unknown)."""
     busy: frozenset[str] = frozenset()
     """Nodes healthd has business with (held, an open incident, a reintegration): never spares."""
     out_of_service: frozenset[str] = frozenset()
@@ -142,8 +144,8 @@ def _ev(text: str, **data: object) -> Evidence:
 
 def fit(node: str, world: SpareWorld) -> str:
     """Why `node` cannot be a spare ('' when it can): idle (a spare already held may run root's
-    validation), no flag of NOT_SPARE_FLAGS but its own reservation's, a fresh healthy report, nothing
-    healthd is doing with it."""
+    validation), no flag of NOT_SPARE_FLAGS but its own reservation's, a fresh healthy report (a spare
+    held already: no fresh report that is not healthy), nothing healthd is doing with it."""
     info = world.nodes.get(node)
     if info is None:
         return "Slurm does not show it"
@@ -156,7 +158,10 @@ def fit(node: str, world: SpareWorld) -> str:
         return f"it is {info.state}"
     if node in world.out_of_service:
         return "it is out of service"
-    if node not in world.healthy:
+    if node in world.unhealthy:
+        return "its fresh report is not healthy"
+    # a spare is kept while its agent is unheard (a controller that just restarted has no report yet)
+    if not spare and node not in world.healthy:
         return "no fresh healthy report"
     if node in world.busy:
         return "healthd holds it or has an incident or reintegration open on it"
@@ -338,12 +343,13 @@ def decide(pools: Mapping[str, SparePool], world: SpareWorld, removals: Iterable
 
 
 def world_of(*, nodes: Mapping[str, NodeInfo], partitions: Mapping[str, frozenset[str]],
-             healthy: Iterable[str], busy: Iterable[str], out_of_service: Iterable[str],
+             healthy: Iterable[str], unhealthy: Iterable[str], busy: Iterable[str], out_of_service: Iterable[str],
              floors: Mapping[str, int], actions: Iterable[_Recorded], validated: Mapping[str, float],
              topology: Topology, racks: Mapping[str, frozenset[str]]) -> SpareWorld:
     """The SpareWorld of a round, the spares read from the ledger's actions (recorded_spares)."""
     spares, released = recorded_spares(actions, validated)
     return SpareWorld(nodes=nodes, partitions=partitions, spares=spares, healthy=frozenset(healthy),
+                      unhealthy=frozenset(unhealthy),
                       busy=frozenset(busy), out_of_service=frozenset(out_of_service), floors=floors,
                       validated=validated, released_at=released, topology=topology, racks=racks)
 

@@ -125,6 +125,13 @@ def test_a_spare_given_back_is_left_to_its_job_for_a_while():
     assert d.node == "n01"
 
 
+def test_a_spare_whose_agent_is_unheard_stays_one_whose_report_is_unhealthy_goes():
+    w = with_spares(world(healthy=frozenset()), spare("n01"), spare("n05"))  # a controller just restarted
+    assert keep_pool({"gpu": SparePool(size=2)}, w, NOW) == ()
+    (d,) = keep_pool({"gpu": SparePool(size=2)}, dataclasses.replace(w, unhealthy=frozenset({"n05"})), NOW)
+    assert (d.kind, d.node) == ("spare-release", "n05") and "not healthy" in d.reason
+
+
 def test_unhealthy_or_busy_nodes_are_not_taken():
     w = world(healthy=frozenset({"n01", "n02"}), busy=frozenset({"n01"}))
     (d,) = keep_pool({"gpu": SparePool(size=3)}, w, NOW)
@@ -262,8 +269,10 @@ def fleets(draw):
         spares[x] = Spare(x, p, f"healthd_spare_{p}_{x}", NOW - H, draw(st.sampled_from([None, NOW - H, NOW - 30 * H])))
         nodes[x] = dataclasses.replace(nodes[x], flags=nodes[x].flags | {"RESERVED"})
     floors = {p: draw(st.integers(0, len(m))) for p, m in parts.items() if draw(st.booleans())}
-    w = SpareWorld(nodes=nodes, partitions=parts, spares=spares,
-                   healthy=frozenset(draw(st.lists(st.sampled_from(names), unique=True))),
+    healthy = frozenset(draw(st.lists(st.sampled_from(names), unique=True)))
+    w = SpareWorld(nodes=nodes, partitions=parts, spares=spares, healthy=healthy,
+                   unhealthy=frozenset(draw(st.lists(st.sampled_from(sorted(set(names) - healthy) or names),
+                                                     unique=True))) - healthy,
                    busy=frozenset(draw(st.lists(st.sampled_from(names), unique=True, max_size=3))),
                    out_of_service=frozenset(x for x, i in nodes.items() if i.state == "down" or "DRAIN" in i.flags),
                    floors=floors, topology=topo, racks=racks)

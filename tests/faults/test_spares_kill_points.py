@@ -1,0 +1,82 @@
+"""SIGKILL of the controller at each spare move (tests/faults/world.py: the real controller daemon, agents,
+Slurm and munged), before the call reaches slurmctld and right after it landed: after the restart the
+ledger's spares equal Slurm's reservations, each reservation was made (or deleted) once, and the
+checker's invariants hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.faults.test_kill_points import WHEN, kill_at
+from tests.faults.world import FaultWorld
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "healthd_spare_debug_"
+
+
+def _spare_actions(w: FaultWorld) -> list[dict[str, Any]]:
+    return [a for a in w.actions() if a["kind"] in ("spare-reserve", "spare-release")]
+
+
+def _recorded(w: FaultWorld) -> set[str]:
+    """The spares by the ledger's record: nodes whose latest applied spare action is a reserve."""
+    latest: dict[str, str] = {}
+    for a in sorted(_spare_actions(w), key=lambda a: a["id"]):
+        if a["status"] == "applied":
+            latest[a["node"]] = a["kind"]
+    return {n for n, k in latest.items() if k == "spare-reserve"}
+
+
+def _in_slurm(w: FaultWorld) -> set[str]:
+    out = w.slurm(["scontrol", "show", "reservation", "-o"], check=False).stdout
+    return {line.split("ReservationName=", 1)[1].split()[0][len(PREFIX):]
+            for line in out.splitlines() if f"ReservationName={PREFIX}" in line}
+
+
+def _with_pool(w: FaultWorld) -> None:
+    w.policy["spares"] = {"debug": {"size": 1}}
+    w.restart_controller()
+
+
+def _cleanup(w: FaultWorld) -> None:
+    # a spare's reservation outlives the test's controller: the next test's jobs need every node
+    w.policy.pop("spares", None)
+    w.restart_controller()
+    for node in _in_slurm(w):
+        w.slurm(["scontrol", "delete", f"ReservationName={PREFIX}{node}"], check=False)
+
+
+@pytest.mark.parametrize("when", WHEN)
+def test_kill_at_the_spare_reserve(w, when):
+    try:
+        w.policy["spares"] = {"debug": {"size": 1}}
+        kill_at(w, f"ReservationName={PREFIX}", when, w.restart_controller)
+        w.wait(lambda: len(_recorded(w)) == 1 and _recorded(w) == _in_slurm(w), 30, "one spare, in Slurm and the ledger")
+        reserves = [a for a in _spare_actions(w) if a["kind"] == "spare-reserve"]
+        assert [a["status"] for a in reserves].count("applied") == 1, reserves
+        if when == "before":
+            assert reserves[0]["status"] == "abandoned", reserves  # never applied blindly after the restart
+        w.checker.check()
+    finally:
+        _cleanup(w)
+
+
+@pytest.mark.parametrize("when", WHEN)
+def test_kill_at_the_spare_release(w, when):
+    try:
+        _with_pool(w)
+        w.wait(lambda: len(_recorded(w)) == 1 and _recorded(w) == _in_slurm(w), 30, "the pool's spare")
+        (spare,) = _recorded(w)
+        # the spare's own GPU fails: it is no longer fit and its reservation is deleted
+        kill_at(w, f"delete ReservationName={PREFIX}{spare}", when, lambda: w.inject_xid(spare, 48))
+        w.wait(lambda: spare not in _recorded(w) and spare not in _in_slurm(w), 30, f"{spare} given back")
+        w.wait(lambda: _recorded(w) == _in_slurm(w) and len(_recorded(w)) == 1, 30, "the pool refilled")
+        releases = [a for a in _spare_actions(w) if a["kind"] == "spare-release" and a["node"] == spare]
+        assert [a["status"] for a in releases].count("applied") == 1, releases
+        w.drained_once(spare)
+        w.checker.check()
+    finally:
+        _cleanup(w)
