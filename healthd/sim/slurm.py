@@ -590,36 +590,6 @@ class _SimCore:
         self._changed(node)
         self._maybe_issue(node)
 
-    # -- the engine's side: layout ----------------------------------------------------------------
-
-    @property
-    def node_names(self) -> list[str]:
-        return list(self._nodes)
-
-    @property
-    def partitions(self) -> dict[str, tuple[str, ...]]:
-        """partition -> its nodes, in the fleet's order."""
-        return dict(self._parts)
-
-    @property
-    def topology(self) -> dict[str, str]:
-        """node -> its leaf switch (empty without a topology)."""
-        return dict(self._topology)
-
-    def topology_conf(self) -> str:
-        """The topology as Slurm's topology.conf (tree plugin): one line per leaf switch with its
-        nodes, and a top switch over the leaves; '' without a topology."""
-        if not self._topology:
-            return ""
-        leaves: dict[str, list[str]] = {}
-        for node in self._nodes:
-            if node in self._topology:
-                leaves.setdefault(self._topology[node], []).append(node)
-        lines = [f"SwitchName={leaf} Nodes={slurm_hostlist(members)}" for leaf, members in leaves.items()]
-        if len(leaves) > 1:
-            lines.append(f"SwitchName=top Switches={','.join(leaves)}")
-        return "\n".join(lines) + "\n"
-
 
 class SimSlurm(_SimCore):
     """An in-memory Slurm on a virtual clock (the module docstring says what it models).
@@ -930,5 +900,39 @@ class SimSlurm(_SimCore):
             return self.step(node, rest, float(timeout_s))
         return step_result(rest, {"PATH": STEP_PATH, "LANG": "C", "SLURMD_NODENAME": node}, float(timeout_s))
 
+    # -- the engine's side: layout ----------------------------------------------------------------
 
-__all__ = ["FINISHED_STATES", "NOT_RESPONDING", "SIM_VERSION", "SLURM_USER", "SimReservation", "SimSlurm"]
+    @property
+    def node_names(self) -> list[str]:
+        return list(self._nodes)
+
+    @property
+    def partitions(self) -> dict[str, tuple[str, ...]]:
+        """partition -> its nodes, in the fleet's order."""
+        return dict(self._parts)
+
+    @property
+    def topology(self) -> dict[str, str]:
+        """node -> its leaf switch (empty without a topology)."""
+        return dict(self._topology)
+
+    def topology_conf(self) -> str:
+        """The topology as Slurm's topology.conf (tree plugin; see topology_conf)."""
+        return topology_conf(self._topology, list(self._nodes))
+
+
+def topology_conf(leaf_of: Mapping[str, str], order: Sequence[str]) -> str:
+    """topology.conf (tree plugin) for node -> leaf switch: one line per leaf switch with its nodes
+    (in `order`), and a top switch over the leaves when there are several; '' for no topology."""
+    leaves: dict[str, list[str]] = {}
+    for node in order:
+        if node in leaf_of:
+            leaves.setdefault(leaf_of[node], []).append(node)
+    lines = [f"SwitchName={leaf} Nodes={slurm_hostlist(members)}" for leaf, members in leaves.items()]
+    if len(leaves) > 1:
+        lines.append(f"SwitchName=top Switches={','.join(leaves)}")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+__all__ = ["FINISHED_STATES", "NOT_RESPONDING", "SIM_VERSION", "SLURM_USER", "SimReservation", "SimSlurm",
+           "topology_conf"]
