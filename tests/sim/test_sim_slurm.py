@@ -487,8 +487,11 @@ class SimSlurmMachine(RuleBasedStateMachine):
         self.jobs: list[str] = []
 
     @rule(nodes=st.sets(st.sampled_from(NAMES), min_size=1), reason=st.sampled_from(["healthd: a", "admin: b c=d"]))
-    def drain(self, nodes, reason):
+    def drain_twice(self, nodes, reason):
         self.sim.drain(sorted(nodes), reason)
+        once = self.sim.nodes()
+        self.sim.drain(sorted(nodes), reason)  # the same write at the same time: nothing changes
+        assert self.sim.nodes() == once
         for n in nodes:
             info = self.sim.node(n)
             assert info.drain_requested and info.reason == reason and info.reason_user == "root"
