@@ -295,13 +295,16 @@ def spare_pool(parts: RoundParts, s: RoundState) -> RoundState:
                 and ((done is not None and done.status == "applied") or (s.mode == "observe" and o.gate == "mode"))]
     ttl = s.policy.report_ttl_s
     reintegrations = ledger.reintegrations()
+    applied = ledger.actions(status="applied")
+    removals += spares.owed(((n, h.incident_id, h.since) for n, h in s.ledger_view.holds.items()), applied, now,
+                            done=(n for n, _ in removals))
     world = spares.world_of(
         nodes=s.snapshot.nodes, partitions=s.fleet.partitions,
         healthy=(n for n, r in s.reports.items() if r.verdict == "healthy" and s.now - r.received_at <= ttl),
         unhealthy=(n for n, r in s.reports.items() if r.verdict != "healthy" and s.now - r.received_at <= ttl),
         busy={*s.ledger_view.holds, *(n for n, _ in s.open_incidents), *(r.node for r in reintegrations if r.active)},
         out_of_service=s.snapshot.out_of_service | set(s.ledger_view.holds), floors=s.policy.capacity_floors,
-        actions=ledger.actions(status="applied"), topology=topology_of(parts.topology_text), racks=s.policy.racks,
+        actions=applied, topology=topology_of(parts.topology_text), racks=s.policy.racks,
         validated={r.node: r.validated_at for r in sorted(reintegrations, key=lambda r: r.validated_at or 0.0)
                    if r.validated_at is not None and r.state in ("probation", "passed")})
     outcomes, ctx = gate_batch(spares.decide(s.policy.spares, world, removals, now), s.context)

@@ -48,6 +48,9 @@ given back."""
 # what a node in healthd's MAINT reservation shows (Slurm 22.05: IDLE+MAINTENANCE+RESERVED, a few
 # seconds after the reservation is made, once slurmctld's periodic pass starts it)
 _OWN_RESERVATION_FLAGS = frozenset({"MAINT", "MAINTENANCE", "RESERVED"})
+RELEASE_WINDOW_S = 600.0
+"""A removal whose spare was not released (the controller stopped between deciding the release and
+making it) is owed one in the rounds after it, for this long after the removal."""
 RELEASE_GRACE_S = 600.0
 """A spare given back is not taken into a pool again for this long: the requeued job it was released
 for needs time to start on it (Slurm holds a requeued job before it runs again)."""
@@ -185,7 +188,8 @@ def _release(partition: str, spare: Spare, why: str, now: float, incident: str =
                     reason=f"healthd: spare released: {why}", tier=1, incident=incident, decided_at=now,
                     target=spare.reservation, evidence=(*evidence, _ev(why, partition=partition)),
                     series=f"spare-release:{spare.reservation}@{spare.reserved_at:.0f}",
-                    detail={"partition": partition, "why": why, "reservation": spare.reservation})
+                    detail={"partition": partition, "why": why, "reservation": spare.reservation,
+                            "incident": incident})
 
 
 def keep_pool(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> tuple[Decision, ...]:
@@ -340,6 +344,20 @@ def decide(pools: Mapping[str, SparePool], world: SpareWorld, removals: Iterable
                                out_of_service=world.out_of_service | removed, busy=world.busy | taken,
                                released_at={**world.released_at, **dict.fromkeys(taken, now)})
     return (*out, *keep_pool(pools, rest, now))
+
+
+def owed(holds: Iterable[tuple[str, int | None, float]], actions: Iterable[_Recorded], now: float,
+         done: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """(node, incident) of each removal still owed a spare decision: a node healthd holds since at most
+    RELEASE_WINDOW_S whose incident no applied spare release names, apart from the nodes in `done`
+    (removed this round). A removal no spare could serve is decided again each round of the window (the
+    ledger records the same decision once); one a spare served is not."""
+    served = {str(a.evidence.get("incident")) for a in actions
+              if a.kind == "spare-release" and a.status == "applied" and isinstance(a.evidence, Mapping)}
+    skip = set(done)
+    return sorted((node, str(incident)) for node, incident, since in holds
+                  if incident is not None and node not in skip and now - since <= RELEASE_WINDOW_S
+                  and str(incident) not in served)
 
 
 def world_of(*, nodes: Mapping[str, NodeInfo], partitions: Mapping[str, frozenset[str]],

@@ -14,6 +14,7 @@ from healthd.controller.ledger import Ledger
 from healthd.controller.metrics import ControllerMetrics
 from healthd.controller.policy import ControllerPolicySettings, NodeReport
 from healthd.controller.spares import SparePool
+from healthd.slurm.backend import SlurmRefused
 from tests.observability.test_controller_round_metrics import xid79
 from tests.support.fake_slurm import FakeBackend
 
@@ -85,6 +86,7 @@ def test_no_spare_in_place_is_recorded_with_why(made):
     assert spare_writes(backend) == [("create_reservation", "healthd_spare_gpu_node03")]
     c.reports["node02"] = NodeReport(node="node02", verdict="failed", findings=(xid79(T0 + 57),), received_at=T0 + 60)
     c.evaluate(T0 + 60)
+    c.evaluate(T0 + 90)  # owed a spare still: decided again, recorded once
     assert ("delete_reservation", "healthd_spare_gpu_node03") not in spare_writes(backend)
     [d] = [d for d in ledger.decisions() if d.kind == "spare-release"]
     [incident] = [i for i in ledger.incidents() if i.nodes == ("node02",)]
@@ -112,6 +114,29 @@ def test_without_spares_the_step_does_nothing(made):
     c.policy = dataclasses.replace(c.policy, spares={})
     c.evaluate(T0)
     assert spare_writes(backend) == [] and ledger.decisions() == []
+
+
+def test_a_release_a_restart_cut_off_is_owed_to_the_removal(made):
+    c, ledger, backend = made()
+    validated(ledger, "node01", T0 - 600)
+    c.evaluate(T0)
+    c.reports["node02"] = NodeReport(node="node02", verdict="failed", findings=(xid79(T0 + 57),), received_at=T0 + 60)
+    real_delete = backend.delete_reservation
+
+    def refused(name):  # the release's call fails (slurmctld restarting): the spare is still there
+        backend.delete_reservation = real_delete
+        raise SlurmRefused("Unable to contact slurm controller", ["delete_reservation", name], 1, "")
+
+    backend.delete_reservation = refused
+    c.evaluate(T0 + 60)
+    assert "healthd_spare_gpu_node01" in backend.reservations
+    c.evaluate(T0 + 90)  # the next round releases it for node02's drain, under its incident
+    assert "healthd_spare_gpu_node01" not in backend.reservations
+    [incident] = [i for i in ledger.incidents() if i.nodes == ("node02",)]
+    [release] = [a for a in ledger.actions(status="applied") if a.kind == "spare-release"]
+    assert release.evidence["incident"] == str(incident.id) and release.attempt == 2
+    c.evaluate(T0 + 120)
+    assert len([a for a in ledger.actions() if a.kind == "spare-release"]) == 2  # the failed one and this
 
 
 @pytest.mark.parametrize("landed", [True, False])

@@ -5,6 +5,7 @@ checker's invariants hold."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -44,6 +45,8 @@ def _with_pool(w: FaultWorld) -> None:
 def _cleanup(w: FaultWorld) -> None:
     # a spare's reservation outlives the test's controller: the next test's jobs need every node
     w.policy.pop("spares", None)
+    w.extra_config.pop("topology_conf", None)
+    w.slurm(["scontrol", "delete", "ReservationName=admin_hold"], check=False)
     w.restart_controller()
     for node in _in_slurm(w):
         w.slurm(["scontrol", "delete", f"ReservationName={PREFIX}{node}"], check=False)
@@ -77,6 +80,40 @@ def test_kill_at_the_spare_release(w, when):
         releases = [a for a in _spare_actions(w) if a["kind"] == "spare-release" and a["node"] == spare]
         assert [a["status"] for a in releases].count("applied") == 1, releases
         w.drained_once(spare)
+        w.checker.check()
+    finally:
+        _cleanup(w)
+
+
+@pytest.mark.parametrize("when", WHEN)
+def test_kill_at_the_release_for_a_removed_node(w, when):
+    """node01 validated by a reintegration becomes the pool's spare; node02's GPU fails and its drain
+    releases node01 (same leaf switch): killed at that delete, the release is still made once, under
+    node02's incident."""
+    try:
+        w.inject_xid("node01", 48)
+        w.drained_once("node01")
+        w.healthctl("repaired", "node01", "--why", "reseated GPU", json_out=False)
+        w.wait(lambda: w.rows("SELECT state FROM reintegrations WHERE node = 'node01'") == [("passed",)], 60,
+               "node01's reintegration to pass")
+        topology = w.dir / "topology.conf"
+        topology.write_text("SwitchName=s1 Nodes=node[01-02]\nSwitchName=s2 Nodes=node[03-04]\n")
+        w.extra_config["topology_conf"] = str(topology)
+        # an administrator's reservation holds the other nodes while the pool fills (a restarted controller
+        # takes the first healthy nodes it hears from): node01 is the one node it may take
+        w.slurm(["scontrol", "create", "reservation", "ReservationName=admin_hold", "Nodes=node[02-04]",
+                 "StartTime=now", "Duration=30", "Users=root", "Flags=MAINT,IGNORE_JOBS"])
+        w.wait(lambda: all("RESERVED" in w.node_info(n).flags for n in ("node02", "node03", "node04")), 30,
+               "the administrator's reservation in force")
+        _with_pool(w)
+        w.wait(lambda: _recorded(w) == _in_slurm(w) == {"node01"}, 30, "node01, validated, as the spare")
+        w.slurm(["scontrol", "delete", "ReservationName=admin_hold"])
+        kill_at(w, f"delete ReservationName={PREFIX}node01", when, lambda: w.inject_xid("node02", 48))
+        w.drained_once("node02")
+        w.wait(lambda: "node01" not in _recorded(w) | _in_slurm(w), 30, "node01 released")
+        (incident,) = [i["id"] for i in w.incidents("node02")]
+        releases = [a for a in _spare_actions(w) if a["kind"] == "spare-release" and a["status"] == "applied"]
+        assert len(releases) == 1 and json.loads(releases[0]["evidence"])["incident"] == str(incident), releases
         w.checker.check()
     finally:
         _cleanup(w)
