@@ -51,6 +51,9 @@ _OWN_RESERVATION_FLAGS = frozenset({"MAINT", "MAINTENANCE", "RESERVED"})
 RELEASE_WINDOW_S = 600.0
 """A removal whose spare was not released (the controller stopped between deciding the release and
 making it) is owed one in the rounds after it, for this long after the removal."""
+RENEW_BEFORE_S = 300.0
+"""A spare is given back this long before its reservation ends (and the pool refilled, by another node
+while RELEASE_GRACE_S runs): a spare is never a node Slurm no longer reserves."""
 RELEASE_GRACE_S = 600.0
 """A spare given back is not taken into a pool again for this long: the requeued job it was released
 for needs time to start on it (Slurm holds a requeued job before it runs again)."""
@@ -64,8 +67,9 @@ class SparePool:
     """How many spares to keep in the partition's pool (never taking it below its capacity floor)."""
     validated_within_h: float = 24.0
     """A spare is released for a removed node only when its last validation passed within this many
-    hours; it is revalidated once that pass is older than half of it. Its reservation lasts this long,
-    so spares return to service by themselves should healthd stop renewing them."""
+    hours; it is revalidated once that pass is older than half of it. Its reservation lasts this long
+    (spares return to service by themselves should healthd stop); healthd gives a spare back 5 minutes
+    before its reservation ends and refills the pool."""
     reservation: str = ""
     """Prefix of the reservations healthd keeps the pool's spares in, one per spare:
     `<reservation>_<node>`. Empty: `healthd_spare_<partition>`. healthd owns exactly the reservations
@@ -198,8 +202,11 @@ def keep_pool(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> 
     held = dict(world.spares)
     for node, spare in sorted(world.spares.items(), key=lambda kv: (kv[1].partition, kv[0])):
         unfit = fit(node, world)
-        why = (f"partition {spare.partition} has no spare pool configured" if spare.partition not in pools
-               else f"{node} can no longer be a spare: {unfit}" if unfit else "")
+        pool = pools.get(spare.partition)
+        ends = spare.reserved_at + pool.minutes * 60 if pool is not None else 0.0
+        why = (f"partition {spare.partition} has no spare pool configured" if pool is None
+               else f"{node} can no longer be a spare: {unfit}" if unfit
+               else f"its reservation ends in {max(0.0, ends - now):.0f} s" if now >= ends - RENEW_BEFORE_S else "")
         if why:
             out.append(_release(spare.partition, spare, why, now))
             del held[node]

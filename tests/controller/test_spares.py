@@ -132,6 +132,15 @@ def test_a_spare_whose_agent_is_unheard_stays_one_whose_report_is_unhealthy_goes
     assert (d.kind, d.node) == ("spare-release", "n05") and "not healthy" in d.reason
 
 
+def test_a_spare_is_given_back_before_its_reservation_ends():
+    pool = {"gpu": SparePool(size=1, validated_within_h=2)}
+    w = with_spares(world(), spare("n01"))  # reserved two hours ago: its reservation ends at NOW
+    assert keep_pool(pool, w, NOW - 301) == ()
+    release, reserve = keep_pool(pool, w, NOW - 299)
+    assert (release.kind, release.node) == ("spare-release", "n01") and "ends in 299 s" in release.reason
+    assert reserve.kind == "spare-reserve" and reserve.node != "n01"
+
+
 def test_unhealthy_or_busy_nodes_are_not_taken():
     w = world(healthy=frozenset({"n01", "n02"}), busy=frozenset({"n01"}))
     (d,) = keep_pool({"gpu": SparePool(size=3)}, w, NOW)
