@@ -17,8 +17,8 @@ from healthd.controller.actions import ACTIONS
 from healthd.controller.config import parse_controller_settings
 from healthd.controller.gates import GateContext, gate_one
 from healthd.controller.policy import ControllerPolicySettings, FleetView, LedgerView
-from healthd.controller.spares import NOT_SPARE_FLAGS, Spare, SparePool, SpareWorld, fit, keep_pool, release_for, \
-    revalidation_due
+from healthd.controller.spares import NOT_SPARE_FLAGS, Spare, SparePool, SpareWorld, fit, keep_pool, owed, \
+    recorded_spares, release_for, revalidation_due
 from healthd.slurm.backend import NodeInfo
 from healthd.slurm.topology import parse_topology
 
@@ -339,3 +339,33 @@ def test_the_released_spare_shares_the_leaf_when_one_can(case, data):
         assert d.kind == "none" and d.note
     if d.kind == "spare-release":
         assert usable(w.spares[d.node])
+
+
+# --------------------------------------------------------------------------- from the ledger
+
+
+@dataclasses.dataclass
+class Act:
+    id: int
+    node: str
+    kind: str
+    status: str
+    evidence: object
+    applied_at: float | None
+
+
+def test_the_spares_are_the_ledgers_latest_applied_reserves():
+    acts = [Act(1, "n01", "spare-reserve", "applied", {"reservation": "r_n01", "partition": "gpu", "validated_at": 5.0}, 10),
+            Act(2, "n02", "spare-reserve", "applied", {"reservation": "r_n02", "partition": "gpu"}, 11),
+            Act(3, "n01", "spare-release", "applied", {"reservation": "r_n01", "incident": "7"}, 20),
+            Act(4, "n03", "spare-reserve", "abandoned", {"reservation": "r_n03", "partition": "gpu"}, None),
+            Act(5, "n04", "spare-reserve", "applied", "damaged", 12)]
+    spares, released = recorded_spares(acts, {"n02": 8.0})
+    assert set(spares) == {"n02"} and spares["n02"].validated_at == 8.0 and spares["n02"].reservation == "r_n02"
+    assert released == {"n01": 20}
+
+
+def test_a_removal_is_owed_a_spare_until_a_release_names_its_incident():
+    acts = [Act(1, "n01", "spare-release", "applied", {"incident": "7"}, 10)]
+    holds = [("n05", 7, NOW - 60), ("n06", 8, NOW - 60), ("n07", 9, NOW - 601), ("n08", None, NOW), ("n09", 10, NOW)]
+    assert owed(holds, acts, NOW, done=["n09"]) == [("n06", "8")]
