@@ -61,7 +61,7 @@ values = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | s
                       max_leaves=8)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.text(alphabet=string.printable, max_size=200))
 def test_any_text_is_a_scenario_or_a_scenario_error(text):
     try:
@@ -74,7 +74,7 @@ BASE_DOC = yaml.safe_load(PACKAGED["baseline"])
 PATHS = [(k,) for k in BASE_DOC] + [(k, j) for k, v in BASE_DOC.items() if isinstance(v, dict) for j in v]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.sampled_from(PATHS), values)
 def test_any_field_set_to_anything_is_a_scenario_or_a_scenario_error(path, value):
     doc = yaml.safe_load(PACKAGED["baseline"])
