@@ -3,6 +3,7 @@
     healthd-sim run SCENARIO... [--seeds N] [--first-seed S] [--healthd MODE] [--format table|json|html] [-o FILE]
     healthd-sim compare A B [--seeds N] [--first-seed S] [--healthd MODE] [--format table|json|html] [-o FILE]
     healthd-sim list
+    healthd-sim replay --history FILE [...]      (healthd.sim.replay: a recorded controller history)
 
 A SCENARIO is a YAML file or the name of a packaged one (`healthd-sim list`). Exit 0; 2 for a bad
 scenario or arguments.
@@ -34,6 +35,11 @@ def _out(text: str, path: str | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["replay"]:
+        from healthd.sim.replay import main as replay  # here: the replay's imports only for a replay
+
+        return replay(args[1:])
     p = argparse.ArgumentParser(prog="healthd-sim", description="healthd's policy simulator")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("run", "compare"):
@@ -46,7 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sp.add_argument("--format", choices=("table", "json", "html"), default="table")
         sp.add_argument("-o", "--output", help="write to this file instead of stdout")
     sub.add_parser("list")
-    a = p.parse_args(argv)
+    sub.add_parser("replay", help="replay a recorded controller history under another configuration "
+                   "(healthd-sim replay --help)")
+    a = p.parse_args(args)
     # the real controller logs and alerts on every decision of every simulated run: not the output here
     logging.getLogger("healthd").setLevel(logging.CRITICAL + 1)
     if a.cmd == "list":

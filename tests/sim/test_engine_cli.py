@@ -43,3 +43,8 @@ def test_list_names_every_packaged_scenario(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in scenario.packaged())
+
+
+def test_replay_is_the_replays_own_command(capsys, tmp_path):
+    assert cli.main(["replay", "--history", str(tmp_path / "none.sqlite")]) == 2
+    assert "healthd-sim replay:" in capsys.readouterr().err
