@@ -144,10 +144,12 @@ def test_a_rank_slow_on_every_other_step_is_named_like_a_steady_one(seed, who, e
             named = (w + 1) * WS - onset
             break
     assert named is not None and named <= 150
-    # its windows' compute figure shows the net slowdown, where their median showed a fraction of it
-    win = made[who][8]
-    others = statistics.median(made[r][8].compute_s for r in range(ranks) if r != who)
-    assert win.compute_s / others - 1 > 0.8 * effect
+    # its windows' compute figure shows the net slowdown, where their median showed a fraction of it:
+    # over the four windows after any onset (one window alone read as low as 0.76 of the effect in
+    # 300 draws, its noise; four together 0.88 at the lowest)
+    seen = statistics.mean(made[who][w].compute_s / statistics.median(made[r][w].compute_s for r in range(ranks)
+                                                                      if r != who) - 1 for w in (6, 7, 8, 9))
+    assert seen > 0.8 * effect
 
 
 @PROPS
