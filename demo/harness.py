@@ -502,12 +502,13 @@ class FleetHarness:
                  f"{rounds} more control rounds")
 
     def stop_controller(self, *, fresh_ledger: bool = False) -> None:
-        """Stop healthd-controller by PID; with fresh_ledger, delete its ledger (and WAL) too."""
+        """Stop healthd-controller by PID; with fresh_ledger, delete its ledger and its history (and their WAL) too."""
         _stop_proc(self.controller)
         self.controller = None
-        if fresh_ledger:
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{self.ledger}{suffix}").unlink(missing_ok=True)
+        if fresh_ledger:  # and the record of what its rounds saw, kept beside it (history.sqlite)
+            for name in (self.ledger, self.ledger.parent / "history.sqlite"):
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{name}{suffix}").unlink(missing_ok=True)
 
     def healthctl(self, *args: str, json_out: bool = True, check: bool = True) -> Any:
         """`healthctl --ledger L --socket S [--json] ARGS`: the parsed JSON (or the text)."""

@@ -7,6 +7,7 @@ breaker opens at three: both drained) and under the recorded configuration (noth
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -28,7 +29,8 @@ def decided(w, node: str) -> list[tuple[str, str | None]]:
 def drill(w):
     """The record: the controller in observe mode through the drill's faults, stopped cleanly."""
     w.policy = dict(OBSERVE)
-    w.stop_controller()
+    w.stop_controller(fresh_ledger=True)  # a record of this drill alone
+    started = time.time()
     w.start_controller()
     w.wait_reported(w.nodes, timeout_s=60)
     w.checker.foreign_drain("node01", "bad fan, ticket 4711")
@@ -42,6 +44,7 @@ def drill(w):
     w.stop_controller()  # a clean stop: the history's open rows are written
     history = History(w.ledger.parent / "history.sqlite", readonly=True)
     ledger = Ledger.open_readonly(w.ledger)
+    assert history.span() is not None and history.span()[0] >= started
     yield settings, history, ledger
     history.close()
     ledger.close()
