@@ -134,6 +134,11 @@ def recorded_decisions(ledger: Ledger | None, start: float, end: float) -> list[
     return sorted(out, key=lambda r: (r.at, r.node))
 
 
+def _foreign_drain(info: NodeInfo) -> bool:
+    """Drained with a reason that is not healthd's: someone else's drain."""
+    return info.drain_requested and not is_healthd_reason(info.reason)
+
+
 def changes_by_hand(spans: Iterable[Span]) -> list[Recorded]:
     """The recorded changes of Slurm's entries that were not healthd's: drains with a reason that is
     not healthd's, resumes of such drains, nodes going down and coming back. A node's first row is
@@ -146,8 +151,7 @@ def changes_by_hand(spans: Iterable[Span]) -> list[Recorded]:
         last[span.node] = info
         if before is None:
             continue
-        foreign_now = info.drain_requested and not is_healthd_reason(info.reason)
-        foreign_before = before.drain_requested and not is_healthd_reason(before.reason)
+        foreign_now, foreign_before = _foreign_drain(info), _foreign_drain(before)
         if foreign_now and (not foreign_before or info.reason != before.reason):
             out.append(Recorded(span.since, span.node, "drain-by-hand", "done", who=info.reason_user, reason=info.reason))
         elif foreign_before and not info.drain_requested:
@@ -192,9 +196,8 @@ class _Slurm:
                 self.sim.node_down(node, info.reason or "Not responding")
             elif before is not None and before.state == "down" and info.state != "down":
                 self.sim.node_up(node)
-            foreign = info.drain_requested and not is_healthd_reason(info.reason)
-            was_foreign = before is not None and before.drain_requested and not is_healthd_reason(before.reason)
-            if foreign and (not was_foreign or before is None or before.reason != info.reason):
+            foreign, was_foreign = _foreign_drain(info), before is not None and _foreign_drain(before)
+            if foreign and (not was_foreign or before.reason != info.reason):
                 self.sim.drain(node, info.reason or "drained")
             elif was_foreign and not info.drain_requested:
                 self.sim.resume(node)
