@@ -110,7 +110,8 @@ ACTIONS: Mapping[str, ActionKind] = MappingProxyType({a.kind: a for a in (
     ActionKind("redrain", "drain", target="node", records="drain", changes_node=True, removes_capacity=False,
                holds=True, approval="operator", budget="", gates=("mode", "ownership"),
                proposed_by="the reintegrator: a node that failed validation, drained again from inside its "
-               "reservation (out of users' reach already: it removes no capacity)"),
+               "reservation (out of users' reach already: it removes no capacity); the spare pool: a spare that "
+               "failed its validation, drained from inside its own reservation"),
     ActionKind("reservation-create", "create_reservation", target="reservation", records=None, changes_node=False,
                removes_capacity=False, holds=False, approval="operator", budget="", gates=("mode",),
                proposed_by="the reintegrator: the MAINT reservation validation runs in"),
@@ -126,6 +127,11 @@ ACTIONS: Mapping[str, ActionKind] = MappingProxyType({a.kind: a for a in (
                proposed_by="the spare pool: a spare's reservation deleted, next to a node healthd removes (same "
                "leaf switch, else rack group), or when it is no longer fit, over the pool's size or needed "
                "for a capacity floor"),
+    ActionKind("spare-validate", None, target="reservation", records="spare-validate", changes_node=False,
+               removes_capacity=False, holds=False, approval="operator", budget="", gates=("mode", "breaker"),
+               proposed_by="the spare pool: the validation commands run on a spare inside its own reservation, its "
+               "last pass older than half of validated_within_h (or none); at most revalidate_at_once per pool",
+               then="a pass is its new validation time; a failure opens an incident and drains it (redrain)"),
     ActionKind("undo", "resume", target="node", records="resume", changes_node=True, removes_capacity=False,
                holds=False, approval="operator", budget="", gates=("mode",),
                proposed_by="`healthctl undo` of a drain (planned by the admin socket; the hold must still be "
@@ -143,7 +149,7 @@ ACTIONS: Mapping[str, ActionKind] = MappingProxyType({a.kind: a for a in (
 )})
 
 DecisionKind = Literal["drain", "drain-and-requeue", "reboot-asap", "requeue", "requeue-hang", "resume", "redrain",
-                       "reservation-create", "reservation-delete", "spare-reserve", "spare-release", "undo",
+                       "reservation-create", "reservation-delete", "spare-reserve", "spare-release", "spare-validate", "undo",
                        "undo-reboot", "release", "none"]
 DECISION_KINDS: tuple[str, ...] = tuple(ACTIONS)
 ACTING_KINDS: frozenset[str] = frozenset(k for k, a in ACTIONS.items() if a.call is not None)

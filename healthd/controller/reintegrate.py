@@ -35,6 +35,12 @@ with the same gates as every other decision (the action table says which apply t
 healthd.controller.actions) and the executor applies what they allow. A reintegration whose writes
 the gates hold back waits for a later round; one whose node is no longer healthd's is aborted.
 
+Hot spares (healthd.controller.spares) are revalidated with the same validation: the round hands an
+allowed `spare-validate` decision to `validate_spare`, which runs the same commands on the same kind
+of background thread with {reservation} the spare's own reservation, and takes the results back with
+`finished_spares`; the round records them and drains a spare that failed. A spare whose
+revalidation failed waits for `healthctl repaired`, as after a failed reintegration.
+
 While a reintegration is in flight, evidence of the findings it clears that is older than the request
 no longer counts (policy.without_cleared), and the agent is told to drop it (a `clear-finding`
 instruction on its report's response): a repaired GPU's old Xid 79 line must not re-drain it.
@@ -58,6 +64,7 @@ from healthd.controller.ledger import INBAND_SLOW_STATUS, Ledger, Reintegration
 from healthd.model import is_cleared
 from healthd.controller.ownership import Hold, describe_reason, owned
 from healthd.controller.policy import FleetView, NodeReport, is_actionable, make_reason
+from healthd.controller.spares import FAILED_SIGNATURE
 from healthd.settings import DetectorSettings
 from healthd.slurm.backend import NodeInfo, SlurmBackend, SlurmError, StepResult
 
@@ -229,8 +236,10 @@ class Reintegrator:
         self.slurm_conf = slurm_conf
         """The {slurm_conf} of the validation commands."""
         self.dry_run = dry_run
-        self._threads: dict[int, threading.Thread] = {}
-        self._results: dict[int, list[dict[str, Any]]] = {}
+        # keyed by reintegration id, or by a spare validation's series (validate_spare)
+        self._threads: dict[int | str, threading.Thread] = {}
+        self._results: dict[int | str, list[dict[str, Any]]] = {}
+        self._spares: dict[str, GateResult] = {}
         self._lock = threading.Lock()
         self._gate: Gate = lambda decisions: ()
         self._act: Act | None = None
@@ -273,6 +282,34 @@ class Reintegrator:
                             "before": max(dismissed[f] for f in same)})
         return out
 
+    # -- hot spares ----------------------------------------------------------------------------------
+
+    def validate_spare(self, outcome: GateResult) -> None:
+        """Run the validation commands on a spare inside its own reservation (`outcome`: an allowed
+        `spare-validate` decision, its reservation the decision's target), on the same background
+        thread as a reintegration's; `finished_spares` hands back the results. Once per series."""
+        d = outcome.decision
+        with self._lock:
+            if d.series in self._spares:
+                return
+            self._spares[d.series] = outcome
+        self._launch(d.series, d.node, d.target, None)
+
+    def spares_validating(self) -> frozenset[str]:
+        """The spares whose validation was launched and is not handed back yet."""
+        with self._lock:
+            return frozenset(o.decision.node for o in self._spares.values())
+
+    def finished_spares(self) -> list[tuple[GateResult, list[dict[str, Any]]]]:
+        """The spare validations that completed since the last call: (the decision's outcome, one result
+        per command run), each handed back once."""
+        out = []
+        with self._lock:
+            for series in [k for k in self._spares if k in self._results]:
+                self._threads.pop(series, None)
+                out.append((self._spares.pop(series), self._results.pop(series)))
+        return out
+
     # -- the round ---------------------------------------------------------------------------------
 
     def auto_requests(self, fleet: FleetView, holds: Mapping[str, Hold], mode: str, now: float,
@@ -292,8 +329,8 @@ class Reintegrator:
             if report.verdict == "unknown" or any(is_actionable(f) for f in report.findings):
                 continue
             incident = self.ledger.incident(incident_id)
-            if incident is None or incident.escalation is not None:
-                continue
+            if incident is None or incident.escalation is not None or incident.signature.startswith(FAILED_SIGNATURE):
+                continue  # escalated, or a spare that failed its revalidation: a human looks at it first
             if incident.action_applied_at is not None and report.received_at <= incident.action_applied_at:
                 continue  # no observation since the drain yet
             if self.ledger.active_reintegration(node) is not None:
@@ -405,7 +442,7 @@ class Reintegrator:
         _log.info("%s: reintegration %s: resumed inside reservation %s; validating", r.node, r.id, name)
         return f"validating in reservation {name}"
 
-    def _launch(self, rid: int, node: str, reservation: str, incident_id: int | None) -> None:
+    def _launch(self, rid: int | str, node: str, reservation: str, incident_id: int | None) -> None:
         values = {"node": node, "reservation": reservation, "incident": "" if incident_id is None else str(incident_id),
                   "slurm_conf": self.slurm_conf}
         commands = [expand(argv, values) for argv in self.settings.validation]

@@ -14,7 +14,8 @@ the next, run by one guarded loop (`run`), as the agent's classification runs it
                                                                     context after them
     act          the outcomes, the mode                             what the act step did (policy's)
     spares       what the act step did, the fleet view, reports,    the gate context after the spare
-                 holds, the ledger's spare actions                  decisions (policy.spares only)
+                 holds, the ledger's spare actions, the spare       decisions (policy.spares only)
+                 revalidations that finished
     reintegrate  the fleet view, holds, the gate context, flags     the gate context after its writes
     observe      the reports, the ledger's figures                  nothing: the metrics are set
 
@@ -38,7 +39,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from healthd.controller import incidents, inband, spares
-from healthd.controller.actions import REMOVING_KINDS, Decision
+from healthd.controller.actions import REMOVING_KINDS, Decision, next_attempt, series_key
 from healthd.controller.config import ControllerSettings
 from healthd.controller.executor import UNDO_KINDS, UNDO_PREFIX, ExecResult, Executor
 from healthd.controller.fleetcache import FleetCache, SlurmSnapshot
@@ -48,10 +49,10 @@ from healthd.controller.goodput_gather import InbandLogs
 from healthd.controller.ledger import Ledger, LedgerError
 from healthd.controller.metrics import INCIDENT_WINDOW_S, ControllerMetrics, IncidentTimings, RoundFigures
 from healthd.controller.policy import ControllerPolicySettings, FleetView, LedgerView, NodeReport, decide, \
-    without_cleared
+    make_reason, without_cleared
 from healthd.controller.reconcile import Change, Reconciler
 from healthd.controller.recorder import Recorder, Verdicts, verdicts
-from healthd.controller.reintegrate import Reintegrator
+from healthd.controller.reintegrate import Reintegrator, failure_summary
 from healthd.lograte import RateLimitedLog
 from healthd.slurm.backend import SlurmError
 from healthd.slurm.topology import topology_of
@@ -284,18 +285,22 @@ def act(parts: RoundParts, s: RoundState) -> RoundState:
 
 
 def spare_pool(parts: RoundParts, s: RoundState) -> RoundState:
-    """Hot spares (`policy.spares`, healthd.controller.spares): a spare released next to each node the
-    act step removed (in observe, each removal only the mode gate refused), then each pool kept; every
-    decision gated with the round's context, recorded, and applied by the act step outside observe."""
+    """Hot spares (`policy.spares`, healthd.controller.spares): the revalidations that finished recorded,
+    then a spare released next to each node the act step removed (in observe, each removal only the
+    mode gate refused), each pool kept, each spare whose revalidation failed drained and the
+    revalidations due started; every decision gated with the round's context, recorded, and applied by
+    the act step outside observe (a revalidation: handed to the reintegrator's validation)."""
     if not s.policy.spares:
         return s
     assert s.context is not None
     ledger, now = parts.ledger, moment(parts, s)
+    for outcome, results in parts.reintegrator.finished_spares():
+        spare_validated(parts, s, outcome, results)
     removals = [(o.decision.node, o.decision.incident) for o, done in s.results if o.decision.kind in REMOVING_KINDS
                 and ((done is not None and done.status == "applied") or (s.mode == "observe" and o.gate == "mode"))]
     ttl = s.policy.report_ttl_s
     reintegrations = ledger.reintegrations()
-    applied = ledger.actions(status="applied")
+    applied = [*ledger.actions(status="applied"), *(a for a in ledger.actions(status="failed") if a.kind == "spare-validate")]
     removals += spares.owed(((n, h.incident_id, h.since) for n, h in s.ledger_view.holds.items()), applied, now,
                             done=(n for n, _ in removals))
     world = spares.world_of(
@@ -306,10 +311,47 @@ def spare_pool(parts: RoundParts, s: RoundState) -> RoundState:
         out_of_service=s.snapshot.out_of_service | set(s.ledger_view.holds), floors=s.policy.capacity_floors,
         actions=applied, topology=topology_of(parts.topology_text), racks=s.policy.racks,
         validated={r.node: r.validated_at for r in sorted(reintegrations, key=lambda r: r.validated_at or 0.0)
-                   if r.validated_at is not None and r.state in ("probation", "passed")})
+                   if r.validated_at is not None and r.state in ("probation", "passed")},
+        validating=parts.reintegrator.spares_validating())
     outcomes, ctx = gate_batch(spares.decide(s.policy.spares, world, removals, now), s.context)
-    carry_out(parts, s, outcomes)
+    validate = tuple(o for o in outcomes if o.decision.kind == "spare-validate")
+    carry_out(parts, s, tuple(o for o in outcomes if o.decision.kind != "spare-validate"))
+    parts.recorder.record_batch(validate, moment(parts, s), s.mode)
+    for o in validate:
+        if s.mode != "observe" and o.status == "allowed":
+            parts.reintegrator.validate_spare(o)
     return dataclasses.replace(s, context=ctx)
+
+
+def spare_validated(parts: RoundParts, s: RoundState, outcome: GateResult, results: list[dict]) -> None:
+    """A spare's revalidation in the ledger, as a `spare-validate` action carrying the results (planned,
+    then applied for a pass, failed for a failure: a restart between the two leaves it planned, and
+    the reconciler abandons it to be decided again). A failure first opens the incident its drain
+    (spares.drains) is made under."""
+    d, now = outcome.decision, moment(parts, s)
+    passed = bool(results) and all(r.get("rc") == 0 for r in results)
+    evidence: dict = {"reservation": d.target, "partition": d.detail.get("partition"), "results": results}
+    summary = failure_summary(results)
+    if not passed:
+        incident = parts.ledger.open_incident(f"{spares.FAILED_SIGNATURE}{d.node}", attribution="hardware", tier="T1",
+                                              nodes=(d.node,), status="validation-failed", detected_at=now, at=now)
+        evidence.update(incident=str(incident.id), reason=make_reason(f"validation failed: {summary}", str(incident.id)))
+    attempt, why, _ = next_attempt(parts.ledger.series(series_key(d)))
+    if attempt is None:  # recorded already (the series ended): nothing to add
+        _log.warning("%s: spare revalidation not recorded: %s", d.node, why)
+        return
+    decision_id = parts.recorder.record(outcome, now, s.mode)
+    action = parts.ledger.plan_action(decision_id=decision_id, idempotency_key=series_key(d, attempt),
+                                      series=series_key(d), attempt=attempt, node=d.node, kind="spare-validate",
+                                      argv=[str(a) for a in results[-1]["argv"]] if results else [d.target],
+                                      partition=evidence["partition"], evidence=evidence, at=now)
+    if passed:
+        parts.ledger.mark_applied(action.id, f"validation passed ({len(results)} command(s))", at=now, hold=False)
+        _log.info("%s: spare revalidation passed in %s", d.node, d.target)
+    else:
+        parts.ledger.mark_failed(action.id, f"validation failed: {summary}", at=now)
+        _log.error("%s: spare revalidation failed in %s: %s; drained [#%s]", d.node, d.target, summary,
+                   evidence["incident"])
 
 
 def reintegrate(parts: RoundParts, s: RoundState) -> RoundState:

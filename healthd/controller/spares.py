@@ -16,8 +16,13 @@ write (the mode gate: observe only records; the capacity gate on a reserve):
 - `release_for`: the spare to release when healthd removes a node from a partition: one under the
   same leaf switch (topology.conf), else in the same rack group (`policy.racks`), else none; the
   decision (a `none` when there is no such spare) says which and why.
-- `revalidation_due`: the spares whose last validation pass is older than half of
-  `validated_within_h` (or that have none): revalidated before the pass they hold expires.
+- `revalidation_due` and `revalidate`: the spares whose last validation pass is older than half of
+  `validated_within_h` (or that have none), validated again in their own reservation before the pass
+  they hold expires, at most `revalidate_at_once` per pool at a time (`spare-validate`: the round
+  hands an allowed one to the reintegrator's validation). A pass is the spare's new validation time;
+  a failure (`validations` reads both back from the ledger) keeps the spare out of use and drains it
+  (`redrain`, under the incident its failure opened); once healthd holds it, `keep_pool` gives its
+  reservation back and refills the pool.
 
 One reservation per spare, `<reservation>_<node>`: releasing a spare is deleting its reservation, one
 existing backend call, and no other spare is ever out of its reservation meanwhile. The reservation
@@ -74,10 +79,15 @@ class SparePool:
     """Prefix of the reservations healthd keeps the pool's spares in, one per spare:
     `<reservation>_<node>`. Empty: `healthd_spare_<partition>`. healthd owns exactly the reservations
     its ledger records under this prefix."""
+    revalidate_at_once: int = 1
+    """How many of the pool's spares may run their revalidation at the same time (a spare under
+    validation is not released for a removed node)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or not 0 <= self.size <= 1024:
-            raise ValueError(f"spares size: expected an integer from 0 to 1024, found {self.size!r}")
+        for name, low in (("size", 0), ("revalidate_at_once", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
+                raise ValueError(f"spares {name}: expected an integer from {low} to 1024, found {value!r}")
         if not 1 / 60 <= self.validated_within_h <= 8760:
             raise ValueError(f"spares validated_within_h: expected 1 minute to 8760 hours, found {self.validated_within_h!r}")
         if self.reservation and not _NAME.fullmatch(self.reservation):
@@ -129,6 +139,10 @@ class SpareWorld:
     """partition -> its capacity floor (policy.capacity_floors)."""
     validated: Mapping[str, float] = field(default_factory=dict)
     """node -> when its latest validation passed (a reintegration, a spare's revalidation)."""
+    validating: frozenset[str] = frozenset()
+    """Spares whose revalidation runs now."""
+    failed: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """Spare -> (the Slurm reason to drain it with, the incident) when its latest revalidation failed."""
     released_at: Mapping[str, float] = field(default_factory=dict)
     """node -> when its latest spare reservation was given back (a new one is a new ledger series)."""
     topology: Topology = Topology()
@@ -285,7 +299,7 @@ def _candidates(partition: str, world: SpareWorld, held: frozenset[str]) -> list
 
 def _usable(spare: Spare, pool: SparePool, world: SpareWorld, now: float) -> bool:
     info = world.nodes.get(spare.node)
-    return (spare.validated_at is not None and now - spare.validated_at <= pool.validated_within_h * 3600
+    return (spare.validated_at is not None and spare.node not in world.failed and spare.node not in world.validating and now - spare.validated_at <= pool.validated_within_h * 3600
             and not fit(spare.node, world) and info is not None and info.state == "idle")
 
 
@@ -335,7 +349,9 @@ def decide(pools: Mapping[str, SparePool], world: SpareWorld, removals: Iterable
            now: float) -> tuple[Decision, ...]:
     """The round's spare decisions: first a release for each node healthd removes ((node, incident),
     in order, each taking a different spare), then the pool kept over what is left (the removed nodes
-    counted out of service, so a released spare is replaced in the same round where a node allows)."""
+    counted out of service, so a released spare is replaced in the same round where a node allows),
+    then the drain of each spare whose revalidation failed and the revalidations due among the spares
+    kept."""
     out: list[Decision] = []
     taken: set[str] = set()
     removed: set[str] = set()
@@ -350,17 +366,22 @@ def decide(pools: Mapping[str, SparePool], world: SpareWorld, removals: Iterable
     rest = dataclasses.replace(world, spares={n: s for n, s in world.spares.items() if n not in taken},
                                out_of_service=world.out_of_service | removed, busy=world.busy | taken,
                                released_at={**world.released_at, **dict.fromkeys(taken, now)})
-    return (*out, *keep_pool(pools, rest, now))
+    kept = keep_pool(pools, rest, now)
+    gone = {d.node for d in kept if d.kind == "spare-release"}
+    rest = dataclasses.replace(rest, spares={n: s for n, s in rest.spares.items() if n not in gone})
+    return (*out, *kept, *drains(rest, now), *revalidate(pools, rest, now))
 
 
 def owed(holds: Iterable[tuple[str, int | None, float]], actions: Iterable[_Recorded], now: float,
          done: Iterable[str] = ()) -> list[tuple[str, str]]:
     """(node, incident) of each removal still owed a spare decision: a node healthd holds since at most
-    RELEASE_WINDOW_S whose incident no applied spare release names, apart from the nodes in `done`
+    RELEASE_WINDOW_S whose incident no applied spare release (nor a failed spare validation, whose drain
+    removed a spare) names, apart from the nodes in `done`
     (removed this round). A removal no spare could serve is decided again each round of the window (the
     ledger records the same decision once); one a spare served is not."""
-    served = {str(a.evidence.get("incident")) for a in actions
-              if a.kind == "spare-release" and a.status == "applied" and isinstance(a.evidence, Mapping)}
+    # a spare drained after a failed revalidation was out of service already: owed nothing
+    served = {str(a.evidence.get("incident")) for a in actions if isinstance(a.evidence, Mapping) and (
+              (a.kind == "spare-release" and a.status == "applied") or (a.kind == "spare-validate" and a.status == "failed"))}
     skip = set(done)
     return sorted((node, str(incident)) for node, incident, since in holds
                   if incident is not None and node not in skip and now - since <= RELEASE_WINDOW_S
@@ -370,13 +391,20 @@ def owed(holds: Iterable[tuple[str, int | None, float]], actions: Iterable[_Reco
 def world_of(*, nodes: Mapping[str, NodeInfo], partitions: Mapping[str, frozenset[str]],
              healthy: Iterable[str], unhealthy: Iterable[str], busy: Iterable[str], out_of_service: Iterable[str],
              floors: Mapping[str, int], actions: Iterable[_Recorded], validated: Mapping[str, float],
-             topology: Topology, racks: Mapping[str, frozenset[str]]) -> SpareWorld:
-    """The SpareWorld of a round, the spares read from the ledger's actions (recorded_spares)."""
+             topology: Topology, racks: Mapping[str, frozenset[str]],
+             validating: Iterable[str] = ()) -> SpareWorld:
+    """The SpareWorld of a round, the spares read from the ledger's actions (recorded_spares), their
+    revalidations' passes added to `validated` and their failures read back (validations)."""
+    actions = list(actions)
+    passed, failures = validations(actions)
+    validated = {**validated, **{n: max(t, validated.get(n, t)) for n, t in passed.items()}}
     spares, released = recorded_spares(actions, validated)
+    failed = {n: f for n, f in failures.items() if n in spares and f[0] >= spares[n].reserved_at}
     return SpareWorld(nodes=nodes, partitions=partitions, spares=spares, healthy=frozenset(healthy),
                       unhealthy=frozenset(unhealthy),
                       busy=frozenset(busy), out_of_service=frozenset(out_of_service), floors=floors,
-                      validated=validated, released_at=released, topology=topology, racks=racks)
+                      validated=validated, released_at=released, topology=topology, racks=racks,
+                      validating=frozenset(validating), failed={n: f[1:] for n, f in failed.items()})
 
 
 # --------------------------------------------------------------------------- from the ledger
@@ -423,7 +451,79 @@ def _number(value: Any) -> float | None:
 
 def revalidation_due(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> tuple[Spare, ...]:
     """The spares to validate again: never validated, or their last pass older than half of
-    `validated_within_h`; oldest first."""
+    `validated_within_h`; oldest first. Not one whose validation runs now or failed."""
     due = [s for s in world.spares.values() if s.partition in pools and not fit(s.node, world)
+           and s.node not in world.validating and s.node not in world.failed
            and (s.validated_at is None or now - s.validated_at > pools[s.partition].validated_within_h * 1800)]
     return tuple(sorted(due, key=lambda s: (s.validated_at or float("-inf"), s.node)))
+
+
+def revalidate(pools: Mapping[str, SparePool], world: SpareWorld, now: float) -> tuple[Decision, ...]:
+    """A `spare-validate` for each spare due (revalidation_due), oldest pass first, as many per pool as
+    `revalidate_at_once` leaves beside the validations running. Only an idle spare: the validation
+    takes the whole node (a spare at work is running one already)."""
+    out: list[Decision] = []
+    running = {p: sum(1 for n in world.validating if n in world.spares and world.spares[n].partition == p)
+               for p in pools}
+    for s in revalidation_due(pools, world, now):
+        pool = pools[s.partition]
+        info = world.nodes.get(s.node)
+        if running[s.partition] >= pool.revalidate_at_once or info is None or info.state != "idle":
+            continue
+        running[s.partition] += 1
+        last = "never validated" if s.validated_at is None else \
+            f"last validation passed {(now - s.validated_at) / 3600:.1f} h ago"
+        why = f"{s.node} ({last}) is due for revalidation: every {pool.validated_within_h / 2:g} h"
+        out.append(Decision(
+            id=f"spare-validate:{s.partition}:{s.node}", kind="spare-validate", node=s.node,
+            reason=f"healthd: {why}; validated in {s.reservation}", tier=1, decided_at=now, target=s.reservation,
+            # one series per pass held: a pass starts the next, an attempt a restart cut off is retried
+            series=f"spare-validate:{s.reservation}@{s.validated_at if s.validated_at is not None else s.reserved_at:.0f}",
+            evidence=(_ev(why, partition=s.partition, validated_at=s.validated_at),),
+            detail={"partition": s.partition, "reservation": s.reservation, "validated_at": s.validated_at}))
+    return tuple(out)
+
+
+def drains(world: SpareWorld, now: float) -> tuple[Decision, ...]:
+    """A `redrain` of each spare whose revalidation failed, until healthd holds it (out of users' reach
+    in its reservation until then), under the incident the failure opened, its reason naming what
+    failed."""
+    out = []
+    for node, (reason, incident) in sorted(world.failed.items()):
+        spare = world.spares.get(node)
+        if spare is None or node in world.busy:
+            continue
+        out.append(Decision(
+            id=f"spare-validate:{spare.partition}:{node}:drain", kind="redrain", node=node, reason=reason, tier=1,
+            incident=incident, decided_at=now, series=f"spare-validate-drain:{spare.reservation}@{spare.reserved_at:.0f}",
+            evidence=(_ev(f"{node} failed its revalidation as a spare of {spare.partition}", partition=spare.partition),),
+            detail={"partition": spare.partition, "reservation": spare.reservation}))
+    return tuple(out)
+
+
+FAILED_SIGNATURE = "spare-validation:"
+"""The signature prefix of the incident a failed spare revalidation opens (`spare-validation:<node>`):
+like a failed reintegration's, it waits for `healthctl repaired`, never reintegrated by itself."""
+
+
+def validations(actions: Iterable[_Recorded]) -> tuple[dict[str, float], dict[str, tuple[float, str, str]]]:
+    """The spares' revalidations by the ledger: node -> when its latest passed (an applied
+    `spare-validate`), and node -> (when, the reason to drain it with, its incident) for a node whose
+    latest one failed."""
+    passed: dict[str, float] = {}
+    latest: dict[str, _Recorded] = {}
+    for a in sorted((a for a in actions if a.kind == "spare-validate" and a.status in ("applied", "failed")),
+                    key=lambda a: (_at(a), a.id)):
+        latest[a.node] = a
+        if a.status == "applied":
+            passed[a.node] = _at(a)
+    failed = {}
+    for node, a in latest.items():
+        ev = a.evidence if isinstance(a.evidence, Mapping) else {}
+        if a.status == "failed" and isinstance(ev.get("reason"), str) and isinstance(ev.get("incident"), str):
+            failed[node] = (_at(a), ev["reason"], ev["incident"])
+    return passed, failed
+
+
+def _at(a: _Recorded) -> float:
+    return a.applied_at if a.applied_at is not None else float(getattr(a, "failed_at", None) or 0.0)

@@ -17,8 +17,8 @@ from healthd.controller.actions import ACTIONS
 from healthd.controller.config import parse_controller_settings
 from healthd.controller.gates import GateContext, gate_one
 from healthd.controller.policy import ControllerPolicySettings, FleetView, LedgerView
-from healthd.controller.spares import NOT_SPARE_FLAGS, Spare, SparePool, SpareWorld, fit, keep_pool, owed, \
-    recorded_spares, release_for, revalidation_due
+from healthd.controller.spares import NOT_SPARE_FLAGS, Spare, SparePool, SpareWorld, decide, fit, keep_pool, owed, \
+    recorded_spares, release_for, revalidate, revalidation_due, validations, world_of
 from healthd.slurm.backend import NodeInfo
 from healthd.slurm.topology import parse_topology
 
@@ -352,6 +352,7 @@ class Act:
     status: str
     evidence: object
     applied_at: float | None
+    failed_at: float | None = None
 
 
 def test_the_spares_are_the_ledgers_latest_applied_reserves():
@@ -369,3 +370,166 @@ def test_a_removal_is_owed_a_spare_until_a_release_names_its_incident():
     acts = [Act(1, "n01", "spare-release", "applied", {"incident": "7"}, 10)]
     holds = [("n05", 7, NOW - 60), ("n06", 8, NOW - 60), ("n07", 9, NOW - 601), ("n08", None, NOW), ("n09", 10, NOW)]
     assert owed(holds, acts, NOW, done=["n09"]) == [("n06", "8")]
+
+
+# --------------------------------------------------------------------------- revalidation
+
+
+def _due_world(*spares: Spare, **kw) -> SpareWorld:
+    return dataclasses.replace(with_spares(world(), *spares), **kw)
+
+
+def test_revalidate_takes_the_oldest_due_idle_spares_up_to_revalidate_at_once():
+    w = _due_world(spare("n01", NOW - 13 * H), spare("n02", NOW - 20 * H), spare("n05", None), spare("n06", NOW - H))
+    pools = {"gpu": SparePool(size=4, validated_within_h=24, revalidate_at_once=2)}
+    out = revalidate(pools, w, NOW)
+    assert [(d.kind, d.node) for d in out] == [("spare-validate", "n05"), ("spare-validate", "n02")]
+    assert out[0].target == "healthd_spare_gpu_n05" and "never validated" in out[0].reason
+    assert "last validation passed 20.0 h ago) is due for revalidation: every 12 h" in out[1].reason
+    # one pass, one series: a pass starts the next, a restart retries the same one
+    assert out[1].series == f"spare-validate:healthd_spare_gpu_n02@{NOW - 20 * H:.0f}"
+    # one running already leaves room for one more; a spare at work is skipped (its validation takes the node)
+    busy_n05 = {**w.nodes, "n05": idle("n05", "MAINT", "RESERVED", state="allocated")}
+    assert [d.node for d in revalidate(pools, dataclasses.replace(w, nodes=busy_n05, validating=frozenset({"n06"})),
+                                       NOW)] == ["n02"]
+    assert revalidate(pools, dataclasses.replace(w, validating=frozenset({"n06", "n01"})), NOW) == ()
+
+
+def test_a_spare_validating_or_failed_is_neither_due_nor_released_for_a_removal():
+    w = _due_world(spare("n03", NOW - 13 * H), spare("n04", NOW - H))
+    pools = {"gpu": SparePool(validated_within_h=24)}
+    assert release_for("n02", "7", pools, w, NOW).node == "n04"
+    for kw in ({"validating": frozenset({"n04"})}, {"failed": {"n04": ("healthd: validation failed [#3]", "3")}}):
+        other = dataclasses.replace(w, **kw)
+        d = release_for("n02", "7", pools, other, NOW)
+        assert d is not None and d.node == "n03", kw  # the other spare under s1
+        assert [s.node for s in revalidation_due(pools, other, NOW)] == ["n03"]
+
+
+def test_a_failed_spare_is_drained_until_healthd_holds_it_then_given_back_and_replaced():
+    reason = "healthd: validation failed: validate.sh rc=3: GPU 1 gone [#12]"
+    w = _due_world(spare("n01", NOW - 13 * H), failed={"n01": (reason, "12")})
+    pools = {"gpu": SparePool(size=1, validated_within_h=24)}
+    out = decide(pools, w, [], NOW)
+    assert [(d.kind, d.node, d.reason, d.incident) for d in out] == [("redrain", "n01", reason, "12")]
+    held = dataclasses.replace(w, busy=frozenset({"n01"}), out_of_service=frozenset({"n01"}))
+    out = decide(pools, held, [], NOW + 30)
+    assert [(d.kind, d.node) for d in out][:1] == [("spare-release", "n01")]
+    assert [d.kind for d in out][1:] == ["spare-reserve"] and out[1].node != "n01"
+
+
+def test_validations_are_read_back_from_the_ledger():
+    acts = [Act(1, "n01", "spare-reserve", "applied", {"reservation": "r_n01", "partition": "gpu"}, 10),
+            Act(2, "n01", "spare-validate", "applied", {"reservation": "r_n01"}, 20),
+            Act(3, "n01", "spare-validate", "failed", {"reason": "healthd: x [#4]", "incident": "4"}, None, 30),
+            Act(4, "n02", "spare-validate", "applied", {}, 25),
+            Act(5, "n03", "spare-validate", "failed", {"reason": "healthd: y [#5]", "incident": "5"}, None, 5),
+            Act(6, "n03", "spare-validate", "applied", {}, 40),
+            Act(7, "n04", "spare-validate", "abandoned", {}, None)]
+    passed, failed = validations(acts)
+    assert passed == {"n01": 20, "n02": 25, "n03": 40}
+    assert failed == {"n01": (30, "healthd: x [#4]", "4")}  # n03 passed after its failure
+
+
+def test_the_world_takes_a_pass_as_the_spares_validation_time_and_a_failure_only_after_its_reserve():
+    acts = [Act(1, "n01", "spare-reserve", "applied", {"reservation": "r_n01", "partition": "gpu", "validated_at": 5.0}, 10),
+            Act(2, "n01", "spare-validate", "applied", {}, 50),
+            Act(3, "n02", "spare-validate", "failed", {"reason": "healthd: y [#5]", "incident": "5"}, None, 5),
+            Act(4, "n02", "spare-reserve", "applied", {"reservation": "r_n02", "partition": "gpu"}, 60),
+            Act(5, "n03", "spare-reserve", "applied", {"reservation": "r_n03", "partition": "gpu"}, 60),
+            Act(6, "n03", "spare-validate", "failed", {"reason": "healthd: z [#6]", "incident": "6"}, None, 70)]
+    w = world_of(nodes={}, partitions={"gpu": frozenset(NAMES)}, healthy=(), unhealthy=(), busy=(), out_of_service=(),
+                 floors={}, actions=acts, validated={"n01": 30.0}, topology=TOPO, racks={}, validating=["n02"])
+    assert w.spares["n01"].validated_at == 50 and w.validated["n01"] == 50
+    assert w.failed == {"n03": ("healthd: z [#6]", "6")}  # n02's failure was before it became a spare again
+    assert w.validating == {"n02"}
+
+
+def test_a_failed_revalidations_drain_is_owed_no_spare():
+    acts = [Act(1, "n01", "spare-validate", "failed", {"incident": "8", "reason": "healthd: x [#8]"}, None, NOW - 60)]
+    assert owed([("n01", 8, NOW - 30), ("n02", 9, NOW - 30)], acts, NOW) == [("n02", "9")]
+
+
+def test_revalidate_at_once_is_checked():
+    assert SparePool(revalidate_at_once=3).revalidate_at_once == 3
+    for bad in (0, True, 1.5, 2000):
+        with pytest.raises(ValueError, match="revalidate_at_once"):
+            SparePool(revalidate_at_once=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="revalidate_at_once"):
+        parse_controller_settings("policy: {spares: {gpu: {revalidate_at_once: 0}}}")
+
+
+def test_the_revalidation_is_gated_as_validation_work():
+    assert ACTIONS["spare-validate"].gates == ("mode", "breaker") and ACTIONS["spare-validate"].call is None
+    (d,) = revalidate({"gpu": SparePool()}, _due_world(spare("n01", None)), NOW)
+    assert (gate_one(d, _ctx("observe")).gate, gate_one(d, _ctx("supervised")).status) == ("mode", "allowed")
+
+
+@st.composite
+def rounds(draw):
+    """A pool over NAMES on a virtual clock: its window, how many run at once, rounds apart little enough
+    for the pool to get through its due spares in half a window, the nodes' passes before the first
+    round (none, or within half a window), the nodes whose validation fails, removals by round."""
+    size = draw(st.integers(1, 4))
+    at_once = draw(st.integers(1, 3))
+    hours = draw(st.floats(1.0, 4.0))
+    step = draw(st.integers(60, int(hours * H / (2 * (size + 2)))))
+    before = {n: NOW - draw(st.floats(0, hours * H / 2)) for n in draw(st.sets(st.sampled_from(NAMES)))}
+    failing = draw(st.sets(st.sampled_from(NAMES), max_size=2))
+    count = int(2.5 * hours * H / step)
+    removals = draw(st.dictionaries(st.integers(0, count - 1), st.sampled_from(NAMES), max_size=2))
+    return SparePool(size=size, validated_within_h=hours, revalidate_at_once=at_once), step, before, failing, \
+        count, removals
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(rounds())
+def test_with_revalidation_no_spare_outlives_its_window_and_a_failing_one_leaves_the_pool(case):
+    pool, step, validated, failing, count, removals = case
+    pools = {"gpu": pool}
+    held: dict[str, Spare] = {}
+    released: dict[str, float] = {}
+    drained: set[str] = set()
+    failed: dict[str, tuple[str, str]] = {}
+    failed_at: dict[str, int] = {}
+    running: set[str] = set()
+    # a spare waits at most for the ones due with it, one round each, besides the round it is due in
+    settle = (pool.size // pool.revalidate_at_once + 2) * step
+    for k in range(count):
+        now = NOW + k * step
+        for n in running:  # launched last round, finished by this one
+            if n in failing:
+                failed[n], failed_at[n] = (f"healthd: validation failed [#{k}]", str(k)), k
+            else:
+                validated[n] = now
+                if n in held:
+                    held[n] = dataclasses.replace(held[n], validated_at=now)
+        running = set()
+        nodes = {n: idle(n, *(("DRAIN",) if n in drained else ()), *(("MAINT", "RESERVED") if n in held else ()))
+                 for n in NAMES}
+        removal = [] if removals.get(k) in (None, *drained, *held) else [(removals[k], f"r{k}")]
+        drained |= {n for n, _ in removal}
+        w = world(nodes=nodes, spares=held, healthy=frozenset(NAMES) - drained, busy=frozenset(drained),
+                  out_of_service=frozenset(drained), validated=dict(validated), released_at=dict(released),
+                  failed={n: f for n, f in failed.items() if n in held})
+        for d in decide(pools, w, removal, now):
+            if d.kind == "spare-release":
+                if d.incident:  # for a removal: a spare validated within its window, not failed, not running
+                    s = held[d.node]
+                    assert s.validated_at is not None and now - s.validated_at <= pool.validated_within_h * H
+                    assert d.node not in failed
+                del held[d.node]
+                released[d.node] = now
+            elif d.kind == "spare-reserve":
+                held[d.node] = Spare(d.node, "gpu", d.target, now, validated.get(d.node))
+            elif d.kind == "spare-validate":
+                assert d.node in held and d.node not in failed
+                running.add(d.node)
+            elif d.kind == "redrain":
+                assert d.node in failed and d.incident == failed[d.node][1]
+                drained.add(d.node)
+        assert len(running) <= pool.revalidate_at_once
+        for n, s in held.items():
+            assert n not in failed or k - failed_at[n] <= 1, (n, k)  # drained, then given back the round after
+            if n not in failed and now - s.reserved_at >= settle:
+                assert s.validated_at is not None and now - s.validated_at <= pool.validated_within_h * H, (n, s, now)

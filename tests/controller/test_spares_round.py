@@ -13,6 +13,7 @@ from healthd.controller.daemon import Controller
 from healthd.controller.ledger import Ledger
 from healthd.controller.metrics import ControllerMetrics
 from healthd.controller.policy import ControllerPolicySettings, NodeReport
+from healthd.controller.reintegrate import ReintegrationSettings
 from healthd.controller.spares import SparePool
 from healthd.slurm.backend import SlurmRefused
 from tests.observability.test_controller_round_metrics import xid79
@@ -28,7 +29,9 @@ def made(tmp_path):
     def make(mode: str = "auto", **pool):
         ledger = Ledger(tmp_path / f"ledger-{mode}.sqlite")
         policy = ControllerPolicySettings(mode=mode, spares={"gpu": SparePool(**pool)})  # type: ignore[arg-type]
-        settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(tmp_path / "l.sqlite"), policy=policy)
+        # a spare never validated is validated in its reservation: here a command that passes
+        settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(tmp_path / "l.sqlite"), policy=policy,
+                                      reintegration=ReintegrationSettings(validation=(("true",),)))
         backend = FakeBackend(clock=lambda: T0)
         c = Controller(settings, ledger, backend, metrics=ControllerMetrics(), node_addrs=dict, clock=lambda: T0,
                        topology_text=TOPOLOGY)
