@@ -1,7 +1,8 @@
 """Hot spares on the real local Slurm (tests/support/slurm_cluster.py) with real munged daemons: the
 controller in `auto` with a spare pool and a small topology.conf (node01-02 under leaf s1, node03-04
 under s2) reserves a validated spare, and when a signed Xid 79 report makes it drain node02, deletes the
-spare's reservation under the same leaf in the same round, both under the ledger's incident.
+spare's reservation under the same leaf in the same round, both under the ledger's incident; a spare
+whose pass ages past half its window is validated again by the real srun inside its reservation.
 
 topology.conf is healthd's reading of the fabric (`topology_conf`); slurmctld runs without
 TopologyPlugin here, which changes nothing healthd does."""
@@ -19,6 +20,7 @@ from healthd.controller.config import ControllerSettings
 from healthd.controller.daemon import Controller
 from healthd.controller.ledger import Ledger
 from healthd.controller.policy import ControllerPolicySettings
+from healthd.controller.reintegrate import ReintegrationSettings
 from healthd.controller.spares import Spare, SparePool, SpareWorld, fit
 from healthd.envelope import sign_report
 from healthd.slurm.scontrol import ScontrolBackend
@@ -97,3 +99,54 @@ def test_a_drained_nodes_spare_under_its_leaf_is_released_at_once(cluster, fleet
         for name in made:
             cluster.run(["scontrol", "delete", f"ReservationName={name}"], timeout=15)
         cluster.run(["scontrol", "update", "NodeName=node02", "State=RESUME"], timeout=15)
+
+
+def test_a_spare_whose_pass_ages_past_half_its_window_is_revalidated_in_its_reservation(cluster, fleet, tmp_path: Path):
+    """The clock the round is handed moves on past half of `validated_within_h` (no sleeping for an
+    hour): the real round runs the validation through the real srun inside the spare's own
+    reservation, and the pass becomes the spare's validation time."""
+    cluster.wait_idle()
+    backend = ScontrolBackend(str(cluster.conf_path), timeout_s=10)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    # what the job step sees: the node it ran on and the reservation it ran in
+    validation = (("srun", "--reservation={reservation}", "--nodelist={node}", "--nodes=1", "--time=1",
+                   "--job-name=healthd-validate", "printenv", "SLURMD_NODENAME", "SLURM_JOB_RESERVATION"),)
+    settings = ControllerSettings(listen="127.0.0.1:0", ledger=str(tmp_path / "ledger.sqlite"),
+                                  munge_socket=fleet.controller_socket, node_addrs=fleet.node_addrs,
+                                  slurm_conf=str(cluster.conf_path),
+                                  reintegration=ReintegrationSettings(validation=validation, validation_timeout_s=60),
+                                  policy=ControllerPolicySettings(mode="auto", spares={
+                                      "debug": SparePool(size=1, validated_within_h=2.0)}))
+    controller = Controller(settings, ledger, backend, topology_text=TOPOLOGY)
+    name = "healthd_spare_debug_node01"
+    start = time.time()
+    try:
+        validated(ledger, "node01", start - 0.9 * 3600)  # a reintegration's pass, 0.9 h old: not due
+        for n in NODES:
+            assert controller.receive_report(_healthy(fleet, n))[0] == 200
+        controller.evaluate(start)
+        assert "Nodes=node01 " in _reservation(cluster, name)
+        controller.evaluate(start + 30)
+        assert [d.kind for d in ledger.decisions()] == ["spare-reserve"]
+        # 1.1 h after the pass: due, validated again in its reservation by the real srun
+        later = start + 0.2 * 3600
+
+        def passed():
+            controller.evaluate(later + time.time() - start)
+            return [a for a in ledger.actions(status="applied") if a.kind == "spare-validate"]
+
+        [action] = poll(passed, 60, "node01's revalidation recorded", interval=0.5,
+                        diagnostics=lambda: f"{ledger.actions()} {ledger.decisions()}")
+        [result] = action.evidence["results"]
+        assert result["rc"] == 0 and result["output"].split() == ["node01", name], result
+        [d] = [d for d in ledger.decisions() if d.kind == "spare-validate"]
+        assert d.outcome == "allowed" and "1.1 h ago) is due for revalidation" in (d.reason or "")
+        # the pass is node01's validation time: the spare is not due again, and is still healthd's
+        assert action.applied_at is not None and action.applied_at >= later
+        controller.evaluate(later + time.time() - start + 60)
+        assert len([a for a in ledger.actions() if a.kind == "spare-validate"]) == 1
+        assert "Nodes=node01 " in _reservation(cluster, name)
+    finally:
+        controller.close()
+        ledger.close()
+        cluster.run(["scontrol", "delete", f"ReservationName={name}"], timeout=15)
