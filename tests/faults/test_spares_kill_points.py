@@ -1,7 +1,8 @@
 """SIGKILL of the controller at each spare move (tests/faults/world.py: the real controller daemon, agents,
 Slurm and munged), before the call reaches slurmctld and right after it landed: after the restart the
 ledger's spares equal Slurm's reservations, each reservation was made (or deleted) once, and the
-checker's invariants hold."""
+checker's invariants hold. The drain after a spare's failed revalidation too: drained once, under the
+incident the failure opened, and the pool refilled."""
 
 from __future__ import annotations
 
@@ -114,6 +115,36 @@ def test_kill_at_the_release_for_a_removed_node(w, when):
         (incident,) = [i["id"] for i in w.incidents("node02")]
         releases = [a for a in _spare_actions(w) if a["kind"] == "spare-release" and a["status"] == "applied"]
         assert len(releases) == 1 and json.loads(releases[0]["evidence"])["incident"] == str(incident), releases
+        w.checker.check()
+    finally:
+        _cleanup(w)
+
+
+@pytest.mark.parametrize("when", WHEN)
+def test_kill_at_the_drain_after_a_failed_revalidation(w, when):
+    """The pool's spare is due at once (never validated) and fails its revalidation (the validation
+    script exits 3): killed right before or after the drain that follows, the spare is drained once,
+    under the incident its failure opened, its reservation given back, and the pool refills with a node
+    whose revalidation passes."""
+    try:
+        w.validation_rc.write_text("3\n")
+        kill_at(w, "validation failed", when, lambda: _with_pool(w))
+        w.validation_rc.write_text("0\n")
+        (spare,) = {a["node"] for a in w.actions() if a["kind"] == "spare-validate"}
+        w.drained_once(spare)
+        (incident,) = w.incidents(spare)
+        assert incident["signature"] == f"spare-validation:{spare}" and incident["status"] == "validation-failed"
+        assert w.node_info(spare).reason.startswith("healthd: validation failed: ")
+        assert w.node_info(spare).reason.endswith(f"[#{incident['id']}]")
+        drains = [a for a in w.actions(spare) if a["kind"] == "drain"]
+        assert [a["status"] for a in drains].count("applied") == 1, drains
+        if when == "before":
+            assert drains[0]["status"] == "abandoned", drains  # decided again after the restart, not replayed
+        w.wait(lambda: spare not in _recorded(w) | _in_slurm(w), 30, f"{spare} given back")
+        w.wait(lambda: _recorded(w) == _in_slurm(w) and len(_recorded(w)) == 1, 30, "the pool refilled")
+        (other,) = _recorded(w)
+        w.wait(lambda: any(a["node"] == other and a["status"] == "applied" for a in w.actions(other)
+                           if a["kind"] == "spare-validate"), 60, f"{other}'s revalidation to pass")
         w.checker.check()
     finally:
         _cleanup(w)
