@@ -300,7 +300,8 @@ def spare_pool(parts: RoundParts, s: RoundState) -> RoundState:
                 and ((done is not None and done.status == "applied") or (s.mode == "observe" and o.gate == "mode"))]
     ttl = s.policy.report_ttl_s
     reintegrations = ledger.reintegrations()
-    applied = [*ledger.actions(status="applied"), *(a for a in ledger.actions(status="failed") if a.kind == "spare-validate")]
+    # each node's latest spare write, and the last window's for the removals still owed a spare
+    applied = ledger.latest_actions(spares.KINDS, now - 2 * spares.RELEASE_WINDOW_S)
     removals += spares.owed(((n, h.incident_id, h.since) for n, h in s.ledger_view.holds.items()), applied, now,
                             done=(n for n, _ in removals))
     world = spares.world_of(

@@ -53,6 +53,8 @@ given back."""
 # what a node in healthd's MAINT reservation shows (Slurm 22.05: IDLE+MAINTENANCE+RESERVED, a few
 # seconds after the reservation is made, once slurmctld's periodic pass starts it)
 _OWN_RESERVATION_FLAGS = frozenset({"MAINT", "MAINTENANCE", "RESERVED"})
+KINDS = ("spare-reserve", "spare-release", "spare-validate")
+"""The actions of the hot-spare step: all it reads of the ledger's actions."""
 RELEASE_WINDOW_S = 600.0
 """A removal whose spare was not released (the controller stopped between deciding the release and
 making it) is owed one in the rounds after it, for this long after the removal."""

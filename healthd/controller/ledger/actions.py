@@ -170,6 +170,18 @@ class ActionStore(DecisionStore):
         )
         return [self._action(r) for r in rows]
 
+    def latest_actions(self, kinds: Sequence[str], recent_since: float) -> list[Action]:
+        """Of the actions of `kinds` applied or failed: the latest applied and the latest failed of each
+        (node, kind), and every one applied or failed at or after `recent_since`; by id. What the
+        hot-spare step reads each round, without decoding the whole history of its writes."""
+        marks = ", ".join("?" * len(kinds))
+        rows = self.query(
+            f"SELECT {self._ACTION_COLS} FROM actions WHERE kind IN ({marks}) AND status IN ('applied', 'failed') "
+            f"AND (id IN (SELECT MAX(id) FROM actions WHERE kind IN ({marks}) AND status IN ('applied', 'failed') "
+            "GROUP BY node, kind, status) OR COALESCE(applied_at, failed_at) >= ?) ORDER BY id",
+            (*kinds, *kinds, recent_since))
+        return [self._action(r) for r in rows]
+
     def pending_actions(self) -> list[Action]:
         """Actions planned but neither applied nor failed: what a crash left half done. At start the
         controller re-reads each node and either completes or fails these before anything else."""
