@@ -224,6 +224,7 @@ class Agent:
         *,
         dry_run: bool,
         clock: Callable[[], float] = time.time,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
         metrics: Any = None,
         reporter: Any = None,
         shipper: Any = None,
@@ -234,6 +235,8 @@ class Agent:
         self.memory = memory
         self.dry_run = dry_run
         self.clock = clock
+        self.monotonic_ns = monotonic_ns
+        """CLOCK_MONOTONIC in ns, the clock the in-band rings are stamped with (a simulator passes its own)."""
         self.metrics = metrics
         self.reporter = reporter
         """healthd.agent.reporter.Reporter when controller.url is set (never in dry-run): publish offers it
@@ -286,7 +289,7 @@ class Agent:
         try:
             gpus = {g.index: g.bus_id for g in self.last["nvml"].gpus if g.bus_id}
             processes = {g.index: g.compute_pids for g in self.last["nvml"].gpus if g.compute_pids}
-            self.inband_jobs = self.inband.read(self.settings.hooks.run_dir, time.monotonic_ns(), gpus, processes)
+            self.inband_jobs = self.inband.read(self.settings.hooks.run_dir, self.monotonic_ns(), gpus, processes)
         except Exception:  # noqa: BLE001 - a job's files must never stop the agent
             log.exception("reading the in-band rings failed")
             self.inband_jobs = ()
