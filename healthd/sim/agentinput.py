@@ -17,8 +17,16 @@ nothing else, because the agent's rules say so.
 Time is the simulator's: each `feed` runs one tick of the agent at the `now` it is given, and the
 kernel lines carry that time. A reboot (`SimAgent.reboot`) gives the agent a new boot id, which is
 how a real agent learns of one (its history of Xid occurrences stays, as it does across a reboot).
-The in-band rings (healthd.inband_layout) are not fed: the agent reads them from files a job's ranks
-write, and this module writes none.
+
+The in-band rings: `JobRanks` says which ranks of the simulated job run on the node, how fast they
+step, which GPU's rank computes slower since when (a straggler) and when the ranks stopped (a hang).
+At each `feed` the node's rings (`rank-<rank>.ring` in the job's directory under the agent's
+hooks.run_dir/inband, in the layout healthd.inband_layout takes from the job's client) get the steps
+taken since the last feed, on the simulator's clock, and the agent's own in-band reader and detector
+(healthd.agent.inband_jobs, healthd.progress) read them; `JobEnded` is the epilog: the directory goes.
+A ring holds the newest `RING_CAPACITY` steps, which covers what the detector keeps of a rank (its
+first windows and its newest `history_windows`); what happened before the first feed of a run is not
+written. Nothing here decides what a step time means.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+import os
+import random
+import shutil
 import tempfile
 import zlib
 from collections.abc import Iterable, Mapping
@@ -38,9 +50,13 @@ from healthd.agent.collectors.kernel_log import fold_lines
 from healthd.agent.collectors.nvml import with_deltas
 from healthd.agent.daemon import Agent, Memory, Sources
 from healthd.agent.history import History
+from healthd.inband_layout import HEADER, INBAND_DIR, MAGIC, PHASES, RECORD, STEP, STEP_ID, STEP_ID_OFFSET, VERSION
+from healthd.inband_layout import client as layout
+from healthd.inband_layout import job_dir, ring_name
 from healthd.model import GpuSample, KernelSample, NvmlSample
 from healthd.report_schema import fit_report
 from healthd.settings import HookSettings, HostSettings, InbandSettings, InfinibandSettings, NvmlSettings, Settings
+from healthd.sim.job import COMPUTE_SHARE, slowed_step
 
 GPU_BUS_IDS = ("00000000:18:00.0", "00000000:2A:00.0", "00000000:3A:00.0", "00000000:5D:00.0",
                "00000000:9A:00.0", "00000000:AB:00.0", "00000000:BA:00.0", "00000000:DB:00.0")
@@ -95,7 +111,153 @@ class NvmlReading:
     """The GPU count NVML answers; None: every GPU the node has (fewer: GPUs missing from the bus)."""
 
 
-AgentInput = KernelLines | NvmlReading
+@dataclass(frozen=True)
+class Slowdown:
+    """From `since`, one rank of the job computes `factor` x as long as it did."""
+
+    since: float
+    """On the agent's clock (the times `feed` is given)."""
+    factor: float
+    """1.3: 30 % longer; the job's step becomes its slowest rank's (healthd.sim.job.slowed_step)."""
+    gpu: int | None
+    """The GPU of this node whose rank is slow; None: a rank on another node (this node's ranks wait
+    for it)."""
+
+
+@dataclass(frozen=True)
+class JobRanks:
+    """The simulated job's ranks on this node from now on: ranks `first_rank` ... on GPUs 0, 1, ...
+    (one per GPU), each writing its in-band ring as the job's client does."""
+
+    job: str
+    """The Slurm job id (the ring directory's name)."""
+    world_size: int
+    first_rank: int
+    started: float
+    """When the run's ranks started stepping (the agent's clock); a later `started` is a new run: new
+    rings, as a restarted rank makes."""
+    step_s: float
+    """A healthy step."""
+    slowdowns: tuple[Slowdown, ...] = ()
+    stopped: float | None = None
+    """When every rank of the job stopped advancing (a hang); None: they advance."""
+    stuck_gpu: int | None = None
+    """With `stopped`: the GPU of this node whose rank stopped outside the collective (the others
+    wait inside it); None: all of this node's ranks wait (the stuck rank is elsewhere)."""
+    seed: int = 0
+    """Seeds each step's compute noise (3 %, as measured jobs show), so a run is reproducible."""
+
+
+@dataclass(frozen=True)
+class JobEnded:
+    """The job left the node (ended, requeued): the epilog moves its rings away."""
+
+    job: str
+
+
+AgentInput = KernelLines | NvmlReading | JobRanks | JobEnded
+
+RING_CAPACITY = 512
+"""Records per simulated ring: at 25 steps a window, the detector's first 3 and newest 8 windows with
+room to spare (the job's client defaults to 8192)."""
+MONO0 = 1_000_000.0
+"""CLOCK_MONOTONIC (s) at the agent's clock's 0 (its clock is wall time: Unix seconds in the
+simulator): one clock, as the ring's two stamps are."""
+NOISE = 0.03
+"""Per-step lognormal noise of a rank's compute, clipped to +-10 % (the all-reduce absorbs it)."""
+
+
+def mono_ns(t: float) -> int:
+    """The node's CLOCK_MONOTONIC (ns) at virtual second `t`."""
+    return int(round((MONO0 + t) * 1e9))
+
+
+def _segments(ranks: JobRanks, end: float) -> list[tuple[float, int, float, float]]:
+    """(start time, first step, step seconds, job factor) of each stretch of constant step time from
+    the run's start to `end`; the step in progress at a slowdown's onset takes the new pace."""
+    onsets = sorted({s.since for s in ranks.slowdowns if ranks.started < s.since <= end})
+    out = []
+    t, n = ranks.started, 0
+    for i, a in enumerate([ranks.started, *onsets]):
+        factor = max((s.factor for s in ranks.slowdowns if s.since <= a), default=1.0)
+        d = slowed_step(ranks.step_s, factor)
+        b = min(end, onsets[i] if i < len(onsets) else end)
+        out.append((t, n, d, factor))
+        k = max(0, math.floor((b - t) / d + 1e-9))
+        t, n = t + k * d, n + k
+    return out
+
+
+def _steps_done(segments: list[tuple[float, int, float, float]], end: float) -> int:
+    t, n, d, _ = segments[-1]
+    return n + max(0, math.floor((end - t) / d + 1e-9))
+
+
+def _step_at(segments: list[tuple[float, int, float, float]], step: int) -> tuple[float, float, float]:
+    """(end time, duration, job factor) of step `step` (0-based)."""
+    for t, n, d, factor in reversed(segments):
+        if step >= n:
+            return t + (step - n + 1) * d, d, factor
+    raise ValueError(step)
+
+
+class _Rings:
+    """This node's rings of one run, as bytes kept between feeds: each feed adds the new steps."""
+
+    def __init__(self, directory: str, ranks: JobRanks, gpus: int):
+        self.directory = directory
+        self.ranks = ranks
+        self.gpus = gpus
+        self.written = 0
+        """Steps written so far (seq = step + 1)."""
+        self.data = [bytearray(HEADER.size + RING_CAPACITY * RECORD.size) for _ in range(gpus)]
+        job = ranks.job.encode("ascii")
+        start = mono_ns(ranks.started)
+        for gpu, buf in enumerate(self.data):
+            HEADER.pack_into(buf, 0, MAGIC, VERSION, HEADER.size, RECORD.size, 0, RING_CAPACITY, 0,
+                             ranks.first_rank + gpu, gpu, ranks.world_size, gpu, int(ranks.started * 1e9),
+                             start, job, _PHASE["compute"], 0, start, 0)
+            STEP_ID.pack_into(buf, STEP_ID_OFFSET, 1)  # the batch step, SLURM_STEP_ID 0
+
+    def write(self, ranks: JobRanks, now: float) -> None:
+        self.ranks = ranks
+        end = now if ranks.stopped is None else min(now, ranks.stopped)
+        segments = _segments(ranks, end)
+        done = _steps_done(segments, end)
+        first = max(self.written, done - RING_CAPACITY)
+        for step in range(first, done):
+            at, dur, factor = _step_at(segments, step)
+            start = at - dur
+            for gpu, buf in enumerate(self.data):
+                rank = ranks.first_rank + gpu
+                own = max((s.factor for s in ranks.slowdowns if s.gpu == gpu and s.since <= start), default=1.0)
+                noise = min(1.1, max(0.9, random.Random(ranks.seed * 1_000_003 + rank * 7_919 + step * 104_729)
+                                      .lognormvariate(0, NOISE)))
+                compute = ranks.step_s * COMPUTE_SHARE * own * noise
+                dur_ns = int(dur * 1e9)
+                seq = step + 1
+                RECORD.pack_into(buf, HEADER.size + (step % RING_CAPACITY) * RECORD.size, seq, STEP, 0, 0, step,
+                                 mono_ns(at), int(at * 1e9), dur_ns,
+                                 max(0, dur_ns - int(compute * 1e9)), seq)
+        self.written = max(self.written, done)
+        for gpu, buf in enumerate(self.data):
+            last = mono_ns(_step_at(segments, done - 1)[0]) if done else mono_ns(ranks.started)
+            phase = "compute"
+            if ranks.stopped is not None and now >= ranks.stopped and gpu != ranks.stuck_gpu:
+                phase, last = "wait", max(last, mono_ns(ranks.stopped) - 1)
+            _PHASE_WORDS.pack_into(buf, _PHASE_OFFSET, _PHASE[phase], 0, last)
+            _HEAD.pack_into(buf, _HEAD_OFFSET, self.written)
+            path = os.path.join(self.directory, ring_name(ranks.first_rank + gpu))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, buf)
+            finally:
+                os.close(fd)
+
+
+_PHASE = {name: code for code, name in PHASES.items()}
+_PHASE_OFFSET, _PHASE_WORDS, _HEAD_OFFSET, _HEAD = layout.PHASE_OFFSET, layout.PHASE, layout.HEAD_OFFSET, layout.HEAD
+"""The header's phase words and head, where the job's client stores them in place."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -182,9 +344,12 @@ class SimAgent:
         self.kernel = _Kernel()
         self.nvml = _Nvml(gpus)
         self.run_dir = run_dir or tempfile.gettempdir()
+        self._hooks_dir: str | None = None
+        self.rings: _Rings | None = None
+        """The rings of the job's ranks on this node (None: no job writes any)."""
         self.agent = Agent(agent_settings(node, gpus, self.run_dir), catalog or load_catalog(),
                            Sources(kernel=self.kernel, nvml=self.nvml), Memory(history=History()), dry_run=False,
-                           clock=lambda: self.now)
+                           clock=lambda: self.now, monotonic_ns=lambda: mono_ns(self.now))
         self.agent.boot_id = self._boot_id()
         self.nvml.boot_id = self.agent.boot_id
 
@@ -200,15 +365,56 @@ class SimAgent:
                 self.kernel.pending.extend((line, self.now) for line in item.lines for _ in range(max(1, item.repeat)))
             elif isinstance(item, NvmlReading):
                 self.nvml.apply(item)
+            elif isinstance(item, JobRanks):
+                self._job_ranks(item)
+            elif isinstance(item, JobEnded):
+                self._job_ended(item.job)
             else:
-                raise TypeError(f"not agent input: {type(item).__name__} (KernelLines or NvmlReading)")
+                raise TypeError(f"not agent input: {type(item).__name__} (KernelLines, NvmlReading, JobRanks "
+                                "or JobEnded)")
+        if self.rings is not None:
+            self.rings.write(self.rings.ranks, self.now)
         self.agent.tick()
         return json.loads(json.dumps(fit_report(self.agent.document())[0]))
+
+    def _inband_root(self) -> str:
+        """The agent's own hooks directory (made at the first ring: agents of one simulation share
+        `run_dir`, and each must read only its node's rings), trusted as root's is on a node."""
+        if self._hooks_dir is None:
+            self._hooks_dir = tempfile.mkdtemp(prefix="agent-", dir=self.run_dir)
+            os.mkdir(os.path.join(self._hooks_dir, INBAND_DIR), 0o755)
+            self.agent.settings = dataclasses.replace(self.agent.settings, hooks=HookSettings(run_dir=self._hooks_dir))
+            self.agent.inband.trusted_uid = os.getuid()
+        return self._hooks_dir
+
+    def _job_ranks(self, ranks: JobRanks) -> None:
+        if self.rings is not None and (self.rings.ranks.job, self.rings.ranks.started) == (ranks.job, ranks.started):
+            self.rings.ranks = ranks
+            return
+        if self.rings is not None:
+            self._job_ended(self.rings.ranks.job)
+        directory = job_dir(self._inband_root(), ranks.job)
+        os.mkdir(directory, 0o700)
+        self.rings = _Rings(directory, ranks, self.nvml.gpus)
+
+    def _job_ended(self, job: str) -> None:
+        if self.rings is not None and self.rings.ranks.job == job:
+            shutil.rmtree(self.rings.directory, ignore_errors=True)
+            self.rings = None
+
+    def close(self) -> None:
+        """Remove the agent's own directory (its rings)."""
+        if self._hooks_dir is not None:
+            shutil.rmtree(self._hooks_dir, ignore_errors=True)
+            self._hooks_dir = None
+            self.rings = None
 
     def reboot(self) -> None:
         """The node rebooted (a repair, a reboot the controller asked for): a new boot id, every GPU
         healthy again; the next tick sees the reboot as a real agent does."""
         self.boots += 1
+        if self.rings is not None:  # the rings lived on the node's tmpfs
+            self._job_ended(self.rings.ranks.job)
         self.agent.boot_id = self._boot_id()
         self.nvml = _Nvml(self.nvml.gpus)
         self.nvml.boot_id = self.agent.boot_id

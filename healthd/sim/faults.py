@@ -96,8 +96,12 @@ def agent_inputs(cause: Cause, node: str, gpu: int) -> tuple[AgentInput, ...]:
         return (AgentInput(node, "ib", None, None, {"state": "Down", **spec.fields}),)
     if spec.kind == "host_down":
         return (AgentInput(node, "host_down", None, None, dict(spec.fields)),)
-    if spec.kind in ("hang", "straggler"):
-        return (AgentInput(node, "ring", gpu, None, {"ring": spec.kind, **spec.fields}),)
+    if spec.kind == "straggler":
+        ring = AgentInput(node, "ring", gpu, None, {"ring": "straggler", "slowdown": spec.fields.get("slowdown", 1.0)})
+        nvml = spec.fields.get("nvml") or {}
+        return (ring, AgentInput(node, "nvml", gpu, None, dict(nvml))) if nvml else (ring,)
+    if spec.kind == "hang":
+        return (AgentInput(node, "ring", gpu, None, {"ring": "hang", **spec.fields}),)
     return ()
 
 

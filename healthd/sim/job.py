@@ -23,6 +23,16 @@ T0 = 1_767_225_600.0
 
 RUNNING, CHECKPOINT, DETECT, WAIT, RESTART, ENDED = "running", "checkpoint", "detect", "wait", "restart", "ended"
 
+COMPUTE_SHARE = 0.7
+"""Of a healthy step, the part each rank computes; the rest is the all-reduce (a model: the job's
+step is its slowest rank's compute plus the all-reduce, as in synchronous data parallel)."""
+
+
+def slowed_step(step_s: float, factor: float) -> float:
+    """The job's step when its slowest rank computes `factor` x as long as a healthy one: every rank
+    waits for it in the all-reduce."""
+    return step_s * (1 + COMPUTE_SHARE * (max(1.0, factor) - 1))
+
 
 class JobModel:
     """The job's state and its log. The engine calls one method per event, in time order."""
@@ -43,6 +53,9 @@ class JobModel:
         self._run = 0
         self._incident: str | None = None
         self._run_open = False
+        self._slow: tuple[float, str | None, str | None] = (1.0, None, None)
+        """(factor, node, gpu) of the job's slowest rank: factor x a healthy rank's compute (1: none)."""
+        self._slow_since: float | None = None
 
     def _line(self, **entry: object) -> None:
         self._write(ev.log_line(self.name, **entry))
@@ -83,8 +96,31 @@ class JobModel:
         self.durable = max(self.durable, step)
         self._line(**ev.event("durable", self._t(t), step=step))
 
+    def slowdown(self, t: float, factor: float, node: str | None = None, gpu: str | None = None) -> None:
+        """From `t` the slowest rank of the job (on `node`, `gpu`) computes `factor` x as long as a
+        healthy rank (1: no straggler): the job runs slowed_step(factor) x slower while it computes. Each
+        stretch is one `straggler` record, which healthd.goodput charges to the straggler category."""
+        self._close_slow(t)
+        self._slow = (factor, node, gpu)
+        if factor > 1 and self.phase in (RUNNING, CHECKPOINT):
+            self._slow_since = t
+
+    def _close_slow(self, t: float) -> None:
+        if self._slow_since is None:
+            return
+        factor, node, gpu = self._slow
+        fields: dict[str, object] = {"end": self._t(t), "share": round(slowed_step(1.0, factor) - 1, 6)}
+        if node is not None:
+            fields["node"] = node
+        if gpu is not None:
+            fields["gpu"] = gpu
+        if t > self._slow_since:
+            self._line(**ev.event("straggler", self._t(self._slow_since), **fields))
+        self._slow_since = None
+
     def interrupt(self, t: float, incident: str, cause: str, node: str | None, gpu: str | None) -> None:
         """The job stops at `t`: the incident's first evidence."""
+        self._close_slow(t)
         self._incident = incident
         fields = {"incident": incident, "cause": cause}
         if node is not None:
@@ -129,12 +165,15 @@ class JobModel:
         self.step = self.durable + 1
         self._mark(t)
         self.phase = RUNNING
+        if self._slow[0] > 1:
+            self._slow_since = t
 
     def finish(self, t: float, state: str = "FAILED") -> None:
         """The simulated time ends at `t` in whatever phase the job is: what it computed since its last
         save counts as done (the job would save it next, as the lab assumes); an interruption still being
         handled gets a last run of no length that restores the last save, so only the work since that
         save is lost."""
+        self._close_slow(t)
         if self.phase in (RUNNING, CHECKPOINT):
             self._line(**ev.job_end(self._t(t)))
         elif self.phase in (DETECT, WAIT):

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from healthd.goodput import daly_interval, young_interval
+from healthd.model import GpuSample
 
 ATTRIBUTIONS = ("hardware", "fabric", "storage", "software", "user", "unknown")
 MODES = ("none", "observe", "supervised", "auto")
@@ -466,7 +467,15 @@ def _input(doc: Any, where: str) -> AgentInputSpec:
     f = _Fields(doc, where, ("kind", "xid", "fields"))
     kind = f.str_("kind", choices=INPUT_KINDS)
     xid = f.int_("xid", lo=1, hi=99999) if kind == "xid" or f.doc.get("xid") is not None else None
-    return AgentInputSpec(kind, xid, f.mapping_("fields"))
+    fields = f.mapping_("fields")
+    if kind == "straggler":
+        # the slow rank's compute factor, and the NVML fields its GPU shows besides (a clock throttle)
+        g = _Fields(fields, f"{where}.fields", ("slowdown", "nvml"))
+        g.num_("slowdown", lo=1.0, lo_open=False, hi=10.0)
+        unknown = sorted(set(g.mapping_("nvml")) - set(GpuSample.__dataclass_fields__) - {"index"})
+        if unknown or "index" in g.mapping_("nvml"):
+            raise ScenarioError(f"{where}.fields.nvml: not a GPU reading's field: {', '.join(unknown) or 'index'}"[:300])
+    return AgentInputSpec(kind, xid, fields)
 
 
 def _burst(name: str, spec: Any, where: str, causes: set[str], fleet: Fleet) -> Burst:
