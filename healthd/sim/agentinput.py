@@ -44,6 +44,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from healthd.agent.classify.catalog import Catalog, load_catalog
 from healthd.agent.collectors.counters import Baseline
 from healthd.agent.collectors.kernel_log import fold_lines
@@ -319,6 +321,21 @@ class _Nvml:
 
     def close(self) -> None:
         pass
+
+
+def catalog_of(section: Mapping[str, Any]) -> Catalog:
+    """The Xid catalog an agent loads from its config's `catalog:` section (`section`: `overrides`, as
+    in healthd.yaml), read by the agent's own config reader and catalog loader: a bad section raises
+    their ConfigError or CatalogError (both ValueError). Loaded once per distinct section."""
+    return _catalog(yaml.safe_dump({"catalog": dict(section)}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _catalog(text: str) -> Catalog:
+    from healthd.config import parse  # here: only a run with a catalog section reads the agent's config
+
+    settings = parse(text, "the agents' config")
+    return load_catalog(settings.catalog.path, settings.catalog.overrides)
 
 
 def agent_settings(node: str, gpus: int, run_dir: str) -> Settings:

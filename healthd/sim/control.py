@@ -13,17 +13,23 @@ agent cannot read yet (an InfiniBand port reading, the in-band ring) reaches not
 is found by Slurm or by nobody. Rounds run when a fault appears, when the job is known dead, when a
 node comes back, and at the controller's own deadlines (`next_deadline`) up to each of those. A
 person closes an open breaker at the first round `healthd.operator_minutes` after it opened (the
-ledger's own reset, as `healthctl breaker reset` makes it).
+ledger's own reset, as `healthctl breaker reset` makes it). The agents load the catalog of the
+scenario's `healthd.catalog` section. With `healthd.approve_minutes`, a person approves each decision
+that waits for approval that long after the ledger recorded it (`healthctl approve`'s own handler, with
+a round then), and the job, known dead while its fault's nodes wait on one, waits for it; the same
+person records the repair of a node healthd holds when it comes back (`healthctl repaired`'s handler).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
 import yaml
 
+from healthd.controller import admin
 from healthd.controller.config import parse_controller_settings
-from healthd.sim.agentinput import GpuReading, KernelLines, NvmlReading
+from healthd.sim.agentinput import GpuReading, KernelLines, NvmlReading, catalog_of
 from healthd.sim.faults import Fault
 from healthd.sim.fleet import RoundResult, SimController
 from healthd.sim.job import T0
@@ -60,12 +66,16 @@ class ControllerSeam:
         self.slurm = SimSlurm(list(fleet), clock=self._clock, topology={n: leaf_of(n) for n in fleet})
         self.slurm.step = _validation_passes
         self.sim = SimController(self.settings, self.slurm, self._clock, topology_text=self.slurm.topology_conf(),
-                                 gpus_per_node=scenario.job.gpus_per_node)
+                                 gpus_per_node=scenario.job.gpus_per_node,
+                                 catalog=catalog_of(scenario.healthd.catalog) if scenario.healthd.catalog else None)
         self._tally = Tally()
         self._seen: set[int] = set()
         self._would: set[tuple[str, str, str]] = set()
         self._in_service: set[str] = set()
         self.operator_s = None if scenario.healthd.operator_minutes is None else scenario.healthd.operator_minutes * 60
+        self.approve_s = None if scenario.healthd.approve_minutes is None else scenario.healthd.approve_minutes * 60
+        self._approvals: list[tuple[float, int, str]] = []
+        """(when a person approves it, decision id, node): waiting decisions, earliest first."""
         self.slurm.start_job(JOB_ID, list(job_nodes), requeue_ok=True)
 
     def _clock(self) -> float:
@@ -73,12 +83,14 @@ class ControllerSeam:
 
     def _round(self, t: float) -> None:
         for _ in range(MAX_CATCH_UP):
-            d = self.sim.next_deadline()
+            d = self._next_deadline()
             if d is None or d >= t:
                 break
             self._t = max(self._t, d)
+            self._approve_due()
             self._count(self.sim.round(self._t))
         self._t = max(self._t, t)
+        self._approve_due()
         self._count(self.sim.round(self._t))
         breaker = self.sim.ledger.breaker_state()
         if (breaker.open and self.operator_s is not None and breaker.opened_at is not None
@@ -99,7 +111,24 @@ class ControllerSeam:
         for d in r.recorded:
             if d.outcome in ("refused", "waiting") and d.kind != "none" and d.id not in self._seen:
                 self._seen.add(d.id)
+                if d.outcome == "waiting" and self.approve_s is not None:
+                    heapq.heappush(self._approvals, (d.decided_at + self.approve_s, d.id, d.node))
                 self._tally.refused[d.refused_gate or ("mode" if d.outcome == "waiting" else d.outcome)] += 1
+
+    def _next_deadline(self) -> float | None:
+        """The controller's next deadline, or a person's next approval if sooner."""
+        times = [d for d in (self.sim.next_deadline(), self._approvals[0][0] if self._approvals else None)
+                 if d is not None]
+        return min(times, default=None)
+
+    def _approve_due(self) -> None:
+        """The approvals due by now, each through healthctl approve's own handler on the run's ledger
+        (one the round no longer waits on, its incident closed or superseded, is refused there and
+        changes nothing)."""
+        while self._approvals and self._approvals[0][0] <= self._t:
+            _, decision, _ = heapq.heappop(self._approvals)
+            if admin.approve(self.sim.ledger, decision, "operator", "simulated: approved").ok:
+                self._tally.taken["approval"] += 1
 
     def usable(self, node: str) -> bool:
         info = self.slurm.node(node)
@@ -123,13 +152,22 @@ class ControllerSeam:
     def detected(self, now: float, fault: Fault, in_job: Sequence[str]) -> Decision:
         t = T0 + now
         self._round(t)
+        # the job waits for a person's approval of a removal its fault's nodes wait on: the wait is decision time
+        decided = now
+        for _ in range(MAX_CATCH_UP):
+            pending = [at for at, _, node in self._approvals if node in self._in_service]
+            if not pending:
+                break
+            t = max(t, min(pending))
+            self._round(t)
+            decided = t - T0
         job = self.slurm.job(JOB_ID)
         if job is not None and job.state == "RUNNING":
             self.slurm.requeue(JOB_ID)  # the job's own restart (its launcher, or the user)
         candidates = (*(n for n in fault.nodes if n in self._in_service), *in_job)
         removed = tuple(n for n in dict.fromkeys(candidates) if not self.usable(n))
         wrong = tuple(n for n in removed if n not in fault.nodes or not fault.cause.repair)
-        return Decision(removed, now, false_positive=bool(wrong))
+        return Decision(removed, decided, false_positive=bool(wrong))
 
     def job_started(self, now: float, nodes: Sequence[str]) -> None:
         self._t = max(self._t, T0 + now)
@@ -154,12 +192,19 @@ class ControllerSeam:
             self.slurm.resume(node)  # the person who drained it returns it after the repair
         self.sim.reboot(node, t)
         self._round(t)
+        if (self.approve_s is not None and self.sim.ledger.hold(node) is not None
+                and self.sim.ledger.active_reintegration(node) is None):
+            # the person who approves also records the repair of a node healthd holds (`healthctl
+            # repaired`): outside auto mode no reintegration starts by itself
+            if admin.repaired(self.sim.ledger, node, "operator", "simulated: repaired").ok:
+                self._tally.taken["repaired"] += 1
+            self._round(t)
         return self.usable(node)
 
     def poll(self, now: float) -> float | None:
         """Rounds due by `now`; the engine's time of the next deadline (None: none)."""
         self._round(T0 + now)
-        d = self.sim.next_deadline()
+        d = self._next_deadline()
         return None if d is None else d - T0
 
     def tally(self) -> Tally:

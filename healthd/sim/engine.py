@@ -96,11 +96,13 @@ class Engine:
             width = scenario.fleet.leaf_size
             index = {n: i for i, n in enumerate(self.fleet)}
             remediation = ControllerSeam(scenario, self.fleet, pool[:scenario.job.nodes],
-                                         lambda n: f"leaf{index[n] // width + 1:03d}")
+                                         lambda n: f"leaf{index[n] // width + 1:03d}", seed=seed)
         self.rem: Remediation = remediation if remediation is not None else LabRule()
         self._returning: set[str] = set()
         self._broken: dict[str, tuple[Cause, int | None]] = {}
         """Nodes a fault broke that nobody has taken out yet: they fail the job whenever it runs."""
+        self._slow: dict[str, tuple[float, int]] = {}
+        """Nodes a straggler fault slowed: node -> (its slow rank's compute factor, the GPU), until repaired."""
         self.operator_s = None if scenario.healthd.operator_minutes is None else scenario.healthd.operator_minutes * 60
         self._operator_drains = 0
         self._operator_due: set[str] = set()
@@ -193,6 +195,9 @@ class Engine:
             return
         self.clocks.advance(self.in_job, self.now - self._run_start)
         self.clocks.fired(which, node, idx)
+        if which == "node" and node is not None and self.s.node_causes[idx].input.kind == "straggler":
+            self._straggler(self.s.node_causes[idx], node)
+            return
         self._gen += 1
         if which == "node" and node is not None:
             cause, nodes, burst = self.s.node_causes[idx], (node,), None
@@ -226,6 +231,27 @@ class Engine:
         self._tally_recur += 1
         self._interrupt(cause, (node,), None, gpu)
 
+    def _straggler(self, cause: Cause, node: str) -> None:
+        """A GPU of `node` turns slow: the job goes on at its slowest rank's pace (a straggler stops
+        nothing) until the node leaves the job, taken out at an interruption."""
+        gpu = self._gpu_rng.randrange(self.s.job.gpus_per_node)
+        self._slow[node] = (float(cause.input.fields.get("slowdown", 1.0)), gpu)
+        self._pace()
+        if self._keep_faults:
+            self._faults.append((self.now, cause.name, (node,)))
+        self.rem.fault(self.now, Fault(self.now, cause, (node,), 0.0, agent_inputs(cause, node, gpu), None, gpu))
+        self._run_start = self.now  # the fault clocks have run to now
+        dt, which, n, idx = self.clocks.next(self.in_job)
+        if dt != float("inf"):
+            self._at(self.now + dt, self._fault_fires, self._gen, which, n, idx)
+        self._schedule_poll()
+
+    def _pace(self) -> None:
+        """The job steps at its slowest rank's pace: the slowest GPU of its nodes."""
+        factor, node, gpu = max(((f, n, g) for n, (f, g) in self._slow.items() if n in self.in_job),
+                                default=(1.0, None, None))
+        self.job.slowdown(self.now, factor, node, None if node is None else f"{node}/gpu{gpu}")
+
     def _outage_over(self, nodes: tuple[str, ...]) -> None:
         """The shared part is back: its nodes not taken out meanwhile work again."""
         for n in nodes:
@@ -258,11 +284,13 @@ class Engine:
         decision = self.rem.detected(self.now, fault, list(self.in_job))
         at = max(self.now, decision.decided_at)
         if at > self.now:
+            self._deciding = True  # no restart before the decision (a poll for a straggler may come first)
             self._at(at, self._decided, gen, decision)
         else:
             self._decided(gen, decision)
 
     def _decided(self, gen: int, decision: Decision) -> None:
+        self._deciding = False
         if gen != self._gen or self._fault is None:
             return
         fault = self._fault
@@ -273,6 +301,7 @@ class Engine:
             self._operator_drains += 1
         for n in (*decision.removed, *due):
             self._broken.pop(n, None)
+            self._slow.pop(n, None)
             if n in self.in_repair:
                 continue
             self.in_job.pop(n, None)
@@ -287,6 +316,8 @@ class Engine:
         self._schedule_poll()
 
     def _fill(self) -> None:
+        if self._deciding:
+            return
         need = self.s.job.nodes - len(self.in_job)
         ready = sorted(n for n in self.spares if self.rem.usable(n))
         if need > len(ready):
@@ -294,6 +325,7 @@ class Engine:
         for n in ready[:need]:
             self.spares.discard(n)
             self.in_job[n] = None
+        self._pace()
         self.job.nodes_ready(self.now, list(self.in_job), self._state)
         self.rem.job_started(self.now, list(self.in_job))
         self._at(self.now + self.restart, self._restarted, self._gen)
@@ -313,7 +345,7 @@ class Engine:
     def _schedule_poll(self) -> None:
         """While a node waits for healthd to return it, or the job waits for nodes, look again at the
         controller's next deadline."""
-        if self._polling or not (self._returning or self.job.phase == WAIT):
+        if self._polling or not (self._returning or self.job.phase == WAIT or self._slow.keys() & self.in_job.keys()):
             return
         at = self.rem.poll(self.now)
         if at is not None:
@@ -341,6 +373,7 @@ class Engine:
 
     now = 0.0
     _state = "FAILED"
+    _deciding = False
 
     def run(self) -> RunResult:
         if self._ran:

@@ -172,6 +172,14 @@ class Healthd:
     """A node a fault broke that nobody took out (healthd in observe mode, or a fault healthd cannot
     see) fails the job each time it runs; this long after the fault a person drains it, at the job's
     next detection. None: nobody does."""
+    catalog: Mapping[str, Any] = field(default_factory=dict)
+    """The agents' `catalog:` section as in healthd.yaml (`overrides`: Xid -> a site's change to its
+    catalog row), checked by the agent's config reader and catalog loader when the scenario is loaded;
+    empty: the packaged catalog."""
+    approve_minutes: float | None = None
+    """A person approves each decision that waits for approval this long after the ledger recorded
+    it (healthctl approve's own handler, on the run's ledger), and records the repair of a node
+    healthd holds when it comes back (healthctl repaired's). None: nobody approves."""
 
 
 @dataclass(frozen=True)
@@ -376,13 +384,19 @@ def _build(raw: dict[str, Any], where: str) -> Scenario:
         raise ScenarioError(f"{where}: a cause name is in both node_causes and job_causes")
     bursts = tuple(_burst(name, spec, f"{where}: bursts.{name}", {c.name for c in node_causes}, fleet)
                    for name, spec in top.mapping_("bursts").items())
-    h = _Fields(top.mapping_("healthd"), f"{where}: healthd", ("mode", "settings", "operator_minutes"))
+    h = _Fields(top.mapping_("healthd"), f"{where}: healthd", ("mode", "settings", "operator_minutes", "catalog",
+                                                                "approve_minutes"))
     settings = h.mapping_("settings")
     if settings:
         _check_controller_settings(settings, f"{where}: healthd.settings")
+    catalog = h.mapping_("catalog")
+    if catalog:
+        _check_catalog(catalog, f"{where}: healthd.catalog")
     operator = h.doc.get("operator_minutes", 240.0)
+    approve = h.doc.get("approve_minutes")
     healthd = Healthd(h.str_("mode", "none", choices=MODES), settings,
-                      None if operator is None else h.num_("operator_minutes", 240.0, hi=1e6))
+                      None if operator is None else h.num_("operator_minutes", 240.0, hi=1e6), catalog,
+                      None if approve is None else h.num_("approve_minutes", lo_open=False, hi=1e6))
     s = Scenario(
         name=top.str_("name"), description=top.str_("description", ""),
         days=top.num_("days", 28.0, hi=MAX_DAYS), job=job, fleet=fleet,
@@ -400,6 +414,24 @@ def _check_controller_settings(settings: dict[str, Any], where: str) -> None:
 
     try:
         parse_controller_settings(yaml.safe_dump(settings), where)
+    except (ValueError, TypeError, yaml.YAMLError) as e:
+        raise ScenarioError(f"{where}: {e}"[:500]) from None
+
+
+def _check_catalog(section: dict[str, Any], where: str) -> None:
+    """The agents' catalog section as the agent reads it (its config reader's and catalog loader's
+    errors, as ScenarioError)."""
+    from healthd.config import ConfigError  # here: only a scenario with a catalog section needs the agent
+    from healthd.sim.agentinput import catalog_of
+
+    if "path" in section:
+        raise ScenarioError(f"{where}.path: the simulated agents read the packaged catalog; change rows with `overrides`")
+    try:
+        catalog_of(section)
+    except ConfigError as e:
+        key = e.key.removeprefix("catalog.") if e.key.startswith("catalog.") else e.key
+        found = e.found if isinstance(e.found, str) and e.found.startswith("<") else repr(e.found)
+        raise ScenarioError(f"{where}.{key}: expected {e.expected}, found {found}"[:500]) from None
     except (ValueError, TypeError, yaml.YAMLError) as e:
         raise ScenarioError(f"{where}: {e}"[:500]) from None
 
