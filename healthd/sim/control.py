@@ -8,9 +8,10 @@ states: a node drained or down is out of service, and goes to repair. Nothing he
 fault means.
 
 How a fault reaches healthd: a kernel line through the node's real agent (`report`), an NVML reading
-likewise; a host fault takes the node down in SimSlurm and silences its agent. Input the simulated
-agent cannot read yet (an InfiniBand port reading, the in-band ring) reaches nothing, so such a fault
-is found by Slurm or by nobody. Rounds run when a fault appears, when the job is known dead, when a
+likewise; a host fault takes the node down in SimSlurm and silences its agent; a straggler or a hang
+becomes the job's in-band rings on the fault's node and one other node of the job (healthd.sim.rings),
+which their agents read. Input the simulated agent cannot read yet (an InfiniBand port reading)
+reaches nothing, so such a fault is found by Slurm or by nobody. Rounds run when a fault appears, when the job is known dead, when a
 node comes back, and at the controller's own deadlines (`next_deadline`) up to each of those. A
 person closes an open breaker at the first round `healthd.operator_minutes` after it opened (the
 ledger's own reset, as `healthctl breaker reset` makes it). The agents load the catalog of the
@@ -29,10 +30,11 @@ import yaml
 
 from healthd.controller import admin
 from healthd.controller.config import parse_controller_settings
-from healthd.sim.agentinput import GpuReading, KernelLines, NvmlReading, catalog_of
+from healthd.sim.agentinput import GpuReading, JobEnded, KernelLines, NvmlReading, catalog_of
 from healthd.sim.faults import Fault
 from healthd.sim.fleet import RoundResult, SimController
 from healthd.sim.job import T0
+from healthd.sim.rings import JobRings
 from healthd.sim.scenario import Scenario
 from healthd.sim.seam import Decision, Tally
 from healthd.sim.slurm import SimSlurm
@@ -55,7 +57,7 @@ class ControllerSeam:
     """healthd's real controller in `scenario.healthd.mode` for one run."""
 
     def __init__(self, scenario: Scenario, fleet: Sequence[str], job_nodes: Sequence[str],
-                 leaf_of: Callable[[str], str]):
+                 leaf_of: Callable[[str], str], seed: int = 0):
         mode = scenario.healthd.mode
         raw = dict(scenario.healthd.settings)
         policy = raw.get("policy") or {}
@@ -77,6 +79,9 @@ class ControllerSeam:
         self._approvals: list[tuple[float, int, str]] = []
         """(when a person approves it, decision id, node): waiting decisions, earliest first."""
         self.slurm.start_job(JOB_ID, list(job_nodes), requeue_ok=True)
+        self.rings = JobRings(JOB_ID, scenario.job.gpus_per_node, scenario.job.step_seconds, seed, tuple(job_nodes), T0)
+        """The job's in-band rings on the nodes a straggler or a hang is reported from."""
+        self._restart_s = scenario.job.restart_minutes * 60
 
     def _clock(self) -> float:
         return self._t
@@ -88,9 +93,11 @@ class ControllerSeam:
                 break
             self._t = max(self._t, d)
             self._approve_due()
+            self._read_rings()
             self._count(self.sim.round(self._t))
         self._t = max(self._t, t)
         self._approve_due()
+        self._read_rings()
         self._count(self.sim.round(self._t))
         breaker = self.sim.ledger.breaker_state()
         if (breaker.open and self.operator_s is not None and breaker.opened_at is not None
@@ -116,10 +123,10 @@ class ControllerSeam:
                 self._tally.refused[d.refused_gate or ("mode" if d.outcome == "waiting" else d.outcome)] += 1
 
     def _next_deadline(self) -> float | None:
-        """The controller's next deadline, or a person's next approval if sooner."""
-        times = [d for d in (self.sim.next_deadline(), self._approvals[0][0] if self._approvals else None)
-                 if d is not None]
-        return min(times, default=None)
+        """The controller's next deadline, or the next read of the watched nodes' rings or a person's
+        next approval if sooner."""
+        times = (self.sim.next_deadline(), self.rings.next_at, self._approvals[0][0] if self._approvals else None)
+        return min((d for d in times if d is not None), default=None)
 
     def _approve_due(self) -> None:
         """The approvals due by now, each through healthctl approve's own handler on the run's ledger
@@ -147,7 +154,17 @@ class ControllerSeam:
             elif i.kind == "host_down":
                 self.slurm.node_down(i.node)
                 self.sim.silence(i.node)
+            elif i.kind == "ring":
+                for node in self.rings.fault(t, str(i.fields.get("ring")), i.node, i.gpu or 0, i.fields):
+                    if node not in self.sim.silent:
+                        self.sim.report(node, [self.rings.ranks(node)], t)
         self._round(t)
+
+    def _read_rings(self) -> None:
+        """The watched nodes' agents read their rings when a tick is due."""
+        for node in self.rings.due(self._t):
+            if node not in self.sim.silent:
+                self.sim.report(node, [self.rings.ranks(node)], self._t)
 
     def detected(self, now: float, fault: Fault, in_job: Sequence[str]) -> Decision:
         t = T0 + now
@@ -164,13 +181,18 @@ class ControllerSeam:
         job = self.slurm.job(JOB_ID)
         if job is not None and job.state == "RUNNING":
             self.slurm.requeue(JOB_ID)  # the job's own restart (its launcher, or the user)
+        for node in self.rings.run_ended():  # the epilog: the run's rings go
+            if node not in self.sim.silent:
+                self.sim.report(node, [JobEnded(JOB_ID)], t)
         candidates = (*(n for n in fault.nodes if n in self._in_service), *in_job)
         removed = tuple(n for n in dict.fromkeys(candidates) if not self.usable(n))
-        wrong = tuple(n for n in removed if n not in fault.nodes or not fault.cause.repair)
+        wrong = tuple(n for n in removed if (n not in fault.nodes or not fault.cause.repair)
+                      and not self.rings.straggling(n))
         return Decision(removed, decided, false_positive=bool(wrong))
 
     def job_started(self, now: float, nodes: Sequence[str]) -> None:
         self._t = max(self._t, T0 + now)
+        self.rings.run_started(T0 + now + self._restart_s, nodes)
         try:
             self.slurm.start_job(JOB_ID, list(nodes), requeue_ok=True)
         except SlurmRefused:
@@ -190,6 +212,7 @@ class ControllerSeam:
             self.slurm.node_up(node)
         if (self.slurm.node(node).reason or "").startswith("operator:"):
             self.slurm.resume(node)  # the person who drained it returns it after the repair
+        self.rings.repaired(node)
         self.sim.reboot(node, t)
         self._round(t)
         if (self.approve_s is not None and self.sim.ledger.hold(node) is not None
