@@ -14,8 +14,9 @@ write (the mode gate: observe only records; the capacity gate on a reserve):
   switches (a leaf without a spare first, then a rack group without one), then the most recently
   validated, then by name.
 - `release_for`: the spare to release when healthd removes a node from a partition: one under the
-  same leaf switch (topology.conf), else in the same rack group (`policy.racks`), else none; the
-  decision (a `none` when there is no such spare) says which and why.
+  same leaf switch (topology.conf), else in the same rack group (`policy.racks`), else (the pool's
+  `placement: nearest`) any validated one, else none; the decision (a `none` when there is no such
+  spare) says which and why.
 - `revalidation_due` and `revalidate`: the spares whose last validation pass is older than half of
   `validated_within_h` (or that have none), validated again in their own reservation before the pass
   they hold expires, at most `revalidate_at_once` per pool at a time (`spare-validate`: the round
@@ -55,6 +56,7 @@ given back."""
 _OWN_RESERVATION_FLAGS = frozenset({"MAINT", "MAINTENANCE", "RESERVED"})
 KINDS = ("spare-reserve", "spare-release", "spare-validate")
 """The actions of the hot-spare step: all it reads of the ledger's actions."""
+PLACEMENTS = ("nearest", "in-place")
 RELEASE_WINDOW_S = 600.0
 """A removal whose spare was not released (the controller stopped between deciding the release and
 making it) is owed one in the rounds after it, for this long after the removal."""
@@ -84,8 +86,15 @@ class SparePool:
     revalidate_at_once: int = 1
     """How many of the pool's spares may run their revalidation at the same time (a spare under
     validation is not released for a removed node)."""
+    placement: str = "nearest"
+    """Which spare a removed node gets: `nearest`, the one under its leaf switch, else in its rack
+    group, else any validated spare of the pool (a job restarted a leaf away beats one waiting for a
+    node to come free); `in-place`, only under its leaf switch or in its rack group (none else: a site
+    whose jobs must keep their place in the network)."""
 
     def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"spares placement: expected {' or '.join(PLACEMENTS)}, found {self.placement!r}")
         for name, low in (("size", 0), ("revalidate_at_once", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
@@ -308,7 +317,7 @@ def _usable(spare: Spare, pool: SparePool, world: SpareWorld, now: float) -> boo
 def release_for(removed: str, incident: str, pools: Mapping[str, SparePool], world: SpareWorld, now: float,
                 taken: frozenset[str] = frozenset()) -> Decision | None:
     """The spare to release because healthd removes `removed` (under `incident`): same leaf switch,
-    else same rack group; a `none` decision saying why when the partition has a pool but no such spare.
+    else same rack group, else any (`placement: nearest`); a `none` decision saying why when the partition has a pool but no such spare.
     None when no partition of `removed` has a pool. `taken`: spares released earlier in the round."""
     parts = [p for p in world.partitions_of(removed) if p in pools]
     if not parts:
@@ -328,6 +337,8 @@ def release_for(removed: str, incident: str, pools: Mapping[str, SparePool], wor
             how, rank = f"under the same leaf switch {sorted(shared_leaf)[0]}", 0
         elif shared_rack:
             how, rank = f"in the same rack group {sorted(shared_rack)[0]}", 1
+        elif pools[spare.partition].placement == "nearest":
+            how, rank = "the nearest validated spare (none shares its leaf switch or rack group)", 2
         else:
             continue
         key = (rank, -(spare.validated_at or 0.0), spare.node)

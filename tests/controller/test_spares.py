@@ -17,7 +17,7 @@ from healthd.controller.actions import ACTIONS
 from healthd.controller.config import parse_controller_settings
 from healthd.controller.gates import GateContext, gate_one
 from healthd.controller.policy import ControllerPolicySettings, FleetView, LedgerView
-from healthd.controller.spares import NOT_SPARE_FLAGS, Spare, SparePool, SpareWorld, decide, fit, keep_pool, owed, \
+from healthd.controller.spares import NOT_SPARE_FLAGS, PLACEMENTS, Spare, SparePool, SpareWorld, decide, fit, keep_pool, owed, \
     recorded_spares, release_for, revalidate, revalidation_due, validations, world_of
 from healthd.slurm.backend import NodeInfo
 from healthd.slurm.topology import parse_topology
@@ -163,9 +163,16 @@ def test_else_the_spare_in_its_rack_group():
     assert d is not None and d.node == "n05" and "in the same rack group r1" in d.reason
 
 
-def test_else_no_spare_and_the_decision_says_why():
+def test_else_the_nearest_validated_spare_by_default():
     w = with_spares(world(), spare("n08"))
     d = release_for("n02", "17", {"gpu": SparePool()}, w, NOW)
+    assert d is not None and (d.kind, d.node) == ("spare-release", "n08")
+    assert "none shares its leaf switch or rack group" in d.reason
+
+
+def test_in_place_placement_releases_no_spare_elsewhere_and_the_decision_says_why():
+    w = with_spares(world(), spare("n08"))
+    d = release_for("n02", "17", {"gpu": SparePool(placement="in-place")}, w, NOW)
     assert d is not None and (d.kind, d.about, d.node) == ("none", "spare-release", "n02")
     assert "leaf switch s1, rack group r1" in d.note and "1 validated spare(s) elsewhere" in d.note
 
@@ -285,7 +292,8 @@ def fleets(draw):
                    busy=frozenset(draw(st.lists(st.sampled_from(names), unique=True, max_size=3))),
                    out_of_service=frozenset(x for x, i in nodes.items() if i.state == "down" or "DRAIN" in i.flags),
                    floors=floors, topology=topo, racks=racks)
-    pools = {p: SparePool(size=draw(st.integers(0, 4))) for p in draw(st.sampled_from([["a"], ["b"], ["a", "b"]]))}
+    pools = {p: SparePool(size=draw(st.integers(0, 4)), placement=draw(st.sampled_from(PLACEMENTS)))
+             for p in draw(st.sampled_from([["a"], ["b"], ["a", "b"]]))}
     return pools, w
 
 
@@ -335,6 +343,8 @@ def test_the_released_spare_shares_the_leaf_when_one_can(case, data):
         assert d.kind == "spare-release" and w.topology.same_leaf(d.node, removed)
     elif same_rack:
         assert d.kind == "spare-release" and set(w.racks_of(d.node)) & set(w.racks_of(removed))
+    elif any(usable(s) and pools[s.partition].placement == "nearest" for s in w.spares.values()):
+        assert d.kind == "spare-release"
     else:
         assert d.kind == "none" and d.note
     if d.kind == "spare-release":

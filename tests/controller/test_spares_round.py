@@ -83,7 +83,7 @@ def test_a_drained_nodes_spare_under_its_leaf_is_released_at_once(made):
 
 
 def test_no_spare_in_place_is_recorded_with_why(made):
-    c, ledger, backend = made()
+    c, ledger, backend = made(placement="in-place")
     validated(ledger, "node03", T0 - 600)
     c.evaluate(T0)
     assert spare_writes(backend) == [("create_reservation", "healthd_spare_gpu_node03")]
@@ -94,6 +94,17 @@ def test_no_spare_in_place_is_recorded_with_why(made):
     [d] = [d for d in ledger.decisions() if d.kind == "spare-release"]
     [incident] = [i for i in ledger.incidents() if i.nodes == ("node02",)]
     assert d.node == "node02" and d.incident_id == incident.id and d.outcome == "refused" and "no validated spare of gpu shares node02's place (leaf switch s1" in d.reason
+
+
+def test_nearest_placement_releases_a_spare_elsewhere_when_none_is_in_place(made):
+    c, ledger, backend = made()
+    validated(ledger, "node03", T0 - 600)
+    c.evaluate(T0)
+    c.reports["node02"] = NodeReport(node="node02", verdict="failed", findings=(xid79(T0 + 57),), received_at=T0 + 60)
+    c.evaluate(T0 + 60)
+    assert ("delete_reservation", "healthd_spare_gpu_node03") in spare_writes(backend)
+    [d] = [d for d in ledger.decisions() if d.kind == "spare-release" and d.outcome == "allowed" and d.incident_id]
+    assert d.node == "node03" and "node02 removed" in d.reason and "none shares its leaf switch" in d.reason
 
 
 def test_observe_records_and_writes_nothing(made):
