@@ -227,14 +227,15 @@ class _Rings:
         segments = _segments(ranks, end)
         done = _steps_done(segments, end)
         first = max(self.written, done - RING_CAPACITY)
+        # one noise stream per rank and write (each step is written once, at a time the run's seed fixes)
+        noise_of = [random.Random(ranks.seed * 1_000_003 + (ranks.first_rank + gpu) * 7_919 + first * 104_729)
+                    for gpu in range(len(self.data))]
         for step in range(first, done):
             at, dur, factor = _step_at(segments, step)
             start = at - dur
             for gpu, buf in enumerate(self.data):
-                rank = ranks.first_rank + gpu
                 own = max((s.factor for s in ranks.slowdowns if s.gpu == gpu and s.since <= start), default=1.0)
-                noise = min(1.1, max(0.9, random.Random(ranks.seed * 1_000_003 + rank * 7_919 + step * 104_729)
-                                      .lognormvariate(0, NOISE)))
+                noise = min(1.1, max(0.9, noise_of[gpu].lognormvariate(0, NOISE)))
                 compute = ranks.step_s * COMPUTE_SHARE * own * noise
                 dur_ns = int(dur * 1e9)
                 seq = step + 1

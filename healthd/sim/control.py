@@ -161,7 +161,10 @@ class ControllerSeam:
         self._round(t)
 
     def _read_rings(self) -> None:
-        """The watched nodes' agents read their rings when a tick is due."""
+        """The watched nodes' agents read their rings when a tick is due, until the controller's
+        in-band view has found what they were watched for."""
+        view = self.sim.controller.inband_round
+        self.rings.found((f.node for f in view.flags), bool(view.hangs), view.evaluated_at)
         for node in self.rings.due(self._t):
             if node not in self.sim.silent:
                 self.sim.report(node, [self.rings.ranks(node)], self._t)

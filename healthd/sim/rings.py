@@ -5,9 +5,10 @@ A `straggler` fault slows one GPU's rank of the job from its onset; a `hang` fau
 for the job's current run and says what each node's ranks look like (healthd.sim.agentinput.JobRanks);
 the agent of the node writes and reads the rings itself. Writing every rank's ring on every node for
 weeks would cost more than the rest of the run, so rings are written where a report is made about
-them: on the fault's node and on one other node of the job (the next in the job's node list, so the
-controller compares ranks of two nodes, as it does for a job on several nodes), every `tick_s`
-for `watch_s` after the fault; an agent that holds findings re-reads its rings whenever it ticks. A
+them: on the fault's node, and for a straggler on one other node of the job (the next in the job's node
+list, so the controller compares ranks of two nodes, as it does for a job on several nodes), every `tick_s`
+until the controller has found the fault, for `watch_s` at most; an agent that holds findings re-reads
+its rings whenever it ticks. A
 slow rank found, or a hang, is the real detector's and the real controller's doing; nothing here
 reads a step time.
 
@@ -18,17 +19,18 @@ rings, in which a GPU already slow is slow from the start, which the in-band det
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from healthd.sim.agentinput import JobRanks, Slowdown
 
-TICK_S = 120.0
+TICK_S = 240.0
 """How often a watched node's agent reads its rings and reports (a real agent reads every 10 s and
 reports when a window completes: about every 250 s at 10-s steps)."""
 WATCH_S = 2400.0
-"""How long after a fault its nodes' rings are watched: the detector needs its first windows and two
-slow ones (about 15 minutes at 10-s steps)."""
+"""How long after a fault its nodes' rings are watched at most: the detector needs its first windows
+and two slow ones (about 15 minutes at 10-s steps); a fault the controller has found is watched no
+longer."""
 
 
 @dataclass
@@ -50,6 +52,8 @@ class JobRings:
     """(since, node, gpu) of the run's hang."""
     watched: dict[str, float] = field(default_factory=dict)
     """node -> until when its rings are re-read every tick_s."""
+    watching: dict[str, tuple[float, tuple[str, ...]]] = field(default_factory=dict)
+    """A straggler's node -> (its onset, the nodes watched for it)."""
     written: set[str] = field(default_factory=set)
     """Nodes whose agent has rings of this run."""
     next_at: float | None = None
@@ -78,12 +82,34 @@ class JobRings:
         elif kind == "hang" and self.stopped is None:
             self.stopped = (now, node, gpu)
         i = self.nodes.index(node)
-        watch = (node, self.nodes[(i + 1) % len(self.nodes)]) if len(self.nodes) > 1 else (node,)
+        # a slow rank is told from the others across two nodes; a hang shows in the stopped node's ranks
+        watch = (node, self.nodes[(i + 1) % len(self.nodes)]) if kind == "straggler" and len(self.nodes) > 1 else (node,)
         for n in watch:
             self.watched[n] = now + self.watch_s
             self.written.add(n)
+        if kind == "straggler":
+            self.watching[node] = (now, watch)
         self.next_at = now + self.tick_s
         return watch
+
+    def found(self, flagged: Iterable[str], hung: bool, at: float | None) -> None:
+        """The controller's in-band view evaluated at `at` flags a slow rank on each node of
+        `flagged`, or names the job hung: what was watched for a fault before `at` is watched no
+        longer (a view older than the fault is about something else)."""
+        if at is None:
+            return
+        done = set()
+        for node in flagged:
+            since, watch = self.watching.get(node, (at, ()))
+            if since < at:
+                done.update(watch)
+                del self.watching[node]
+        if hung and self.stopped is not None and self.stopped[0] < at:
+            done |= set(self.watched)
+        for n in done:
+            self.watched.pop(n, None)
+        if not self.watched:
+            self.next_at = None
 
     def due(self, now: float) -> tuple[str, ...]:
         """The watched nodes to report at `now` (a tick is due), and when the next is."""
@@ -99,6 +125,7 @@ class JobRings:
         out = tuple(sorted(self.written))
         self.written.clear()
         self.watched.clear()
+        self.watching.clear()
         self.next_at = None
         self.stopped = None
         return out
