@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import yaml
 
-from healthd.controller import admin
+from healthd.controller import admin, spares
 from healthd.controller.config import parse_controller_settings
 from healthd.sim.agentinput import GpuReading, JobEnded, KernelLines, NvmlReading, catalog_of
 from healthd.sim.faults import Fault
@@ -44,6 +44,8 @@ JOB_ID = "1"
 OUT_OF_SERVICE = frozenset({"DRAIN", "NOT_RESPONDING", "RESERVED", "REBOOT_REQUESTED", "REBOOT_ISSUED"})
 """A node with any of these flags takes no job of ours (drained, silent, in healthd's validation
 reservation, rebooting)."""
+SPARE_KINDS = frozenset(spares.KINDS)
+"""The hot-spare step's writes (reserve, release, revalidate)."""
 MAX_CATCH_UP = 10_000
 """Rounds at the controller's deadlines between two engine events, at most (a guard, never reached in
 the shipped scenarios)."""
@@ -72,21 +74,32 @@ class ControllerSeam:
                                  catalog=catalog_of(scenario.healthd.catalog) if scenario.healthd.catalog else None)
         self._tally = Tally()
         self._seen: set[int] = set()
+        self._spare_actions: set[int] = set()
         self._would: set[tuple[str, str, str]] = set()
         self._in_service: set[str] = set()
+        self._work: dict[str, str] = {}
+        """node -> the id of another user's job running on it."""
         self.operator_s = None if scenario.healthd.operator_minutes is None else scenario.healthd.operator_minutes * 60
         self.approve_s = None if scenario.healthd.approve_minutes is None else scenario.healthd.approve_minutes * 60
         self._approvals: list[tuple[float, int, str]] = []
         """(when a person approves it, decision id, node): waiting decisions, earliest first."""
         self.slurm.start_job(JOB_ID, list(job_nodes), requeue_ok=True)
+        self._job_nodes = tuple(job_nodes)
         self.rings = JobRings(JOB_ID, scenario.job.gpus_per_node, scenario.job.step_seconds, seed, tuple(job_nodes), T0)
         """The job's in-band rings on the nodes a straggler or a hang is reported from."""
         self._restart_s = scenario.job.restart_minutes * 60
+        # only something that takes idle nodes (healthd's spare pool, other users' jobs) can tell
+        self._hold_waiting = scenario.job.hold_while_waiting and bool(
+            self.settings.policy.spares or scenario.fleet.other_work_hours is not None)
+        self._holder: str | None = None
+        """While the job waits holding its allocation (the lab's model), a job of ours on the nodes it
+        keeps, so that Slurm shows them allocated, as it would, and nothing else takes them."""
 
     def _clock(self) -> float:
         return self._t
 
     def _round(self, t: float) -> None:
+        self._hold()  # a node failure ended the job's run in Slurm: what it keeps stays allocated
         for _ in range(MAX_CATCH_UP):
             d = self._next_deadline()
             if d is None or d >= t:
@@ -94,17 +107,40 @@ class ControllerSeam:
             self._t = max(self._t, d)
             self._approve_due()
             self._read_rings()
+            self._reset_due()
             self._count(self.sim.round(self._t))
+            self._hold()
         self._t = max(self._t, t)
         self._approve_due()
         self._read_rings()
+        self._reset_due()
         self._count(self.sim.round(self._t))
+        self._hold()
+
+    def _reset_at(self) -> float | None:
+        """When the person who investigates an open breaker closes it (None: not open, or nobody)."""
         breaker = self.sim.ledger.breaker_state()
-        if (breaker.open and self.operator_s is not None and breaker.opened_at is not None
-                and self._t >= breaker.opened_at + self.operator_s):
-            # the person who investigated closes it, as `healthctl breaker reset` does
-            self.sim.ledger.reset_breaker(by="operator", why="simulated: investigated", at=self._t)
+        if not breaker.open or self.operator_s is None or breaker.opened_at is None:
+            return None
+        return breaker.opened_at + self.operator_s
+
+    def _reset_due(self) -> None:
+        """The breaker's reset, when due by now: at its own time (a round runs then), as `healthctl
+        breaker reset` makes it, so a failure that starts later is new to the breaker."""
+        at = self._reset_at()
+        if at is not None and self._t >= at:
+            self.sim.ledger.reset_breaker(by="operator", why="simulated: investigated", at=at)
             self._tally.taken["breaker-reset"] += 1
+
+    def _hold(self) -> None:
+        if not self._hold_waiting or self._holder is not None:
+            return
+        job = self.slurm.job(JOB_ID)
+        if job is not None and job.state == "RUNNING":
+            return
+        kept = [n for n in self._job_nodes if self.usable(n) and self.slurm.node(n).state == "idle"]
+        if kept:
+            self._holder = self.slurm.start_job(None, kept, requeue_ok=True)
 
     def _count(self, r: RoundResult) -> None:
         for o in r.applied:
@@ -120,12 +156,19 @@ class ControllerSeam:
                 self._seen.add(d.id)
                 if d.outcome == "waiting" and self.approve_s is not None:
                     heapq.heappush(self._approvals, (d.decided_at + self.approve_s, d.id, d.node))
-                self._tally.refused[d.refused_gate or ("mode" if d.outcome == "waiting" else d.outcome)] += 1
+                gate = d.refused_gate or ("mode" if d.outcome == "waiting" else d.outcome)
+                if d.kind in SPARE_KINDS and gate == "mode" and d.mode == "observe":
+                    # the spare step's writes are not among the round's outcomes: recorded only, by kind
+                    self._tally.would[d.kind] += 1
+                    continue
+                # a removal no validated spare could serve: policy's answer, not a refusal of a write
+                self._tally.refused["no spare in place" if d.kind == "spare-release" and gate == "policy" else gate] += 1
 
     def _next_deadline(self) -> float | None:
-        """The controller's next deadline, or the next read of the watched nodes' rings or a person's
-        next approval if sooner."""
-        times = (self.sim.next_deadline(), self.rings.next_at, self._approvals[0][0] if self._approvals else None)
+        """The controller's next deadline, or the next read of the watched nodes' rings, a person's next
+        approval or breaker reset if sooner."""
+        times = (self.sim.next_deadline(), self.rings.next_at, self._approvals[0][0] if self._approvals else None,
+                 self._reset_at())
         return min((d for d in times if d is not None), default=None)
 
     def _approve_due(self) -> None:
@@ -184,6 +227,7 @@ class ControllerSeam:
         job = self.slurm.job(JOB_ID)
         if job is not None and job.state == "RUNNING":
             self.slurm.requeue(JOB_ID)  # the job's own restart (its launcher, or the user)
+            self._hold()
         for node in self.rings.run_ended():  # the epilog: the run's rings go
             if node not in self.sim.silent:
                 self.sim.report(node, [JobEnded(JOB_ID)], t)
@@ -195,6 +239,12 @@ class ControllerSeam:
 
     def job_started(self, now: float, nodes: Sequence[str]) -> None:
         self._t = max(self._t, T0 + now)
+        if self._holder is not None:
+            held = self.slurm.job(self._holder)
+            if held is not None and held.state in ("RUNNING", "PENDING"):
+                self.slurm.end_job(self._holder, "CANCELLED")
+            self._holder = None
+        self._job_nodes = tuple(nodes)
         self.rings.run_started(T0 + now + self._restart_s, nodes)
         try:
             self.slurm.start_job(JOB_ID, list(nodes), requeue_ok=True)
@@ -233,7 +283,26 @@ class ControllerSeam:
         d = self._next_deadline()
         return None if d is None else d - T0
 
+    def work_started(self, now: float, node: str) -> bool:
+        self._t = max(self._t, T0 + now)
+        try:
+            self._work[node] = self.slurm.start_job(None, [node], requeue_ok=False)
+        except SlurmRefused:
+            return False
+        return True
+
+    def work_ended(self, now: float, node: str) -> None:
+        self._t = max(self._t, T0 + now)
+        job = self._work.pop(node, None)
+        if job is not None and (info := self.slurm.job(job)) is not None and info.state == "RUNNING":
+            self.slurm.end_job(job)
+
     def tally(self) -> Tally:
+        # the spare step's writes are not among the round's policy outcomes: read them from the ledger
+        for a in self.sim.ledger.actions():
+            if a.kind in SPARE_KINDS and a.status == "applied" and a.id not in self._spare_actions:
+                self._spare_actions.add(a.id)
+                self._tally.taken[a.kind] += 1
         return self._tally
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from healthd import goodput
 from healthd.sim.faults import Fault, FaultClocks, agent_inputs, burst_nodes, stream
 from healthd.sim.seam import Decision, LabRule, Remediation
-from healthd.sim.job import RESTART, T0, WAIT, JobModel
+from healthd.sim.job import DETECT, RESTART, T0, WAIT, JobModel
 from healthd.sim.scenario import Cause, Scenario
 
 
@@ -55,6 +55,19 @@ class RunResult:
     """healthd.goodput's problems with the log (empty: the simulator's log read whole)."""
     slurm_refused: int = 0
     """Job starts Slurm refused (a node went out of service between the engine's choice and the start)."""
+    other_gpu_s: float | None = None
+    """GPU-seconds the pool's nodes outside the job ran other users' jobs (None: the scenario has no
+    other work, `fleet.other_work_hours`)."""
+    pool_gpu_s: float = 0.0
+    """GPU-seconds of the whole pool over the run (its nodes x GPUs x the run's length)."""
+
+    @property
+    def fleet_goodput(self) -> float | None:
+        """Of the pool's GPU time, the share that produced work: the job's productive time and the
+        other users' jobs (a model: their jobs count as all productive). None without other work."""
+        if self.other_gpu_s is None or not self.pool_gpu_s:
+            return None
+        return (self.gpu_s.get("productive", 0.0) + self.other_gpu_s) / self.pool_gpu_s
 
 
 Sink = Callable[[str], None]
@@ -123,6 +136,11 @@ class Engine:
         self._detect_rngs: dict[str, object] = {}
         self._repair_rngs: dict[str, object] = {}
         self._burst_rng = stream(seed, "burst-nodes")
+        self._work_rngs: dict[str, object] = {}
+        self._work: dict[str, tuple[float, int]] = {}
+        """Nodes running another user's job: node -> (when it started, its number)."""
+        self._work_seq = itertools.count()
+        self._other_gpu_s = 0.0
         self._gpu_rng = stream(seed, "gpu")
         self._ran = False
 
@@ -154,6 +172,33 @@ class Engine:
         if rng is None:
             rng = self._repair_rngs[node] = stream(self.seed, "repair", node)
         return rng.expovariate(1 / mean)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ other users' work
+
+    def _settle(self) -> None:
+        """Free nodes of the pool that the job is not looking for take other users' jobs."""
+        if self.s.fleet.other_work_hours is None or self.job.phase in (DETECT, WAIT):
+            return
+        for n in sorted(self.spares):
+            if n not in self._work and self.rem.usable(n) and self.rem.work_started(self.now, n):
+                k = next(self._work_seq)
+                self._work[n] = (self.now, k)
+                rng = self._work_rngs.get(n)
+                if rng is None:
+                    rng = self._work_rngs[n] = stream(self.seed, "other-work", n)
+                self._at(self.now + rng.expovariate(1 / (self.s.fleet.other_work_hours * 3600)),  # type: ignore[attr-defined]
+                         self._work_done, n, k)
+
+    def _work_done(self, node: str, k: int) -> None:
+        started = self._work.get(node)
+        if started is None or started[1] != k:
+            return
+        del self._work[node]
+        self._other_gpu_s += (self.now - started[0]) * self.s.job.gpus_per_node
+        self.rem.work_ended(self.now, node)
+        self.rem.poll(self.now)  # healthd may take the free node as a hot spare
+        if self.job.phase == WAIT:
+            self._fill()
 
     # ------------------------------------------------------------------ the job's life
 
@@ -319,7 +364,7 @@ class Engine:
         if self._deciding:
             return
         need = self.s.job.nodes - len(self.in_job)
-        ready = sorted(n for n in self.spares if self.rem.usable(n))
+        ready = sorted(n for n in self.spares if n not in self._work and self.rem.usable(n))
         if need > len(ready):
             return
         for n in ready[:need]:
@@ -382,12 +427,20 @@ class Engine:
         self.job.begin(0.0, list(self.in_job))
         self._arm(0.0)
         heap = self._heap
+        other = self.s.fleet.other_work_hours is not None
         try:
+            if other:
+                self.rem.poll(0.0)  # healthd takes its hot spares before other users' jobs start
+                self._settle()
             while heap and heap[0][0] < self.horizon:
                 t, _, fn, args = heapq.heappop(heap)
                 self.now = t
                 fn(*args)
+                if other:
+                    self._settle()
             self.now = self.horizon
+            for started, _ in self._work.values():
+                self._other_gpu_s += (self.horizon - started) * self.s.job.gpus_per_node
             self.job.finish(self.horizon, self._state)
             tally = self.rem.tally()
         finally:
@@ -400,7 +453,9 @@ class Engine:
             cost[inc.cause] += inc.cost_gpu_s
         return RunResult(self.s.name, self.seed, self.rem.name, acc.goodput or 0.0, acc.held_gpu_s, dict(acc.gpu_s),
                          dict(cost), acc.interruptions, acc.mtbi_s, tuple(self._faults), dict(tally.taken),
-                         dict(tally.refused), dict(tally.would), acc.problems, tally.slurm_refused)
+                         dict(tally.refused), dict(tally.would), acc.problems, tally.slurm_refused,
+                         self._other_gpu_s if other else None,
+                         self.horizon * len(self.pool) * self.s.job.gpus_per_node)
 
 
 def run(scenario: Scenario, seed: int, **kw: object) -> RunResult:

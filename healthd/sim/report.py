@@ -54,6 +54,9 @@ class Summary:
     """Runs whose log healthd.goodput could not read whole (0 expected)."""
     slurm_refused: int = 0
     """Job starts Slurm refused, over all seeds."""
+    fleet_goodput: float | None = None
+    """Mean share of the pool's GPU time that produced work: the job's productive time and other users'
+    jobs (RunResult.fleet_goodput); None when the scenario has no other work."""
 
 
 def summarize(results: Sequence[RunResult]) -> Summary:
@@ -77,7 +80,9 @@ def summarize(results: Sequence[RunResult]) -> Summary:
                    shares, dict(cost.most_common()),
                    statistics.fmean(r.gpu_s.get("false_positive", 0.0) for r in results) / 3600,
                    statistics.fmean(r.interruptions for r in results), dict(taken), dict(refused), dict(would),
-                   sum(1 for r in results if r.partial), sum(r.slurm_refused for r in results))
+                   sum(1 for r in results if r.partial), sum(r.slurm_refused for r in results),
+                   None if any(r.fleet_goodput is None for r in results)
+                   else statistics.fmean(r.fleet_goodput or 0.0 for r in results))
 
 
 @dataclass(frozen=True)
@@ -114,9 +119,11 @@ def _counts(c: dict[str, int]) -> str:
 
 def table(summaries: Sequence[Summary]) -> str:
     shown = [c for c in CATEGORIES if any(s.shares.get(c, 0) > 0 for s in summaries)]
-    head = ["scenario", "seeds", "goodput", "p10-p90", "interruptions", *shown]
-    rows = [[s.scenario, str(s.seeds), _p(s.goodput), f"{_p(s.p10)}-{_p(s.p90)}", f"{s.interruptions:.1f}",
-             *(_p(s.shares[c]) for c in shown)] for s in summaries]
+    fleet = any(s.fleet_goodput is not None for s in summaries)
+    head = ["scenario", "seeds", "goodput", "p10-p90", *(["fleet goodput"] if fleet else []), "interruptions", *shown]
+    rows = [[s.scenario, str(s.seeds), _p(s.goodput), f"{_p(s.p10)}-{_p(s.p90)}",
+             *([_p(s.fleet_goodput) if s.fleet_goodput is not None else "-"] if fleet else []),
+             f"{s.interruptions:.1f}", *(_p(s.shares[c]) for c in shown)] for s in summaries]
     w = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     out = ["  ".join(x.ljust(w[i]) for i, x in enumerate(r)).rstrip() for r in [head, *rows]]
     for s in summaries:
@@ -130,6 +137,19 @@ def table(summaries: Sequence[Summary]) -> str:
         if s.partial_runs:
             out.append(f"  PARTIAL: {s.partial_runs} run(s) whose log the accounting could not read whole")
     return "\n".join(out) + "\n"
+
+
+def best(summaries: Sequence[Summary], values: Sequence[str], field: str) -> str:
+    """The sweep's answer: the value whose runs had the best mean goodput (the pool's where there is
+    other work), and by how much over the next best."""
+    def score(s: Summary) -> float:
+        return s.fleet_goodput if s.fleet_goodput is not None else s.goodput
+    ranked = sorted(zip(summaries, values, strict=True), key=lambda sv: -score(sv[0]))
+    what = "fleet goodput" if ranked[0][0].fleet_goodput is not None else "goodput"
+    line = f"\nbest {field}: {ranked[0][1]} ({what} {_p(score(ranked[0][0]))}"
+    if len(ranked) > 1:
+        line += f"; next {ranked[1][1]}: {(score(ranked[0][0]) - score(ranked[1][0])) * 100:+.2f} points"
+    return line + ")\n"
 
 
 def compare_table(p: Paired) -> str:

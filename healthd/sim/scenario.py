@@ -148,6 +148,11 @@ class Fleet:
     repair_hours: float = 48.0
     """Mean repair time of a node sent to repair."""
     repair_law: str = "exponential"
+    other_work_hours: float | None = None
+    """None: the job's spares wait idle for it (the lab's model). A number: the pool's nodes outside
+    the job run other users' jobs of this mean length (exponential), one after another; a node the job
+    needs comes free when the job on it ends, unless healthd holds it as a hot spare
+    (`policy.spares`)."""
 
     @property
     def size(self) -> int:
@@ -237,19 +242,44 @@ def packaged() -> dict[str, str]:
     return out
 
 
-def load(ref: str | Path) -> Scenario:
-    """A scenario from a file path, or a packaged scenario's name."""
+def _source(ref: str | Path) -> tuple[str, str, Path | None]:
+    """(YAML text, where, the folder a relative base is looked up in) of a path or a packaged name."""
     path = Path(ref)
     if path.suffix in (".yaml", ".yml") or path.exists():
         try:
-            text = path.read_text()
+            return path.read_text(), str(ref), path.parent
         except (OSError, UnicodeDecodeError) as e:
             raise ScenarioError(f"{ref}: cannot read: {e}") from None
-        return load_text(text, str(ref), path.parent)
     shipped = packaged()
     if str(ref) in shipped:
-        return load_text(shipped[str(ref)], str(ref))
+        return shipped[str(ref)], str(ref), None
     raise ScenarioError(f"{ref}: no such file, and no packaged scenario of that name (packaged: {', '.join(sorted(shipped))})")
+
+
+def load(ref: str | Path) -> Scenario:
+    """A scenario from a file path, or a packaged scenario's name."""
+    return load_text(*_source(ref))
+
+
+def load_with(ref: str | Path, sets: Mapping[str, Any]) -> Scenario:
+    """`ref` with fields changed: each key a dotted path into the scenario (`fleet.other_work_hours`,
+    `healthd.settings.policy.spares.gpu.size`), set after `base` is merged, then checked as a file is."""
+    text, where, here = _source(ref)
+    raw = _raw(text, where, here, ())
+    for key, value in sets.items():
+        parts = key.split(".")
+        if not all(parts):
+            raise ScenarioError(f"{where}: --set {key!r}: a dotted path of field names")
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ScenarioError(f"{where}: --set {key}: {'.'.join(parts[:i + 1])} is not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return _build(raw, where)
 
 
 def load_text(text: str, where: str = "<scenario>", here: Path | None = None) -> Scenario:
@@ -451,7 +481,8 @@ def _job(f: _Fields) -> Job:
 
 
 def _fleet(doc: Any, where: str) -> Fleet:
-    f = _Fields(doc if doc is not None else {}, where, ("groups", "leaf_size", "pdu_size", "repair_hours", "repair_law"))
+    f = _Fields(doc if doc is not None else {}, where, ("groups", "leaf_size", "pdu_size", "repair_hours", "repair_law",
+                                                          "other_work_hours"))
     groups_raw = f.doc.get("groups")
     if not isinstance(groups_raw, list) or not groups_raw:
         raise ScenarioError(f"{where}.groups: a list of node groups ({{count, mtbf_hours, label}})")
@@ -461,7 +492,8 @@ def _fleet(doc: Any, where: str) -> Fleet:
         groups.append(NodeGroup(gf.int_("count"), gf.num_("mtbf_hours", hi=1e9), gf.str_("label", "default"),
                                 gf.bool_("pool", True)))
     fleet = Fleet(tuple(groups), f.int_("leaf_size", 16), f.int_("pdu_size", 8), f.num_("repair_hours", 48.0, hi=1e6),
-                  f.str_("repair_law", "exponential", choices=REPAIR_LAWS))
+                  f.str_("repair_law", "exponential", choices=REPAIR_LAWS),
+                  f.num_("other_work_hours", hi=1e6) if f.doc.get("other_work_hours") is not None else None)
     if fleet.size > MAX_NODES:
         raise ScenarioError(f"{where}: {fleet.size} nodes, more than {MAX_NODES}")
     return fleet

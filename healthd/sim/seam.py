@@ -66,6 +66,12 @@ class Remediation(Protocol):
     def poll(self, now: float) -> float | None:
         """Whatever is due by `now`; when to look again (None: nothing pending)."""
 
+    def work_started(self, now: float, node: str) -> bool:
+        """Another user's job starts on the free `node` (the scheduler's choice); False: refused."""
+
+    def work_ended(self, now: float, node: str) -> None:
+        """That job ended: `node` is free."""
+
     def tally(self) -> Tally:
         """Actions taken and refused so far."""
 
@@ -104,6 +110,12 @@ class LabRule:
         return True
 
     def poll(self, now: float) -> float | None:
+        return None
+
+    def work_started(self, now: float, node: str) -> bool:
+        return True
+
+    def work_ended(self, now: float, node: str) -> None:
         return None
 
     def tally(self) -> Tally:
