@@ -686,7 +686,8 @@ class SimSlurm(_SimCore):
         if not self.accounting:
             return None
         comment = self._comments.get(text, "")
-        return [JobRun(r.job_id, r.state, r.start, r.end, r.partition, r.account, r.gpus, r.nodes, comment)
+        return [JobRun(r.job_id, r.state, r.start, r.end, r.partition, r.account, r.gpus,
+                       slurm_hostlist(r.nodes.split(",")) if r.nodes else "", comment)
                 for r in self._runs.get(text, [])]
 
     def set_admin_comment(self, job_id: int | str, text: str) -> None:
@@ -726,8 +727,10 @@ class SimSlurm(_SimCore):
             node.jobs[text] = exclusive
             self._changed(node)
         if self.accounting:
+            # the node list as plain names, in Slurm's hostlist form only when accounting is read: a
+            # hostlist of a large job costs more than the rest of a start
             self._runs.setdefault(text, []).append(JobRun(text, "RUNNING", self._stamp(), None, part, job.account,
-                                                          gpus, slurm_hostlist(list(job.nodes))))
+                                                          gpus, ",".join(job.nodes)))
         return text
 
     def _check_can_run(self, node: _Node, partition: str, exclusive: bool, reservation: str | None) -> None:
