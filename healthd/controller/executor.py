@@ -452,15 +452,17 @@ class Executor:
             return ExecResult("skipped", f"cannot re-read the node: {exc}", action.id, action.argv)
 
         def finish(detail: str) -> ExecResult:
-            self.ledger.mark_applied(action.id, detail, at=self.clock())
-            if original is not None and original.status == "applied":
-                self.ledger.mark_undone(original.id, f"undone by action {action.id}", at=self.clock())
-            row = self.ledger.decision(action.decision_id)
-            if row is not None and row.incident_id is not None:
-                why = (row.evidence or {}).get("why") if isinstance(row.evidence, dict) else None
-                operator = (row.evidence or {}).get("operator") if isinstance(row.evidence, dict) else None
-                self.ledger.close_incident(row.incident_id, "false_positive", by=operator,
-                                           why=str(why or f"undone by action {action.id}"))
+            # one transaction: a reader (or a crash) never sees the undo applied and its incident still open
+            with self.ledger.transaction():
+                self.ledger.mark_applied(action.id, detail, at=self.clock())
+                if original is not None and original.status == "applied":
+                    self.ledger.mark_undone(original.id, f"undone by action {action.id}", at=self.clock())
+                row = self.ledger.decision(action.decision_id)
+                if row is not None and row.incident_id is not None:
+                    why = (row.evidence or {}).get("why") if isinstance(row.evidence, dict) else None
+                    operator = (row.evidence or {}).get("operator") if isinstance(row.evidence, dict) else None
+                    self.ledger.close_incident(row.incident_id, "false_positive", by=operator,
+                                               why=str(why or f"undone by action {action.id}"))
             _log.info("%s: undo (action %s): %s", action.node, action.id, detail)
             return ExecResult("applied", detail, action.id, action.argv)
 
