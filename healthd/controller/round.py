@@ -325,33 +325,38 @@ def spare_pool(parts: RoundParts, s: RoundState) -> RoundState:
 
 
 def spare_validated(parts: RoundParts, s: RoundState, outcome: GateResult, results: list[dict]) -> None:
-    """A spare's revalidation in the ledger, as a `spare-validate` action carrying the results (planned,
-    then applied for a pass, failed for a failure: a restart between the two leaves it planned, and
-    the reconciler abandons it to be decided again). A failure first opens the incident its drain
-    (spares.drains) is made under."""
+    """A spare's revalidation in the ledger, as a `spare-validate` action carrying the results: applied
+    for a pass, failed for a failure, which also opens the incident its drain (spares.drains) is made
+    under; the incident, the action and its outcome in one transaction (a restart before it: the
+    validation runs again)."""
     d, now = outcome.decision, moment(parts, s)
-    passed = bool(results) and all(r.get("rc") == 0 for r in results)
-    evidence: dict = {"reservation": d.target, "partition": d.detail.get("partition"), "results": results}
-    summary = failure_summary(results)
-    if not passed:
-        incident = parts.ledger.open_incident(f"{spares.FAILED_SIGNATURE}{d.node}", attribution="hardware", tier="T1",
-                                              nodes=(d.node,), status="validation-failed", detected_at=now, at=now)
-        evidence.update(incident=str(incident.id), reason=make_reason(f"validation failed: {summary}", str(incident.id)))
     attempt, why, _ = next_attempt(parts.ledger.series(series_key(d)))
     if attempt is None:  # recorded already (the series ended): nothing to add
         _log.warning("%s: spare revalidation not recorded: %s", d.node, why)
         return
+    passed = bool(results) and all(r.get("rc") == 0 for r in results)
+    evidence: dict = {"reservation": d.target, "partition": d.detail.get("partition"), "results": results}
+    summary = failure_summary(results)
     decision_id = parts.recorder.record(outcome, now, s.mode)
-    action = parts.ledger.plan_action(decision_id=decision_id, idempotency_key=series_key(d, attempt),
-                                      series=series_key(d), attempt=attempt, node=d.node, kind="spare-validate",
-                                      argv=[str(a) for a in results[-1]["argv"]] if results else [d.target],
-                                      partition=evidence["partition"], evidence=evidence, at=now)
+    with parts.ledger.transaction():
+        if not passed:
+            incident = parts.ledger.open_incident(f"{spares.FAILED_SIGNATURE}{d.node}", attribution="hardware",
+                                                  tier="T1", nodes=(d.node,), status="validation-failed",
+                                                  detected_at=now, at=now)
+            evidence.update(incident=str(incident.id),
+                            reason=make_reason(f"validation failed: {summary}", str(incident.id)))
+        action = parts.ledger.plan_action(decision_id=decision_id, idempotency_key=series_key(d, attempt),
+                                          series=series_key(d), attempt=attempt, node=d.node, kind="spare-validate",
+                                          argv=[str(a) for a in results[-1]["argv"]] if results else [d.target],
+                                          partition=evidence["partition"], evidence=evidence, at=now)
+        if passed:
+            parts.ledger.mark_applied(action.id, f"validation passed ({len(results)} command(s))", at=now, hold=False)
+        else:
+            parts.ledger.mark_failed(action.id, f"validation failed: {summary}", at=now)
     if passed:
-        parts.ledger.mark_applied(action.id, f"validation passed ({len(results)} command(s))", at=now, hold=False)
         _log.info("%s: spare revalidation passed in %s", d.node, d.target)
     else:
-        parts.ledger.mark_failed(action.id, f"validation failed: {summary}", at=now)
-        _log.error("%s: spare revalidation failed in %s: %s; drained [#%s]", d.node, d.target, summary,
+        _log.error("%s: spare revalidation failed in %s: %s; to be drained [#%s]", d.node, d.target, summary,
                    evidence["incident"])
 
 

@@ -2,8 +2,8 @@
 reintegrator's validation thread running a real script) over the in-memory Slurm: a spare whose pass
 ages past half of `validated_within_h` is validated again inside its own reservation, a pass is its new
 validation time, a failure opens an incident, drains it and the pool refills; observe and an open
-breaker only record; at most `revalidate_at_once` run at once; a revalidation a crash cut off is
-settled by the reconciler and run again."""
+breaker only record; at most `revalidate_at_once` run at once; a revalidation a restart cut off runs
+again, and one whose record was left planned is settled by the reconciler and run again."""
 
 from __future__ import annotations
 
@@ -176,11 +176,12 @@ def test_at_most_revalidate_at_once_run_together(rig):
     assert (first.node, second.node, first.status, second.status) == ("node03", "node01", "applied", "applied")
 
 
-def test_a_revalidation_a_crash_left_planned_is_abandoned_and_run_again(rig):
+def test_a_revalidation_left_planned_is_abandoned_and_run_again(rig):
     r = rig(validated_within_h=4.0)
     validated(r.ledger, "node01", T0 - 3 * H)
     r.round(T0)
-    # the controller died between planning the revalidation's record and marking it
+    # should a revalidation's record be left planned (the round writes it in one transaction), the
+    # reconciler settles it
     d = r.ledger.record_decision(node="node01", kind="spare-validate", tier="T1", mode="auto", reason="x",
                                  outcome="allowed", incident_id=None, evidence={}, at=T0 + 1)
     series = f"spare-validate:healthd_spare_gpu_node01@{T0 - 3 * H:.0f}"
