@@ -442,6 +442,15 @@ class Reintegrator:
         _log.info("%s: reintegration %s: resumed inside reservation %s; validating", r.node, r.id, name)
         return f"validating in reservation {name}"
 
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait for the validations running now to finish (at most `timeout_s` each): a caller on a
+        virtual clock, whose validation steps return at once, then finds their results at its next
+        round whatever the threads' timing."""
+        with self._lock:
+            running = list(self._threads.values())
+        for thread in running:
+            thread.join(timeout_s)
+
     def _launch(self, rid: int | str, node: str, reservation: str, incident_id: int | None) -> None:
         values = {"node": node, "reservation": reservation, "incident": "" if incident_id is None else str(incident_id),
                   "slurm_conf": self.slurm_conf}

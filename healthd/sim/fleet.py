@@ -245,6 +245,9 @@ class SimController:
         """The daemon's round at `now` (Controller.evaluate), and what it did."""
         self._heartbeats(now)
         results = self.controller.evaluate(now)
+        # the validation threads this round started: done before anything else happens, so the next
+        # round finds their results whatever the threads' timing (the same seed, the same run)
+        self.controller.reintegrator.settle()
         recorded = tuple(r for (i,) in self.ledger.query("SELECT id FROM decisions WHERE id > ? ORDER BY id",
                                                          (self._last_decision,))
                          if (r := self.ledger.decision(i)) is not None)

@@ -78,3 +78,11 @@ def test_sweep_runs_each_value_on_the_same_seeds_and_names_the_best(capsys):
     assert f"best fleet.other_work_hours: {best['scenario'].rsplit('=', 1)[1]} " in out
     assert f"{best['fleet_goodput'] * 100:.1f}%" in out
     assert cli.main(["run", "baseline", "--seeds", "1", "--set", "fleet.no_such=1"]) == 2
+
+
+def test_a_run_with_the_spare_pool_is_the_same_on_the_same_seed():
+    # the pool's revalidations run on the controller's validation threads: settled at each round
+    s = days(scenario.load("hot-spares"), 4)
+    a, b = engine.run(s, 5), engine.run(s, 5)
+    assert a.taken.get("spare-validate", 0) >= 2
+    assert (a.gpu_s, a.taken, a.refused, a.other_gpu_s) == (b.gpu_s, b.taken, b.refused, b.other_gpu_s)
