@@ -6,7 +6,8 @@ flat in run length: the engine keeps no history, only the run's log until it is 
 
     .venv/bin/python bench/sim.py [--runs 140] [--jobs 2] [--scenario baseline]
 
-Writes bench/results/sim.json.
+Writes bench/results/sim.json (the baseline: the lab's rule), or sim-<scenario>.json for another
+scenario (`--scenario baseline-auto`: the same runs through the real controller).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import os
 import dataclasses
 import json
+import logging
 import multiprocessing
 import resource
 import subprocess
@@ -27,6 +29,7 @@ from healthd.sim import engine, scenario
 
 
 def child(name: str, days: float, runs: int) -> None:
+    logging.getLogger("healthd").setLevel(logging.CRITICAL + 1)
     s = dataclasses.replace(scenario.load(name), days=days)
     for seed in range(1, runs + 1):
         engine.run(s, seed)
@@ -35,6 +38,7 @@ def child(name: str, days: float, runs: int) -> None:
 
 def _one(args: tuple[str, int]) -> tuple[float, float]:
     name, seed = args
+    logging.getLogger("healthd").setLevel(logging.CRITICAL + 1)  # the controller's own log lines
     t = time.process_time()
     r = engine.run(scenario.load(name), seed)
     return r.goodput, time.process_time() - t
@@ -77,7 +81,7 @@ def main() -> None:
           f"({doc['cpu_ms_per_run']} ms a run), peak RSS {doc['peak_rss_mib']} MiB, load average {doc['load_average_1m']}")
     print(f"peak RSS of 20 runs: 7 days {doc['child_20_runs_peak_rss_mib']['7_days']} MiB, "
           f"28 days {doc['child_20_runs_peak_rss_mib']['28_days']} MiB")
-    save("sim", doc)
+    save("sim" if a.scenario == "baseline" else f"sim-{a.scenario}", doc)
 
 
 if __name__ == "__main__":
