@@ -310,15 +310,16 @@ def _candidates(partition: str, world: SpareWorld, held: frozenset[str]) -> list
 
 def _usable(spare: Spare, pool: SparePool, world: SpareWorld, now: float) -> bool:
     info = world.nodes.get(spare.node)
-    return (spare.validated_at is not None and spare.node not in world.failed and spare.node not in world.validating and now - spare.validated_at <= pool.validated_within_h * 3600
+    return (spare.validated_at is not None and now - spare.validated_at <= pool.validated_within_h * 3600
+            and spare.node not in world.failed and spare.node not in world.validating
             and not fit(spare.node, world) and info is not None and info.state == "idle")
 
 
 def release_for(removed: str, incident: str, pools: Mapping[str, SparePool], world: SpareWorld, now: float,
                 taken: frozenset[str] = frozenset()) -> Decision | None:
     """The spare to release because healthd removes `removed` (under `incident`): same leaf switch,
-    else same rack group, else any (`placement: nearest`); a `none` decision saying why when the partition has a pool but no such spare.
-    None when no partition of `removed` has a pool. `taken`: spares released earlier in the round."""
+    else same rack group, else any (`placement: nearest`); a `none` decision saying why when the
+    partition has a pool but no such spare. None when no partition of `removed` has a pool. `taken`: spares released earlier in the round."""
     parts = [p for p in world.partitions_of(removed) if p in pools]
     if not parts:
         return None

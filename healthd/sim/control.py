@@ -23,7 +23,9 @@ person records the repair of a node healthd holds when it comes back (`healthctl
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import yaml
@@ -74,7 +76,6 @@ class ControllerSeam:
                                  catalog=catalog_of(scenario.healthd.catalog) if scenario.healthd.catalog else None)
         self._tally = Tally()
         self._seen: set[int] = set()
-        self._spare_actions: set[int] = set()
         self._would: set[tuple[str, str, str]] = set()
         self._in_service: set[str] = set()
         self._work: dict[str, str] = {}
@@ -104,12 +105,11 @@ class ControllerSeam:
             d = self._next_deadline()
             if d is None or d >= t:
                 break
-            self._t = max(self._t, d)
-            self._approve_due()
-            self._read_rings()
-            self._reset_due()
-            self._count(self.sim.round(self._t))
-            self._hold()
+            self._step(d)
+        self._step(t)
+
+    def _step(self, t: float) -> None:
+        """One round at `t`, after what people and the agents' rings do by then."""
         self._t = max(self._t, t)
         self._approve_due()
         self._read_rings()
@@ -299,11 +299,8 @@ class ControllerSeam:
 
     def tally(self) -> Tally:
         # the spare step's writes are not among the round's policy outcomes: read them from the ledger
-        for a in self.sim.ledger.actions():
-            if a.kind in SPARE_KINDS and a.status == "applied" and a.id not in self._spare_actions:
-                self._spare_actions.add(a.id)
-                self._tally.taken[a.kind] += 1
-        return self._tally
+        done = Counter(a.kind for a in self.sim.ledger.actions(status="applied") if a.kind in SPARE_KINDS)
+        return dataclasses.replace(self._tally, taken=self._tally.taken + done)
 
     def close(self) -> None:
         self.sim.close()

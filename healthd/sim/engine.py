@@ -137,9 +137,8 @@ class Engine:
         self._repair_rngs: dict[str, object] = {}
         self._burst_rng = stream(seed, "burst-nodes")
         self._work_rngs: dict[str, object] = {}
-        self._work: dict[str, tuple[float, int]] = {}
-        """Nodes running another user's job: node -> (when it started, its number)."""
-        self._work_seq = itertools.count()
+        self._work: dict[str, float] = {}
+        """Nodes running another user's job: node -> when it started."""
         self._other_gpu_s = 0.0
         self._gpu_rng = stream(seed, "gpu")
         self._ran = False
@@ -181,20 +180,15 @@ class Engine:
             return
         for n in sorted(self.spares):
             if n not in self._work and self.rem.usable(n) and self.rem.work_started(self.now, n):
-                k = next(self._work_seq)
-                self._work[n] = (self.now, k)
+                self._work[n] = self.now
                 rng = self._work_rngs.get(n)
                 if rng is None:
                     rng = self._work_rngs[n] = stream(self.seed, "other-work", n)
                 self._at(self.now + rng.expovariate(1 / (self.s.fleet.other_work_hours * 3600)),  # type: ignore[attr-defined]
-                         self._work_done, n, k)
+                         self._work_done, n)
 
-    def _work_done(self, node: str, k: int) -> None:
-        started = self._work.get(node)
-        if started is None or started[1] != k:
-            return
-        del self._work[node]
-        self._other_gpu_s += (self.now - started[0]) * self.s.job.gpus_per_node
+    def _work_done(self, node: str) -> None:
+        self._other_gpu_s += (self.now - self._work.pop(node)) * self.s.job.gpus_per_node
         self.rem.work_ended(self.now, node)
         self.rem.poll(self.now)  # healthd may take the free node as a hot spare
         if self.job.phase == WAIT:
@@ -439,7 +433,7 @@ class Engine:
                 if other:
                     self._settle()
             self.now = self.horizon
-            for started, _ in self._work.values():
+            for started in self._work.values():
                 self._other_gpu_s += (self.horizon - started) * self.s.job.gpus_per_node
             self.job.finish(self.horizon, self._state)
             tally = self.rem.tally()
