@@ -33,7 +33,7 @@ from healthd import goodput, goodput_report
 from healthd.config import ConfigError
 from healthd.controller import goodput_ledger
 from healthd.controller.goodput_gather import job_parts, read_parts
-from healthd.controller.goodput_jobs import GATHERED_NAME, UNKNOWN
+from healthd.controller.goodput_jobs import GATHERED_NAME, UNKNOWN, GoodputSettings
 from healthd.goodput_categories import CATEGORIES
 from healthd.controller.admin import OPERATOR_MODE, AdminUnreachable, call_admin
 from healthd.controller.ledger.accounted import ACCOUNTED_NAME, recorded_jobs
@@ -516,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --job: the job's runs from Slurm's accounting (sacct, where the site runs slurmdbd; "
                         "slurm.conf from the controller's config), as the controller accounts them")
     s = sub.add_parser("what-if", help="what another mode or setting would have done with what the controller saw "
-                       "(its history and ledger, replayed by healthd-sim replay)")
+                       "(its history and ledger, replayed by healthd-sim replay; each drain that differs "
+                       "measured in the jobs' gathered goodput logs)")
     s.add_argument("--since", default="30d", metavar="T", help="from (RFC 3339, or 7d / 12h ago; default 30d)")
     s.add_argument("--until", default=None, metavar="T", help="to (default: now)")
     s.add_argument("--mode", choices=("observe", "supervised", "auto"), default="auto", help="default auto")
@@ -934,12 +935,16 @@ def _what_if(args: argparse.Namespace) -> int:
     --mode and --set on top. The replay runs the controller's round in a process of its own (the
     simulator is not part of the controller); its output and exit status are healthctl's."""
     config = args.config or (CONTROLLER_CONFIG_PATH if os.path.exists(CONTROLLER_CONFIG_PATH) else None)
+    live = load_controller_settings(config) if config else None
     history = args.history
     if history is None:
-        keep = load_controller_settings(config).history if config else HistorySettings()
-        history = str(keep.file(args.ledger))
+        history = str((live.history if live else HistorySettings()).file(args.ledger))
     argv = [sys.executable, "-m", "healthd.sim.replay", "--history", history, "--ledger", args.ledger,
             "--mode", args.mode, "--since", args.since, "--format", "json" if args.json else "table"]
+    # the jobs' gathered goodput logs, where the controller keeps them, for the measured figures
+    gathered = (live.goodput if live else GoodputSettings()).at(args.ledger)
+    if gathered is not None and gathered.directory and os.path.isdir(gathered.directory):
+        argv += ["--goodput", gathered.directory]
     if config:
         argv += ["--config", config]
     if args.until:

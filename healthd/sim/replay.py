@@ -24,6 +24,16 @@ Measured and modelled, said in every result:
   are not in the record, so no requeue finds a job to requeue). The time gained or lost is the
   difference between the candidate's write and the recorded one (by healthd or by hand); GPU time
   is that difference times the node's GPUs, a model figure, labelled as such.
+* measured from the jobs' goodput logs, where they are given (`--goodput`, the controller's
+  goodput.directory): for a drain the candidate makes before the record does (or that the record
+  never makes: then up to the node's next recorded drain or down, else the replay's end), the
+  GPU-seconds that the jobs whose runs held the node spent in that window, by category of their own
+  accounts (healthd.goodput): productive, the work an earlier drain would have interrupted, and the
+  rest, already lost, at best what it could have saved. For a recorded drain the candidate would not
+  make (or makes later), the interruption cost it caused the jobs (their incident charged to the
+  node at the drain's time, from the ledger's requeues): what the candidate would have avoided if
+  the drain was a false positive. Where no job's log covers the node, the result says so. What a
+  job would have done after a drain it did not get is not measured anywhere.
 """
 
 from __future__ import annotations
@@ -42,11 +52,16 @@ from typing import Any
 
 import yaml
 
+from healthd import goodput
 from healthd.config import ConfigError, read_config_text, yaml_mapping
+from healthd.controller import goodput_ledger
 from healthd.controller.config import ControllerSettings, parse_controller_settings
+from healthd.controller.goodput_gather import job_parts
+from healthd.controller.goodput_jobs import MAX_LOG_BYTES
 from healthd.controller.history import History, HistoryError, Span
 from healthd.controller.ledger import Ledger, LedgerError
 from healthd.controller.policy import NodeReport
+from healthd.goodput_events import LOG_SUFFIX
 from healthd.reason import is_healthd_reason
 from healthd.sim.fleet import Outcome, SimController
 from healthd.sim.slurm import SimSlurm
@@ -76,6 +91,47 @@ class Recorded:
     reason: str = ""
 
 
+DRAINS = frozenset({"drain", "drain-and-requeue", "reboot-asap"})
+"""Decision kinds that take a node out of scheduling: their goodput effect is looked up in the jobs'
+logs."""
+INTERRUPTS = DRAINS | {"requeue"}
+"""Recorded writes whose interruption of a job its log can show (an `interrupt` on the node)."""
+
+
+@dataclass(frozen=True)
+class JobsEffect:
+    """Measured, from the jobs' own goodput logs: what the jobs on a node did while a drain that differs
+    was or was not in place. Either the window of a candidate's earlier drain, or the interruption a
+    recorded drain caused."""
+
+    window: tuple[float, float] | None = None
+    """From the candidate's drain to the recorded one (by healthd or by hand), or, with none recorded,
+    to the node's next recorded drain or down, else the replay's end. None for a recorded drain the
+    candidate would not make, or makes later."""
+    gpu_h: Mapping[str, float] = field(default_factory=dict)
+    """Category -> GPU-hours that the jobs whose runs held the node spent in the window, with all of
+    their GPUs (a synchronous job stops whole when one of its nodes goes)."""
+    productive_gpu_h: float | None = None
+    """Of gpu_h, the productive time: the work an earlier drain would have interrupted (a drain with a
+    requeue at once; a plain drain lets a running job go on)."""
+    unproductive_gpu_h: float | None = None
+    """Of gpu_h, every other category (lost work, detection, waiting, straggler, checkpoint, ...): the
+    time already lost, at best what an earlier drain could have saved."""
+    interruption_gpu_h: Mapping[str, float] = field(default_factory=dict)
+    """Category -> GPU-hours: the interruption cost of each job's incident the recorded drain caused
+    (the job's `interrupt` on the node, from the ledger's requeues), all of it `false_positive` when
+    its action was judged wrong. What the candidate would have avoided if the drain was a false
+    positive."""
+    jobs: tuple[str, ...] = ()
+    """The jobs measured."""
+    incidents: tuple[str, ...] = ()
+    """The incidents whose interruption cost is in interruption_gpu_h."""
+    partial: bool = False
+    """A job measured has a partial account (a log that could not be read whole)."""
+    note: str = ""
+    """What was measured, or why nothing was."""
+
+
 @dataclass(frozen=True)
 class Difference:
     """A decision whose outcome under the candidate differs from the record."""
@@ -94,6 +150,9 @@ class Difference:
     """Measured: how much earlier (positive) or later the candidate's write is than the recorded one."""
     gpu_hours: float | None = None
     """Modelled: earlier_s times the node's GPUs, in GPU-hours (None when there is no recorded write)."""
+    jobs: JobsEffect | None = None
+    """Measured, from the jobs' goodput logs: what the node's jobs did while the difference lasted
+    (None: not a drain, or the jobs' logs were not given)."""
 
 
 @dataclass(frozen=True)
@@ -214,9 +273,10 @@ def _as_of(span: Span, now: float) -> NodeReport:
 
 def replay(history: History, settings: ControllerSettings, *, recorded: Ledger | None = None,
            start: float | None = None, end: float | None = None, tick_s: float = 60.0,
-           topology_text: str = "") -> ReplayResult:
+           topology_text: str = "", jobs: JobLogs | None = None) -> ReplayResult:
     """Run the record in `history` (and `recorded`, the real controller's ledger) again under
-    `settings`; see the module docstring."""
+    `settings`, with each drain that differs looked up in the jobs' goodput logs (`jobs`, None: not
+    given); see the module docstring."""
     span = history.span()
     if span is None:
         raise ReplayError(f"{history.path}: nothing kept")
@@ -267,20 +327,39 @@ def replay(history: History, settings: ControllerSettings, *, recorded: Ledger |
 
     decided = recorded_decisions(recorded, start, end)
     by_hand = changes_by_hand(nodes)
+    diffs = differences(outcomes, decided, by_hand, slurm.gpus)
+    if jobs is not None and jobs.read:
+        stops: dict[str, list[float]] = defaultdict(list)
+        for r in [*decided, *by_hand]:
+            if r.kind in ("drain-by-hand", "down") or r.kind in DRAINS and r.outcome == "allowed":
+                stops[r.node].append(r.at)
+        effects = jobs_effects(diffs, jobs.records, stops, end)
+        diffs = [dataclasses.replace(d, jobs=e) for d, e in zip(diffs, effects, strict=True)]
     return ReplayResult(start=start, end=end, rounds=rounds, mode=settings.policy.mode,
-                        differences=tuple(differences(outcomes, decided, by_hand, slurm.gpus)),
+                        differences=tuple(diffs),
                         candidate=_count(status for _, _, status in
                                          {(o.node, o.kind, _candidate_status(o)) for _, o in outcomes if o.kind != "none"}),
                         recorded=_count([f"{r.outcome}" + (f" by {r.gate}" if r.gate else "") for r in decided]
                                         + [r.kind for r in by_hand]),
-                        notes=_notes(recorded, by_hand))
+                        notes=_notes(recorded, jobs))
 
 
-def _notes(recorded: Ledger | None, by_hand: Sequence[Recorded]) -> tuple[str, ...]:
+def _notes(recorded: Ledger | None, jobs: JobLogs | None) -> tuple[str, ...]:
     notes = ["measured: the recorded reports, Slurm's entries, decisions and changes by hand, and the times "
              "the candidate's round would have acted on them",
              "modelled: what the candidate's own writes changed afterwards (the record goes on as it was); "
-             "GPU-hours are the time difference times the node's GPUs"]
+             "GPU-H (model) is the time difference times the node's GPUs"]
+    if jobs is None:
+        notes.append("the jobs' goodput logs were not given (--goodput DIR): no goodput figure is measured")
+    elif jobs.read:
+        notes.append(f"measured, from the jobs' goodput logs in {jobs.source} ({len(jobs.records)} job(s)): for a "
+                     "drain the candidate makes earlier, the GPU-hours that the jobs on the node spent until the "
+                     "recorded drain (with none: the node's next recorded drain or down, else the replay's end), "
+                     "productive (what an earlier drain would have interrupted) and unproductive (what it could "
+                     "at best have saved); for a recorded drain the candidate would not make (or makes later), "
+                     "the interruption cost it caused the jobs; what a job would have done after a drain it did "
+                     "not get is not measured")
+    notes += jobs.notes if jobs is not None else ()
     if recorded is None:
         notes.append("no ledger given: healthd's recorded decisions are not compared, only changes by hand")
     return tuple(notes)
@@ -375,6 +454,198 @@ def _gpu_h(earlier_s: float, gpus: int) -> float | None:
     return round(earlier_s * gpus / 3600.0, 3) if gpus else None
 
 
+# --------------------------------------------------------------------------- the jobs' goodput logs
+
+
+NOT_A_NODE = frozenset({"", "ledger", "accounting"})
+"""Parts of a job's log that no node wrote (the controller's own part starts with `_`)."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One job as its own goodput log has it, read once for every difference."""
+
+    job: str
+    runs: tuple[tuple[float, float, int, frozenset[str]], ...]
+    """(start, end, GPUs, the nodes the log says it held) of each run, in order."""
+    account: goodput.Account
+    interrupts: tuple[tuple[float, str, str], ...] = ()
+    """(time, node, incident) of each `interrupt` record: an action healthd applied to the job."""
+
+    @classmethod
+    def of(cls, job: str, log: goodput.Log, now: float | None = None) -> JobRecord:
+        """The record of `log` (accounted at `now`, as healthd.goodput.account takes it)."""
+        runs, _ = goodput.runs_of(log, now)
+        interrupts = tuple((e.time, str(e.data["node"]), str(e.data.get("incident"))) for r in runs for e in r.events
+                           if e.kind == "interrupt" and isinstance(e.data.get("node"), str))
+        return cls(job, tuple((r.start, r.end, r.gpus, run_nodes(r)) for r in runs), goodput.account(log, now),
+                   interrupts)
+
+
+def run_nodes(run: goodput.Run) -> frozenset[str]:
+    """The nodes a run's log says it held: its allocation record's `nodes`, the controller's `ranks`
+    record, the node whose part of the gathered log holds its lines (rank 0's), and the node an
+    interrupt or a straggler record names."""
+    out: set[str] = set()
+    for e in run.events:
+        if e.part not in NOT_A_NODE and not e.part.startswith("_"):
+            out.add(e.part)
+        if e.kind == "allocation" and isinstance(e.data.get("nodes"), list):
+            out.update(n for n in e.data["nodes"] if isinstance(n, str))
+        elif e.kind == "ranks" and isinstance(e.data.get("ranks"), list):
+            out.update(r["node"] for r in e.data["ranks"] if isinstance(r, dict) and isinstance(r.get("node"), str))
+        elif e.kind in ("interrupt", "straggler") and isinstance(e.data.get("node"), str):
+            out.add(e.data["node"])
+    return frozenset(out)
+
+
+def window_gpu_s(record: JobRecord, node: str, start: float, end: float) -> dict[str, float] | None:
+    """Category -> GPU-seconds of the job's runs that held `node`, inside [start, end], from its own
+    account's timeline; None when no run of it held the node then."""
+    held = [(max(a, start), min(b, end), gpus) for a, b, gpus, nodes in record.runs
+            if node in nodes and min(b, end) > max(a, start)]
+    if not held:
+        return None
+    out: dict[str, float] = defaultdict(float)
+    for lo, hi, gpus in held:
+        for a, b, category in record.account.timeline:
+            inside = min(b, hi) - max(a, lo)
+            if inside > 0:
+                out[category] += inside * gpus
+    return dict(out)
+
+
+def _hours(gpu_s: Mapping[str, float]) -> dict[str, float]:
+    return {c: round(v / 3600.0, 6) for c, v in sorted(gpu_s.items()) if v > 0}
+
+
+def _window_effect(node: str, start: float, end: float, records: Sequence[JobRecord]) -> JobsEffect:
+    total: dict[str, float] = defaultdict(float)
+    jobs, partial = [], False
+    for rec in records:
+        got = window_gpu_s(rec, node, start, end)
+        if got is None:
+            continue
+        jobs.append(rec.job)
+        partial = partial or rec.account.partial
+        for c, v in got.items():
+            total[c] += v
+    if not jobs:
+        return JobsEffect(window=(start, end), note=f"no job's log covers {node} in the window")
+    productive = total.get("productive", 0.0)
+    unproductive = sum(v for c, v in total.items() if c != "productive")
+    return JobsEffect(window=(start, end), gpu_h=_hours(total), productive_gpu_h=round(productive / 3600.0, 6),
+                      unproductive_gpu_h=round(unproductive / 3600.0, 6), jobs=tuple(jobs), partial=partial,
+                      note=f"measured: {len(jobs)} job(s) on {node} in the window")
+
+
+def _interruption_effect(node: str, at: float, records: Sequence[JobRecord]) -> JobsEffect:
+    total: dict[str, float] = defaultdict(float)
+    jobs, incidents, partial = [], [], False
+    for rec in records:
+        keys = {key for t, n, key in rec.interrupts if n == node and at - 1.0 <= t <= at + MATCH_S}
+        found = [i for i in rec.account.incidents if i.incident in keys]
+        if not found:
+            continue
+        jobs.append(rec.job)
+        partial = partial or rec.account.partial
+        for inc in found:
+            incidents.append(inc.incident)
+            for c, v in inc.gpu_s.items():
+                total[c] += v
+    if not jobs:
+        return JobsEffect(note=f"no job's log has an interruption on {node} at the recorded drain (one is named "
+                               "by node where the ledger's requeues are joined to the job's log)")
+    return JobsEffect(interruption_gpu_h=_hours(total), jobs=tuple(jobs), incidents=tuple(incidents), partial=partial,
+                      note=f"measured: the interruption the recorded drain caused to {len(jobs)} job(s)")
+
+
+def jobs_effects(diffs: Sequence[Difference], records: Sequence[JobRecord], stops: Mapping[str, Sequence[float]],
+                 end: float) -> tuple[JobsEffect | None, ...]:
+    """For each difference, what the jobs' logs measured (None: not a drain, or the candidate's drain
+    was refused or is the same as the record's). A candidate's drain before the recorded one (or with
+    none recorded): the window from it to the recorded one, else to the node's next time in `stops`
+    (its recorded drains and downs), else `end`. A recorded drain the candidate would not make, or
+    makes later: the interruption it caused. Pure."""
+    out: list[JobsEffect | None] = []
+    for d in diffs:
+        applied = d.candidate == "applied" and d.candidate_at is not None
+        recorded_write = d.recorded_at is not None and d.earlier_s is not None
+        if d.kind in DRAINS and applied and (d.earlier_s is None or d.earlier_s > 0):
+            at = d.candidate_at
+            assert at is not None
+            until = d.recorded_at if recorded_write and d.recorded_at is not None else \
+                min([t for t in stops.get(d.node, ()) if t > at], default=end)
+            out.append(_window_effect(d.node, at, until, records))
+        elif d.kind in INTERRUPTS and d.recorded_at is not None and \
+                (d.recorded == "healthd applied it" or recorded_write and (d.earlier_s or 0.0) < 0):
+            out.append(_interruption_effect(d.node, d.recorded_at, records))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class JobLogs:
+    """The jobs' goodput logs as read for a replay (the edge: healthd.sim.replay.read_job_logs)."""
+
+    source: str
+    """The directory they were read from."""
+    records: tuple[JobRecord, ...] = ()
+    notes: tuple[str, ...] = ()
+    """What could not be read, and the logs that are partial."""
+    read: bool = True
+    """False: the directory itself could not be read, so nothing is measured."""
+
+
+MAX_NOTED = 8
+"""Notes about single jobs' logs kept in a result; the rest are counted."""
+
+
+def read_job_logs(directory: str, *, ledger: str | None = None, since: float | None = None) -> JobLogs:
+    """Every job's gathered log under `directory` (`<job>/<node>.jsonl`, the controller's
+    goodput.directory, or a node's own `<job>.jsonl`) whose newest part was written at or after
+    `since`, with the ledger's requeues and their incidents joined where `ledger` can be read. A
+    directory, a job or a part that cannot be read is a note, never an exception."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as exc:
+        return JobLogs(directory, notes=(f"{directory}: the jobs' goodput logs not read: {exc.strerror or exc}",),
+                       read=False)
+    requeues = goodput_ledger.ledger_requeues(ledger) if ledger else None
+    records: list[JobRecord] = []
+    notes: list[str] = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                job, paths = name, job_parts(path)
+            elif name.endswith(LOG_SUFFIX) and os.path.isfile(path):
+                job, paths = name.removesuffix(LOG_SUFFIX), [path]
+            else:
+                continue
+            if not paths or (since is not None and max(os.stat(p).st_mtime for p in paths) < since):
+                continue
+            parts = []
+            for p in paths:
+                with open(p, "rb") as f:
+                    text = f.read(MAX_LOG_BYTES).decode("utf-8", errors="replace")
+                part = os.path.basename(p).removesuffix(LOG_SUFFIX) if p != path else ""
+                parts.append((part, goodput.parse_log(text, job, part)))
+            log, _ = goodput_ledger.joined(goodput.merge(parts), requeues)
+            rec = JobRecord.of(job, log)
+        except (OSError, ValueError) as exc:
+            notes.append(f"job {name}: its goodput log not read: {getattr(exc, 'strerror', None) or exc}")
+            continue
+        if rec.account.partial:
+            notes.append(f"job {job}: its goodput log is partial ({rec.account.problems[0]})")
+        if rec.runs:
+            records.append(rec)
+    if len(notes) > MAX_NOTED:
+        notes = [*notes[:MAX_NOTED], f"and {len(notes) - MAX_NOTED} more job(s) with a log not read whole"]
+    return JobLogs(directory, tuple(records), tuple(notes))
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -427,18 +698,51 @@ def table(result: ReplayResult) -> list[str]:
     if not result.differences:
         lines.append("no decision differs from the record")
     else:
-        rows = [("NODE", "DECISION", "CANDIDATE", "AT", "RECORD", "AT", "EARLIER", "GPU-H (model)")]
+        rows = [("NODE", "DECISION", "CANDIDATE", "AT", "RECORD", "AT", "EARLIER", "GPU-H (model)",
+                 "JOBS GPU-H (measured) productive/unproductive")]
         for d in result.differences:
             rows.append((d.node, d.kind, d.candidate, stamp(d.candidate_at) if d.candidate_at else "-",
                          d.recorded, stamp(d.recorded_at) if d.recorded_at else "-",
                          f"{d.earlier_s / 60:+.0f} min" if d.earlier_s is not None else "-",
-                         f"{d.gpu_hours:+.1f}" if d.gpu_hours is not None else "-"))
+                         f"{d.gpu_hours:+.1f}" if d.gpu_hours is not None else "-", _measured(d.jobs)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         lines.append("evidence:")
         lines += [f"  {d.node} {d.kind}: {'; '.join(d.evidence[:2]) or '-'}" for d in result.differences]
+        measured = [d for d in result.differences if d.jobs is not None]
+        if measured:
+            lines.append("measured in the jobs' goodput logs (GPU-hours):")
+            lines += [f"  {d.node} {d.kind}: {_detail(d.jobs)}" for d in measured if d.jobs is not None]
     lines += [f"note: {n}" for n in result.notes]
     return lines
+
+
+def _measured(e: JobsEffect | None) -> str:
+    """A difference's measured cell."""
+    if e is None:
+        return "-"
+    partial = " (partial)" if e.partial else ""
+    if e.productive_gpu_h is not None and e.unproductive_gpu_h is not None:
+        return f"{_h(e.productive_gpu_h)}/{_h(e.unproductive_gpu_h)}{partial}"
+    if e.interruption_gpu_h:
+        wrong = " (false positive)" if "false_positive" in e.interruption_gpu_h else ""
+        return f"interruption {_h(sum(e.interruption_gpu_h.values()))}{wrong}{partial}"
+    return "no job's log covers it"
+
+
+def _h(gpu_h: float) -> str:
+    """GPU-hours to two decimals, or four where two would show a small figure as none."""
+    return f"{gpu_h:.2f}" if gpu_h == 0 or abs(gpu_h) >= 0.1 else f"{gpu_h:.4f}"
+
+
+def _detail(e: JobsEffect) -> str:
+    where = f"{stamp(e.window[0])} .. {stamp(e.window[1])}, " if e.window is not None else ""
+    figures = e.gpu_h or e.interruption_gpu_h
+    what = ", ".join(f"{c} {_h(v)}" for c, v in figures.items())
+    if not e.jobs:
+        return f"{where}{e.note}"
+    held = f"incident(s) {', '.join(e.incidents)}: " if e.incidents else ""
+    return f"{where}job(s) {', '.join(e.jobs)}: {held}{what or 'nothing held'}{' (partial)' if e.partial else ''}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -454,6 +758,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--since", type=_when, default=None, help="from (RFC 3339, or 7d / 12h ago)")
     ap.add_argument("--until", type=_when, default=None, help="to (default: the end of the record)")
     ap.add_argument("--tick", type=float, default=60.0, help="seconds between rounds when nothing changes (default 60)")
+    ap.add_argument("--goodput", default=None, metavar="DIR", help="the jobs' gathered goodput logs "
+                    "(goodput.directory), to measure what the node's jobs did in each drain that differs "
+                    "(default: not given, nothing measured)")
     ap.add_argument("--format", choices=("table", "json"), default="table")
     args = ap.parse_args(argv)
     try:
@@ -462,8 +769,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ReplayError(f"{args.history}: no history there (history.enabled, beside the ledger)")
         history = History(args.history, readonly=True)
         ledger = Ledger.open_readonly(args.ledger) if args.ledger else None
+        jobs = read_job_logs(args.goodput, ledger=args.ledger, since=args.since) if args.goodput else None
         try:
-            result = replay(history, settings, recorded=ledger, start=args.since, end=args.until, tick_s=args.tick)
+            result = replay(history, settings, recorded=ledger, start=args.since, end=args.until, tick_s=args.tick,
+                            jobs=jobs)
         finally:
             history.close()
             if ledger is not None:
