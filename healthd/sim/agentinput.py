@@ -24,16 +24,15 @@ At each `feed` the node's rings (`rank-<rank>.ring` in the job's directory under
 hooks.run_dir/inband, in the layout healthd.inband_layout takes from the job's client) get the steps
 taken since the last feed, on the simulator's clock, and the agent's own in-band reader and detector
 (healthd.agent.inband_jobs, healthd.progress) read them; `JobEnded` is the epilog: the directory goes.
-A ring holds the newest `RING_CAPACITY` steps, which covers what the detector keeps of a rank (its
-first windows and its newest `history_windows`); what happened before the first feed of a run is not
-written. Nothing here decides what a step time means.
+A ring holds the newest `RING_CAPACITY` steps, at least what the agent's reader keeps of a rank
+(`history_windows` + 2 windows of steps; its first windows are the first it reads); what happened
+before that at the first feed of a run is not written. Nothing here decides what a step time means.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import random
@@ -159,9 +158,10 @@ class JobEnded:
 
 AgentInput = KernelLines | NvmlReading | JobRanks | JobEnded
 
-RING_CAPACITY = 512
-"""Records per simulated ring: at 25 steps a window, the detector's first 3 and newest 8 windows with
-room to spare (the job's client defaults to 8192)."""
+RING_CAPACITY = 256
+"""Records per simulated ring: at 25 steps a window, the 10 windows (250 steps) the agent's reader keeps
+of a rank with the default `history_windows` (8), and no more: every record written is read and parsed,
+and a hang's first feed fills the ring (the job's client defaults to 8192)."""
 MONO0 = 1_000_000.0
 """CLOCK_MONOTONIC (s) at the agent's clock's 0 (its clock is wall time: Unix seconds in the
 simulator): one clock, as the ring's two stamps are."""
@@ -230,13 +230,14 @@ class _Rings:
         # one noise stream per rank and write (each step is written once, at a time the run's seed fixes)
         noise_of = [random.Random(ranks.seed * 1_000_003 + (ranks.first_rank + gpu) * 7_919 + first * 104_729)
                     for gpu in range(len(self.data))]
-        for step in range(first, done):
-            at, dur, factor = _step_at(segments, step)
-            start = at - dur
-            for gpu, buf in enumerate(self.data):
-                own = max((s.factor for s in ranks.slowdowns if s.gpu == gpu and s.since <= start), default=1.0)
-                noise = min(1.1, max(0.9, noise_of[gpu].lognormvariate(0, NOISE)))
-                compute = ranks.step_s * COMPUTE_SHARE * own * noise
+        steps = [(step, *_step_at(segments, step)) for step in range(first, done)]
+        healthy = ranks.step_s * COMPUTE_SHARE
+        for gpu, buf in enumerate(self.data):
+            own_slow = [(s.since, s.factor) for s in ranks.slowdowns if s.gpu == gpu]
+            lognormal = noise_of[gpu].lognormvariate
+            for step, at, dur, _factor in steps:
+                own = max((f for since, f in own_slow if since <= at - dur), default=1.0) if own_slow else 1.0
+                compute = healthy * own * min(1.1, max(0.9, lognormal(0, NOISE)))
                 dur_ns = int(dur * 1e9)
                 seq = step + 1
                 RECORD.pack_into(buf, HEADER.size + (step % RING_CAPACITY) * RECORD.size, seq, STEP, 0, 0, step,
@@ -363,6 +364,8 @@ class SimAgent:
         self.nvml = _Nvml(gpus)
         self.run_dir = run_dir or tempfile.gettempdir()
         self._hooks_dir: str | None = None
+        self.trimmed = ""
+        """What fit_report left out of the latest document ("": nothing, it passed the schema's checks)."""
         self.rings: _Rings | None = None
         """The rings of the job's ranks on this node (None: no job writes any)."""
         self.agent = Agent(agent_settings(node, gpus, self.run_dir), catalog or load_catalog(),
@@ -376,7 +379,9 @@ class SimAgent:
 
     def feed(self, inputs: Iterable[AgentInput], now: float) -> dict[str, Any]:
         """One agent tick at `now` with `inputs` (none: a tick on what the node shows already, as the
-        agent's periodic pass); the state document as the reporter sends it."""
+        agent's periodic pass); the state document as the reporter sends it (fitted to the
+        controller's limits by report_schema.fit_report, which checks it against the schema the
+        intake checks; `trimmed` says what it left out, "" when nothing: the document passed)."""
         self.now = float(now)
         for item in inputs:
             if isinstance(item, KernelLines):
@@ -393,7 +398,8 @@ class SimAgent:
         if self.rings is not None:
             self.rings.write(self.rings.ranks, self.now)
         self.agent.tick()
-        return json.loads(json.dumps(fit_report(self.agent.document())[0]))
+        doc, self.trimmed = fit_report(self.agent.document())
+        return doc
 
     def _inband_root(self) -> str:
         """The agent's own hooks directory (made at the first ring: agents of one simulation share

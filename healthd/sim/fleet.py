@@ -8,8 +8,10 @@ runs (reconcile, in-band, incidents, decide, gate, act, reintegrate, observe), a
 read from what that round returned and what it recorded in the ledger.
 
 Reports come from the agent's own code (healthd.sim.agentinput.SimAgent): `report(node, inputs, now)`
-runs a node's agent on the input, and its state document is checked and converted exactly as the
-controller's intake does (NodeReport.from_document runs the report schema's checks). Every node
+runs a node's agent on the input, and its state document, fitted by the agent's reporter step
+(report_schema.fit_report, which runs the report schema's checks), is converted as the controller's
+intake converts it (NodeReport.from_document; its checks run again only on a document the agent had
+to trim: the same checks already passed on any other). Every node
 starts with the report a real agent on a healthy node sends; an agent re-ticks every `agent_tick_s`
 while it holds findings (so a finding's expiry reaches the controller as it would, at most that late),
 and every live node's report is as fresh as its heartbeat (`heartbeat_s`) makes it. A node whose agent
@@ -202,7 +204,12 @@ class SimController:
         (checked by the report schema as the intake checks it)."""
         doc = self.agent(node).feed(tuple(inputs), now)
         self.silent.discard(node)
-        return self._store(node, NodeReport.from_document(doc, now))
+        return self._store(node, self._received(node, doc, now))
+
+    def _received(self, node: str, doc: dict[str, Any], now: float) -> NodeReport:
+        """The report as the intake converts it; checked again only when the agent had to trim it (an
+        untrimmed document passed the same schema's checks in the agent's fit_report)."""
+        return NodeReport.from_document(doc, now, checked=not self.agents[node].trimmed)
 
     def _store(self, node: str, report: NodeReport) -> NodeReport:
         if self.agents[node].findings:
@@ -228,7 +235,7 @@ class SimController:
         latest heartbeat."""
         for node, at in list(self._ticked.items()):
             if now - at >= self.agent_tick_s and node not in self.silent:
-                self._store(node, NodeReport.from_document(self.agents[node].feed((), now), now))
+                self._store(node, self._received(node, self.agents[node].feed((), now), now))
         if now - self._fresh_at < self.heartbeat_s:
             return
         with self.controller.reports_lock:
