@@ -21,7 +21,7 @@ have landed, the reconciler compares the ledger with what Slurm shows and conver
 Cost per round: the held nodes are compared with the fleet view the round already read (no extra
 Slurm call); only a mismatch is re-read (at most `max_rereads` nodes per round), slurmctld's start
 time is read only when a held write is gone, jobs are listed only on held nodes still running jobs,
-and verification times are written at most every `verify_every_s`.
+and verification times are written at most every `verify_every_s`, only those that moved since.
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ class Reconciler:
         self.verify_every_s = verify_every_s
         self._seen: dict[str, float] = {}
         """node -> when its hold was last seen in force (written to the ledger lazily)."""
+        self._written: dict[str, float] = {}
+        """node -> the time of `_seen` the ledger holds already (a flush writes only what moved)."""
         self._flushed_at = 0.0
 
     # -- entry points --------------------------------------------------------------------------------
@@ -203,7 +205,11 @@ class Reconciler:
         # period: a hold seen in a view read before slurmctld was killed and restored from an older
         # state save was not seen after the restart, and its write is lost, not released
         seen_at = now if view.read_at is None else min(now, view.read_at)
-        for node, hold in self.ledger.holds().items():
+        holds = self.ledger.holds()
+        for node in [n for n in self._seen if n not in holds]:  # a hold ended by a resume or a hand-over
+            del self._seen[node]
+            self._written.pop(node, None)
+        for node, hold in holds.items():
             if not hold.confirmed and view.read_at is not None and hold.planned_at > view.read_at:
                 continue  # written after the view was read: confirmed by the next read, not re-read now
             info = view.cached(node)
@@ -252,6 +258,7 @@ class Reconciler:
     def _end(self, hold: Hold, verdict: str, detail: str, now: float) -> Change:
         self.ledger.mark_ended(hold.action_id, verdict, detail, at=now)
         self._seen.pop(hold.node, None)
+        self._written.pop(hold.node, None)
         if hold.incident_id is not None:
             incident = self.ledger.incident(hold.incident_id)
             if verdict == "released" and incident is not None and incident.status in ("open", "validation-failed",
@@ -277,8 +284,11 @@ class Reconciler:
     def _flush(self, now: float) -> None:
         if not self._seen or now - self._flushed_at < self.verify_every_s:
             return
+        # a hold not seen again since the last flush would be written with the time it has already
+        moved = {n: t for n, t in self._seen.items() if self._written.get(n, float("-inf")) < t}
         try:
-            self.ledger.verify_holds(self._seen)
+            self.ledger.verify_holds(moved)
+            self._written.update(moved)
             self._flushed_at = now
         except Exception as exc:  # bookkeeping: a busy ledger waits for the next flush
             _log.warning("reconcile: cannot record verification times: %s", exc)

@@ -236,6 +236,33 @@ def test_the_ledger_records_when_the_view_showing_a_hold_was_read_not_when_the_r
     assert whats(rec.round(dict(rig.be.state), rig.clock(), "auto", read_at=rig.clock.t)) == [("node02", "lost")]
 
 
+def test_a_flush_writes_only_the_verification_times_that_moved(rig):
+    """Rounds reading the same view write nothing after the first flush; a later view is written once;
+    a hold that ended is forgotten (a later hold on the node starts from its own times)."""
+    rec = Reconciler(rig.ex, verify_every_s=0)
+    rig.apply(rig.decision())
+    statements: list[str] = []
+    rig.led._conn.set_trace_callback(statements.append)
+    read_at = rig.clock.t + 1
+    view = dict(rig.be.state)
+
+    def holds_updates(t: float) -> int:
+        statements.clear()
+        rig.clock.t = t
+        rec.round(view, t, "auto", read_at=read_at)
+        return sum(s.startswith("UPDATE holds SET verified_at") for s in statements)
+
+    assert holds_updates(read_at + 5) == 1
+    assert rig.led.hold("node02").verified_at == read_at
+    assert holds_updates(read_at + 70) == 0 and holds_updates(read_at + 140) == 0
+    read_at += 200
+    assert holds_updates(read_at + 5) == 1
+    assert rig.led.hold("node02").verified_at == read_at
+    rig.led.mark_ended(rig.led.hold("node02").action_id, "released", "resumed by hand", at=read_at + 6)
+    assert holds_updates(read_at + 10) == 0
+    assert "node02" not in rec._seen
+
+
 def test_an_administrator_resuming_a_healthd_drain_is_a_release_not_a_loss(rig):
     d = rig.decision()
     rig.apply(d)
