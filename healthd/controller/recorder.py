@@ -72,6 +72,11 @@ class Recorder:
         # recurs for a later incident of the same fault, which is a new ledger row
         self._recorded: dict[tuple[str, str], tuple[str, str | None, int]] = {}
 
+    def _known(self, outcome: GateResult) -> bool:
+        """The ledger's row for this decision and incident holds this outcome already."""
+        prev = self._recorded.get((outcome.decision.id, outcome.decision.incident))
+        return prev is not None and prev[:2] == ledger_outcome(outcome)[:2]
+
     def record(self, outcome: GateResult, now: float, mode: str) -> int:
         """The ledger row of the outcome: recorded now, or the row an earlier round recorded for it."""
         d = outcome.decision
@@ -97,10 +102,14 @@ class Recorder:
     def record_batch(self, outcomes: Iterable[GateResult], now: float, mode: str) -> None:
         """Record the outcomes nothing is applied for in ONE transaction: when a whole fleet's agents
         go silent, 10,000 stale-report decisions were 10,000 fsynced commits under the round lock."""
+        # an outcome recorded by an earlier round needs no write: a round repeating them opens nothing
+        new = [o for o in outcomes if not self._known(o)]
+        if not new:
+            return
         before = dict(self._recorded)
         try:
             with self.ledger.transaction():
-                for outcome in outcomes:
+                for outcome in new:
                     self.record(outcome, now, mode)
         except BaseException:
             self._recorded = before  # rolled back: forget the row ids that no longer exist
