@@ -439,17 +439,17 @@ class GpuSample:
     def __post_init__(self) -> None:
         _need("GpuSample", "index", self.index, int, "an integer")
         _need("GpuSample", "lost", self.lost, bool, "true or false")
-        _check(
-            self,
-            **_fields(_GPU_COUNTS, _int),
-            **_fields(_GPU_FLAGS, _flag),
-            **_fields(_GPU_TEXTS, _text),
-            nvlink_errors=lambda v: {k: n for k, n in v.items() if isinstance(k, str) and _int(n) is not None}
-            if hasattr(v, "items") else {},
-            counters=_deltas,
-            errors=_text_map,
-            compute_pids=_pids,
-        )
+        _check(self, **_GPU_CHECKS)
+
+
+def _nvlink_counts(v: Any) -> dict[str, int]:
+    return {k: n for k, n in v.items() if isinstance(k, str) and _int(n) is not None} if hasattr(v, "items") else {}
+
+
+# built once: a collector builds a GpuSample per GPU per tick (and again for its counter deltas)
+_GPU_CHECKS: dict[str, Any] = {**_fields(_GPU_COUNTS, _int), **_fields(_GPU_FLAGS, _flag), **_fields(_GPU_TEXTS, _text),
+                               "nvlink_errors": _nvlink_counts, "counters": _deltas, "errors": _text_map,
+                               "compute_pids": _pids}
 
 
 @dataclass(frozen=True)
