@@ -441,6 +441,13 @@ class GpuSample:
         _need("GpuSample", "lost", self.lost, bool, "true or false")
         _check(self, **_GPU_CHECKS)
 
+    def with_counters(self, counters: Mapping[str, CounterDelta]) -> GpuSample:
+        """This sample with `counters` (the collector's deltas): only the new field is checked, the
+        others were when this one was built (a replace() checks every field again, per GPU per tick)."""
+        out = object.__new__(GpuSample)
+        out.__dict__.update(self.__dict__, counters=_deltas(counters))
+        return out
+
 
 def _nvlink_counts(v: Any) -> dict[str, int]:
     return {k: n for k, n in v.items() if isinstance(k, str) and _int(n) is not None} if hasattr(v, "items") else {}

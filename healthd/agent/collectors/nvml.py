@@ -148,7 +148,7 @@ def with_deltas(sample: NvmlSample, baseline: Baseline, boot_id: str | None, now
             deltas[name] = counter_delta(value, previous.get(name), now)
             last[name] = (value, now)
         groups[ident] = last
-        gpus.append(dataclasses.replace(g, counters=deltas))
+        gpus.append(g.with_counters(deltas))
     return dataclasses.replace(sample, gpus=tuple(gpus)), Baseline(boot_id=baseline.boot_id, groups=groups)
 
 

@@ -3,9 +3,12 @@ that names what was sampled and is not of its type is a collector bug."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from healthd.model import TS_MAX, CounterDelta, GpuSample, PortSample, XidEvent
 from tests.support.builders import fs, gpu, host, ib, kernel, nvml, port, snap
@@ -19,6 +22,24 @@ def test_gpu_readings_that_are_not_of_their_type_are_no_data():
     assert g.nvlink_errors == {"link0.replay": 3} and g.errors == {"power": "3"}
     good = gpu(1, temperature_c=40, remap_pending=False, nvlink_errors={"link0.replay": 0})
     assert (good.temperature_c, good.remap_pending, good.nvlink_errors) == (40, False, {"link0.replay": 0})
+
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-5, 1 << 40), st.floats(), st.text(max_size=8))
+
+
+@given(fields=st.fixed_dictionaries({}, optional={
+           "uuid": _ANY, "temperature_c": _ANY, "ecc_corrected_volatile": _ANY, "remap_pending": _ANY,
+           "nvlink_errors": st.dictionaries(st.one_of(st.text(max_size=6), st.integers()), _ANY, max_size=3),
+           "counters": st.dictionaries(st.text(max_size=6), st.builds(CounterDelta, st.integers(0, 99),
+                                                                        st.none() | st.integers(0, 9)), max_size=3)}),
+       counters=st.dictionaries(st.one_of(st.text(max_size=12), st.integers()),
+                                st.one_of(_ANY, st.builds(CounterDelta, st.integers(0, 99), st.none() | st.integers(0, 9),
+                                                          st.none() | st.floats(0, 100))), max_size=4))
+def test_a_sample_with_new_counters_is_the_sample_replace_would_build(fields, counters):
+    """with_counters checks only the new field; every other was checked when the sample was built."""
+    g = GpuSample(index=3, **fields)
+    assert g.with_counters(counters) == dataclasses.replace(g, counters=counters)
+    assert g.with_counters(counters).counters == dataclasses.replace(g, counters=counters).counters
 
 
 @pytest.mark.parametrize("build", [
