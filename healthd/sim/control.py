@@ -86,6 +86,8 @@ class ControllerSeam:
         """(when a person approves it, decision id, node): waiting decisions, earliest first."""
         self.slurm.start_job(JOB_ID, list(job_nodes), requeue_ok=True)
         self._job_nodes = tuple(job_nodes)
+        self._breaker = self.sim.ledger.breaker_state()
+        """The breaker as the latest round left it."""
         self.rings = JobRings(JOB_ID, scenario.job.gpus_per_node, scenario.job.step_seconds, seed, tuple(job_nodes), T0)
         """The job's in-band rings on the nodes a straggler or a hang is reported from."""
         self._restart_s = scenario.job.restart_minutes * 60
@@ -115,11 +117,12 @@ class ControllerSeam:
         self._read_rings()
         self._reset_due()
         self._count(self.sim.round(self._t))
+        self._breaker = self.sim.ledger.breaker_state()  # only a round or a reset changes it
         self._hold()
 
     def _reset_at(self) -> float | None:
         """When the person who investigates an open breaker closes it (None: not open, or nobody)."""
-        breaker = self.sim.ledger.breaker_state()
+        breaker = self._breaker
         if not breaker.open or self.operator_s is None or breaker.opened_at is None:
             return None
         return breaker.opened_at + self.operator_s

@@ -136,7 +136,7 @@ class _Node:
 
     __slots__ = ("name", "partitions", "gres", "address", "boot_time", "down", "responding", "drain", "reboot",
                  "next_state", "reason", "reason_user", "reason_time", "jobs", "resv", "info", "dead", "booting",
-                 "drain_by_reboot")
+                 "drain_by_reboot", "built")
 
     def __init__(self, name: str, partitions: tuple[str, ...], gres: str, address: str, boot_time: float):
         self.name = name
@@ -158,6 +158,9 @@ class _Node:
         self.jobs: dict[str, bool] = {}  # job id -> holds the whole node (exclusive)
         self.resv: dict[str, bool] = {}  # the reservations holding it -> whether it is a MAINT one
         self.info: NodeInfo | None = None
+        self.built: dict[tuple, NodeInfo] = {}
+        """The node's latest few NodeInfo values by what makes them (a job's start and end flip a whole
+        allocation between two)."""
 
     def build(self) -> NodeInfo:
         maint = any(self.resv.values())
@@ -174,10 +177,17 @@ class _Node:
             state = "allocated" if any(self.jobs.values()) else "mixed"
         else:
             state = "idle"
-        self.info = node_info(self.name, state, flags, self.reason, self.reason_user, self.reason_time,
-                              partitions=self.partitions, gres=self.gres,
-                              next_state=self.next_state if self.reboot else None, boot_time=self.boot_time)
-        return self.info
+        next_state = self.next_state if self.reboot else None
+        key = (state, flags, self.reason, self.reason_user, self.reason_time, next_state, self.boot_time)
+        info = self.built.get(key)
+        if info is None:
+            if len(self.built) >= 4:
+                self.built.clear()
+            info = self.built[key] = node_info(self.name, state, flags, self.reason, self.reason_user,
+                                               self.reason_time, partitions=self.partitions, gres=self.gres,
+                                               next_state=next_state, boot_time=self.boot_time)
+        self.info = info
+        return info
 
     def set_reason(self, reason: str, user: str | None, when: float | None) -> None:
         self.reason, self.reason_user, self.reason_time = reason, user, when
