@@ -184,20 +184,27 @@ def summarize(rank: int, samples: Sequence[StepSample], settings: DetectorSettin
     latest: dict[int, object] = {}
     top = -1
     for s in samples:
-        step = _int(getattr(s, "step", None))
-        if step is None:
+        step = getattr(s, "step", None)
+        # the ring's own samples take the first test; anything else gets the full check
+        if not (type(step) is int and step >= 0) and (step := _int(step)) is None:
             continue
         latest[step] = s
-        top = max(top, step)
+        if step > top:
+            top = step
     if top < 0:
         return ()
     complete = top // ws  # windows below this one have a sample after them
     by_window: dict[int, list[tuple[int, float, float]]] = {}
+    isfinite = math.isfinite
     for step, s in latest.items():
         w = step // ws
         if w >= complete or getattr(s, "checkpoint", False) is not False:
             continue
-        step_s, wait_s = _num(getattr(s, "step_s", None)), _num(getattr(s, "wait_s", None))
+        step_s, wait_s = getattr(s, "step_s", None), getattr(s, "wait_s", None)
+        if not (type(step_s) is float and isfinite(step_s)):
+            step_s = _num(step_s)
+        if not (type(wait_s) is float and isfinite(wait_s) and wait_s >= 0.0):
+            wait_s = _num(wait_s)
         if step_s is None or wait_s is None or step_s <= 0.0 or wait_s > step_s:
             continue  # the first step after a start, or a record no clock could have made
         by_window.setdefault(w, []).append((step - w * ws, step_s, wait_s))

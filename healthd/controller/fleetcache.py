@@ -236,8 +236,10 @@ class FleetCache:
     def _from_nodes(self, nodes: Iterable[NodeInfo], read_at: float) -> int:
         seen = {n.name: n for n in nodes}
         with self._lock:
+            # `is` first: a backend that hands back the entry it handed before (nothing changed) costs
+            # no field-by-field comparison
             updates: dict[str, NodeInfo | None] = {name: info for name, info in seen.items()
-                                                   if self._nodes.get(name) != info}
+                                                   if (cur := self._nodes.get(name)) is not info and cur != info}
             updates.update({name: None for name in self._nodes if name not in seen})
             return self._apply(updates, read_at)[0]
 

@@ -302,6 +302,67 @@ def test_summarize_skips_garbage():
     assert w1.steps == 50
 
 
+def _reference_summarize(rank, samples, settings, *, with_waits=False):
+    """summarize as first written, every field through its full check: the oracle for the one with
+    fast paths for the ring's own samples."""
+    from healthd.progress import _int, _num, _trimmed, _window_steps
+
+    ws = _window_steps(settings)
+    keep = _int(settings.history_windows) or 0
+    if keep == 0:
+        return ()
+    latest, top = {}, -1
+    for s in samples:
+        step = _int(getattr(s, "step", None))
+        if step is None:
+            continue
+        latest[step] = s
+        top = max(top, step)
+    if top < 0:
+        return ()
+    complete = top // ws
+    by_window = {}
+    for step, s in latest.items():
+        w = step // ws
+        if w >= complete or getattr(s, "checkpoint", False) is not False:
+            continue
+        step_s, wait_s = _num(getattr(s, "step_s", None)), _num(getattr(s, "wait_s", None))
+        if step_s is None or wait_s is None or step_s <= 0.0 or wait_s > step_s:
+            continue
+        by_window.setdefault(w, []).append((step - w * ws, step_s, wait_s))
+    out = []
+    for w in sorted(by_window)[-keep:]:
+        rows = by_window[w]
+        waits = None
+        if with_waits:
+            slots = [-1.0] * ws
+            for i, _, wait_s in rows:
+                slots[i] = wait_s
+            waits = tuple(slots)
+        out.append(RankWindow(rank=rank, window=w, steps=len(rows), compute_s=_trimmed([st - wt for _, st, wt in rows]),
+                              step_s=statistics.median([st for _, st, _ in rows]),
+                              wait_s=statistics.median([wt for _, _, wt in rows]), waits=waits))
+    return tuple(out)
+
+
+_ODD = st.one_of(st.none(), st.booleans(), st.integers(-3, 400), st.floats(-1.0, 2.0), st.floats(allow_nan=True),
+                 st.just(math.inf), st.text(max_size=2))
+
+
+@hsettings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(top=st.integers(1, 300), data=st.data(), window=st.integers(1, 30), keep=st.integers(0, 12), waits=st.booleans())
+def test_summarize_equals_the_fully_checked_reference(top, data, window, keep, waits):
+    """Whatever the samples hold (the ring's own, or garbage in any field), the same windows."""
+    steps = st.integers(-3, top)
+    rows = data.draw(st.lists(st.one_of(
+        st.builds(StepSample, steps, st.floats(-0.5, 2.0), st.floats(-0.5, 2.0), st.just(False)),
+        st.builds(StepSample, steps, st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.booleans()),
+        st.builds(StepSample, steps, _ODD, _ODD, st.just(False)),
+        st.builds(StepSample, _ODD, _ODD, _ODD, _ODD)), max_size=300))
+    settings = replace(S, window_steps=window, history_windows=keep)
+    assert summarize(2, rows, settings, with_waits=waits) == _reference_summarize(2, rows, settings, with_waits=waits)
+
+
 # --------------------------------------------------------------------------- hang
 
 
