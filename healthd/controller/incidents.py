@@ -38,11 +38,12 @@ def ensure(ledger: Ledger, reports: Mapping[str, NodeReport], nodes: Iterable[st
     per_node: dict[str, int] = {}
     for node, _finding in opened:
         per_node[node] = per_node.get(node, 0) + 1
+    todo = [n for n in nodes if now - reports[n].received_at <= ttl_s and _writes(n, reports[n], opened, jobs)]
+    if not todo:
+        return opened  # every finding has its incident: a round opens no write transaction for nothing
     with ledger.transaction():
-        for node in nodes:
+        for node in todo:
             report = reports[node]
-            if now - report.received_at > ttl_s:
-                continue
             try:
                 _ensure_node(ledger, node, report, now, jobs, opened, per_node, log)
             except LedgerError:
@@ -51,6 +52,16 @@ def ensure(ledger: Ledger, reports: Mapping[str, NodeReport], nodes: Iterable[st
                 log.warning("incidents", "%s: cannot record its findings (%s: %s); skipped this round",
                             node, type(exc).__name__, exc)
     return opened
+
+
+def _writes(node: str, report: NodeReport, opened: Mapping[tuple[str, str], int], jobs: Mapping[str, str] | None) -> bool:
+    """Whether `_ensure_node` has anything to write for this report (a finding of bad data: yes, so that
+    its warning is logged there)."""
+    try:
+        return any(f.tier in (1, 2) and ((node, f.id) not in opened or bool(jobs and node in jobs))
+                   for f in report.findings)
+    except Exception:  # noqa: BLE001 - _ensure_node logs it and skips the node
+        return True
 
 
 def _ensure_node(ledger: Ledger, node: str, report: NodeReport, now: float, jobs: Mapping[str, str] | None,
