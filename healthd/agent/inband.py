@@ -23,6 +23,7 @@ import errno
 import os
 import stat
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # the record kinds too: the agent's modules take them from its reader
 from healthd.inband_layout import (CKPT_BEGIN, CKPT_END, DURABLE, FLAG_ERROR, HEADER, KINDS,  # noqa: F401
@@ -61,8 +62,9 @@ class RingHeader:
     ring of an earlier client, or one started outside a step)."""
 
 
-@dataclass(frozen=True)
-class RingRecord:
+class RingRecord(NamedTuple):
+    """One record of a ring, as read (a tuple: a reader makes one per step per rank it reads)."""
+
     seq: int
     kind: int
     flags: int
