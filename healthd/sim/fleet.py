@@ -31,10 +31,10 @@ validation and probation are re-read by the next round). None: nothing changes u
 
 Cost of a round with nothing new (CPU time, SimSlurm, the ledger on /dev/shm, rounds 5 s apart so a
 heartbeat refresh falls in every sixth; `python -m healthd.sim.fleet` measures it): 128 nodes about
-0.5 ms, 1,024 nodes about 1.4 ms (wall: 1.0 and 3.0 ms on a machine busy with other work). An agent
-tick with its report (`report`, a re-tick) costs about 1 ms. Thirty virtual days of 32 nodes, a fault a
-day and a user-code Xid a day, rounds only at reports and deadlines (920 rounds, 870 agent ticks):
-about 4 s of CPU. Building a SimController of 128 nodes: about 15 ms of CPU.
+0.3 ms, 1,024 nodes about 0.7 ms on a quiet 2-core VM (two or three times that when the machine is
+busy). An agent tick with its report (`report`, a re-tick) costs about 0.4 ms on a node without
+in-band rings, a few ms on one whose rings it reads. Building a SimController of 128 nodes: about 7 ms
+of CPU. Whole runs: bench/sim.py.
 """
 
 from __future__ import annotations
