@@ -230,19 +230,21 @@ class _Rings:
         # one noise stream per rank and write (each step is written once, at a time the run's seed fixes)
         noise_of = [random.Random(ranks.seed * 1_000_003 + (ranks.first_rank + gpu) * 7_919 + first * 104_729)
                     for gpu in range(len(self.data))]
-        steps = [(step, *_step_at(segments, step)) for step in range(first, done)]
+        # what a step's record says apart from its rank's compute time is the same on every GPU
+        steps = []
+        for step in range(first, done):
+            at, dur, _factor = _step_at(segments, step)
+            steps.append((step, at - dur, HEADER.size + (step % RING_CAPACITY) * RECORD.size, mono_ns(at),
+                          int(at * 1e9), int(dur * 1e9)))
         healthy = ranks.step_s * COMPUTE_SHARE
         for gpu, buf in enumerate(self.data):
             own_slow = [(s.since, s.factor) for s in ranks.slowdowns if s.gpu == gpu]
             lognormal = noise_of[gpu].lognormvariate
-            for step, at, dur, _factor in steps:
-                own = max((f for since, f in own_slow if since <= at - dur), default=1.0) if own_slow else 1.0
+            for step, start, offset, mono, wall, dur_ns in steps:
+                own = max((f for since, f in own_slow if since <= start), default=1.0) if own_slow else 1.0
                 compute = healthy * own * min(1.1, max(0.9, lognormal(0, NOISE)))
-                dur_ns = int(dur * 1e9)
-                seq = step + 1
-                RECORD.pack_into(buf, HEADER.size + (step % RING_CAPACITY) * RECORD.size, seq, STEP, 0, 0, step,
-                                 mono_ns(at), int(at * 1e9), dur_ns,
-                                 max(0, dur_ns - int(compute * 1e9)), seq)
+                RECORD.pack_into(buf, offset, step + 1, STEP, 0, 0, step, mono, wall, dur_ns,
+                                 max(0, dur_ns - int(compute * 1e9)), step + 1)
         self.written = max(self.written, done)
         for gpu, buf in enumerate(self.data):
             last = mono_ns(_step_at(segments, done - 1)[0]) if done else mono_ns(ranks.started)
