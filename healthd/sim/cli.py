@@ -86,8 +86,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("replay", help="replay a recorded controller history under another configuration "
                    "(healthd-sim replay --help)")
     a = p.parse_args(args)
-    # the real controller logs and alerts on every decision of every simulated run: not the output here
-    logging.getLogger("healthd").setLevel(logging.CRITICAL + 1)
+    # the real controller logs and alerts on every decision of every simulated run: not the output
+    # here; the level is given back after, for a caller in the same process (a test, a notebook)
+    quiet = logging.getLogger("healthd")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL + 1)
+    try:
+        return _command(p, a)
+    finally:
+        quiet.setLevel(level)
+
+
+def _command(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.cmd == "list":
         for name in sorted(packaged()):
             s = load(name)

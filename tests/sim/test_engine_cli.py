@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from healthd.sim import cli, engine, scenario
 
@@ -48,3 +49,12 @@ def test_list_names_every_packaged_scenario(capsys):
 def test_replay_is_the_replays_own_command(capsys, tmp_path):
     assert cli.main(["replay", "--history", str(tmp_path / "none.sqlite")]) == 2
     assert "healthd-sim replay:" in capsys.readouterr().err
+
+
+def test_the_command_gives_the_healthd_loggers_level_back():
+    """It silences the real controller's log lines while it runs; a caller in the same process (these
+    tests) keeps its own level after."""
+    before = logging.getLogger("healthd").level
+    assert cli.main(["run", "no-spares", "--seeds", "1", "--format", "json"]) == 0
+    assert cli.main(["run", "baseline", "--seeds", "1", "--set", "fleet.no_such=1"]) == 2
+    assert logging.getLogger("healthd").level == before
