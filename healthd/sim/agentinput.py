@@ -174,9 +174,9 @@ def mono_ns(t: float) -> int:
     return int(round((MONO0 + t) * 1e9))
 
 
-def _segments(ranks: JobRanks, end: float) -> list[tuple[float, int, float, float]]:
-    """(start time, first step, step seconds, job factor) of each stretch of constant step time from
-    the run's start to `end`; the step in progress at a slowdown's onset takes the new pace."""
+def _segments(ranks: JobRanks, end: float) -> list[tuple[float, int, float]]:
+    """(start time, first step, step seconds) of each stretch of constant step time from the run's
+    start to `end`; the step in progress at a slowdown's onset takes the new pace."""
     onsets = sorted({s.since for s in ranks.slowdowns if ranks.started < s.since <= end})
     out = []
     t, n = ranks.started, 0
@@ -184,22 +184,22 @@ def _segments(ranks: JobRanks, end: float) -> list[tuple[float, int, float, floa
         factor = max((s.factor for s in ranks.slowdowns if s.since <= a), default=1.0)
         d = slowed_step(ranks.step_s, factor)
         b = min(end, onsets[i] if i < len(onsets) else end)
-        out.append((t, n, d, factor))
+        out.append((t, n, d))
         k = max(0, math.floor((b - t) / d + 1e-9))
         t, n = t + k * d, n + k
     return out
 
 
-def _steps_done(segments: list[tuple[float, int, float, float]], end: float) -> int:
-    t, n, d, _ = segments[-1]
+def _steps_done(segments: list[tuple[float, int, float]], end: float) -> int:
+    t, n, d = segments[-1]
     return n + max(0, math.floor((end - t) / d + 1e-9))
 
 
-def _step_at(segments: list[tuple[float, int, float, float]], step: int) -> tuple[float, float, float]:
-    """(end time, duration, job factor) of step `step` (0-based)."""
-    for t, n, d, factor in reversed(segments):
+def _step_at(segments: list[tuple[float, int, float]], step: int) -> tuple[float, float]:
+    """(end time, duration) of step `step` (0-based)."""
+    for t, n, d in reversed(segments):
         if step >= n:
-            return t + (step - n + 1) * d, d, factor
+            return t + (step - n + 1) * d, d
     raise ValueError(step)
 
 
@@ -209,7 +209,6 @@ class _Rings:
     def __init__(self, directory: str, ranks: JobRanks, gpus: int):
         self.directory = directory
         self.ranks = ranks
-        self.gpus = gpus
         self.written = 0
         """Steps written so far (seq = step + 1)."""
         self.data = [bytearray(HEADER.size + RING_CAPACITY * RECORD.size) for _ in range(gpus)]
@@ -221,8 +220,9 @@ class _Rings:
                              start, job, _PHASE["compute"], 0, start, 0)
             STEP_ID.pack_into(buf, STEP_ID_OFFSET, 1)  # the batch step, SLURM_STEP_ID 0
 
-    def write(self, ranks: JobRanks, now: float) -> None:
-        self.ranks = ranks
+    def write(self, now: float) -> None:
+        """The steps taken by `now` (at most the newest RING_CAPACITY), and the phase words, to the files."""
+        ranks = self.ranks
         end = now if ranks.stopped is None else min(now, ranks.stopped)
         segments = _segments(ranks, end)
         done = _steps_done(segments, end)
@@ -233,7 +233,7 @@ class _Rings:
         # what a step's record says apart from its rank's compute time is the same on every GPU
         steps = []
         for step in range(first, done):
-            at, dur, _factor = _step_at(segments, step)
+            at, dur = _step_at(segments, step)
             steps.append((step, at - dur, HEADER.size + (step % RING_CAPACITY) * RECORD.size, mono_ns(at),
                           int(at * 1e9), int(dur * 1e9)))
         healthy = ranks.step_s * COMPUTE_SHARE
@@ -398,7 +398,7 @@ class SimAgent:
                 raise TypeError(f"not agent input: {type(item).__name__} (KernelLines, NvmlReading, JobRanks "
                                 "or JobEnded)")
         if self.rings is not None:
-            self.rings.write(self.rings.ranks, self.now)
+            self.rings.write(self.now)
         self.agent.tick()
         doc, self.trimmed = fit_report(self.agent.document())
         return doc

@@ -205,9 +205,13 @@ class Engine:
             self._at(t, self._recur, gen, broken[0])
             return
         self._at(t + self.tau, self._checkpoint_start, gen)
+        self._next_fault(t)
+
+    def _next_fault(self, t: float) -> None:
+        """The next fault of the job's nodes, their fault clocks having run to `t`."""
         dt, which, node, idx = self.clocks.next(self.in_job)
         if dt != float("inf"):
-            self._at(t + dt, self._fault_fires, gen, which, node, idx)
+            self._at(t + dt, self._fault_fires, self._gen, which, node, idx)
 
     def _checkpoint_start(self, gen: int) -> None:
         if gen != self._gen:
@@ -280,9 +284,7 @@ class Engine:
             self._faults.append((self.now, cause.name, (node,)))
         self.rem.fault(self.now, Fault(self.now, cause, (node,), 0.0, agent_inputs(cause, node, gpu), None, gpu))
         self._run_start = self.now  # the fault clocks have run to now
-        dt, which, n, idx = self.clocks.next(self.in_job)
-        if dt != float("inf"):
-            self._at(self.now + dt, self._fault_fires, self._gen, which, n, idx)
+        self._next_fault(self.now)
         self._schedule_poll()
 
     def _pace(self) -> None:
