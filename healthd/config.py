@@ -67,6 +67,24 @@ def yaml_mapping(text: str, file: str) -> dict[str, Any]:
     return dict(raw)
 
 
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set `key`, a dotted path of field names (`policy.spares.gpu.size`), to `value` in the nested
+    mapping `raw`, making the mappings on the way that are absent or empty (null). ValueError naming
+    the part of the path that is not a mapping, or for an empty field name."""
+    parts = key.split(".")
+    if not all(parts):
+        raise ValueError(f"{key!r}: a dotted path of field names")
+    here = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = here.get(part)
+        if nxt is None:
+            nxt = here[part] = {}
+        if not isinstance(nxt, dict):
+            raise ValueError(f"{'.'.join(parts[:i + 1])} is not a mapping")
+        here = nxt
+    here[parts[-1]] = value
+
+
 def load(path: str | None = None, *, required: bool | None = None) -> Settings:
     """Read and validate a config file. With path=None the default path is used and may be absent
     (then every default applies); an explicitly named file must exist."""

@@ -53,7 +53,7 @@ from typing import Any
 import yaml
 
 from healthd import goodput
-from healthd.config import ConfigError, read_config_text, yaml_mapping
+from healthd.config import ConfigError, read_config_text, set_dotted, yaml_mapping
 from healthd.controller import goodput_ledger
 from healthd.controller.config import ControllerSettings, parse_controller_settings
 from healthd.controller.goodput_gather import job_parts
@@ -626,6 +626,8 @@ def read_job_logs(directory: str, *, ledger: str | None = None, since: float | N
                 continue
             if not paths or (since is not None and max(os.stat(p).st_mtime for p in paths) < since):
                 continue
+            # not goodput_gather.read_parts: that leaves a one-part log unnamed, and a part's name is the
+            # node a run held (run_nodes)
             parts = []
             for p in paths:
                 with open(p, "rb") as f:
@@ -678,14 +680,10 @@ def candidate_settings(config: str | None, mode: str | None, overrides: Sequence
         text = read_config_text(config, must_exist=True) or ""
         raw = yaml_mapping(text, config)
     for key, value in [*overrides, *((("policy.mode", mode),) if mode else ())]:
-        here = raw
-        *path, last = key.split(".")
-        for part in path:
-            nxt = here.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(config or "<overrides>", key, "a mapping above it", nxt)
-            here = nxt
-        here[last] = value
+        try:
+            set_dotted(raw, key, value)
+        except ValueError as e:
+            raise ConfigError(config or "<overrides>", key, "a mapping above it", str(e)) from None
     return parse_controller_settings(yaml.safe_dump(raw), config or "<overrides>")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from healthd.config import set_dotted
 from healthd.goodput import daly_interval, young_interval
 from healthd.model import GpuSample
 
@@ -267,18 +268,10 @@ def load_with(ref: str | Path, sets: Mapping[str, Any]) -> Scenario:
     text, where, here = _source(ref)
     raw = _raw(text, where, here, ())
     for key, value in sets.items():
-        parts = key.split(".")
-        if not all(parts):
-            raise ScenarioError(f"{where}: --set {key!r}: a dotted path of field names")
-        node = raw
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ScenarioError(f"{where}: --set {key}: {'.'.join(parts[:i + 1])} is not a mapping")
-            node = child
-        node[parts[-1]] = value
+        try:
+            set_dotted(raw, key, value)
+        except ValueError as e:
+            raise ScenarioError(f"{where}: --set {key}: {e}") from None
     return _build(raw, where)
 
 
