@@ -319,7 +319,8 @@ def release_for(removed: str, incident: str, pools: Mapping[str, SparePool], wor
                 taken: frozenset[str] = frozenset()) -> Decision | None:
     """The spare to release because healthd removes `removed` (under `incident`): same leaf switch,
     else same rack group, else any (`placement: nearest`); a `none` decision saying why when the
-    partition has a pool but no such spare. None when no partition of `removed` has a pool. `taken`: spares released earlier in the round."""
+    partition has a pool but no such spare. None when no partition of `removed` has a pool. `taken`:
+    spares released earlier in the round."""
     parts = [p for p in world.partitions_of(removed) if p in pools]
     if not parts:
         return None

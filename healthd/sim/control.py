@@ -11,8 +11,9 @@ How a fault reaches healthd: a kernel line through the node's real agent (`repor
 likewise; a host fault takes the node down in SimSlurm and silences its agent; a straggler or a hang
 becomes the job's in-band rings on the fault's node and one other node of the job (healthd.sim.rings),
 which their agents read. Input the simulated agent cannot read yet (an InfiniBand port reading)
-reaches nothing, so such a fault is found by Slurm or by nobody. Rounds run when a fault appears, when the job is known dead, when a
-node comes back, and at the controller's own deadlines (`next_deadline`) up to each of those. A
+reaches nothing, so such a fault is found by Slurm or by nobody. Rounds run when a fault appears,
+when the job is known dead, when a node comes back, and at the controller's own deadlines
+(`next_deadline`) up to each of those. A
 person closes an open breaker at the first round `healthd.operator_minutes` after it opened (the
 ledger's own reset, as `healthctl breaker reset` makes it). The agents load the catalog of the
 scenario's `healthd.catalog` section. With `healthd.approve_minutes`, a person approves each decision
